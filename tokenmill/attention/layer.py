@@ -1,0 +1,43 @@
+"""The Attention layer that models call: writes this step's K/V into the paged cache, then attends."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.torch_paged import paged_attention, write_kv
+
+# One layer's cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    """Paged multi-head / grouped-query attention over a flat token batch.
+
+    forward(q [T, H*D], k [T, KVH*D], v [T, KVH*D], kv_cache, metadata) -> [T, H*D].
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)

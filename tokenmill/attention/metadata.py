@@ -1,0 +1,128 @@
+"""AttentionMetadata: the per-step description of where each token's K/V lives and what it attends to.
+
+Built once per engine step by the model runner (vectorised numpy, no loop over tokens) and
+shared by all layers. Pure bookkeeping: no model weights here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """One request whose query has more than one token this step (a prefill chunk).
+
+    token_start/token_end index the flat token dimension; ``num_context`` is the request's
+    sequence length after this step (cached prefix + this chunk); ``block_ids`` [num_blocks]
+    covers the context.
+    """
+
+    token_start: int
+    token_end: int
+    num_context: int
+    block_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Flat-batch attention description (vLLM v1 vocabulary).
+
+    Shapes (B = requests this step, T = tokens this step):
+        query_start_loc: [B + 1] int64, cumulative query lengths (``cu_seqlens_q``).
+        seq_lens:        [B] int64, context length of each request after this step.
+        block_table:     [B, max_blocks] int64, block ids (padding entries are 0).
+        slot_mapping:    [T] int64, ``block_id * block_size + offset`` where each new token's K/V goes.
+    Derived views for the torch reference backend:
+        decode_token_idx: [Bd] int64, flat token index of each single-token (decode) query.
+        decode_block_table: [Bd, max_decode_blocks] int64.
+        decode_key_mask: [Bd, 1, 1, max_decode_blocks * block_size] bool, True where a key is valid.
+        prefills: one PrefillSpan per multi-token query.
+    """
+
+    block_size: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    decode_token_idx: torch.Tensor
+    decode_block_table: torch.Tensor
+    decode_key_mask: torch.Tensor
+    prefills: tuple[PrefillSpan, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+def build_attention_metadata(
+    query_lens: np.ndarray,
+    num_computed_tokens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+) -> tuple[AttentionMetadata, np.ndarray]:
+    """Build the step's metadata and positions.
+
+    Args:
+        query_lens: [B] int, tokens scheduled per request this step (num_scheduled_tokens).
+        num_computed_tokens: [B] int, tokens already in the KV cache per request.
+        block_table: [B, max_blocks] int, each request's block ids (0-padded).
+        block_size: tokens per block.
+    Returns:
+        (metadata, positions) where positions is [T] int64, each token's position in its sequence.
+    """
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    num_computed_tokens = np.asarray(num_computed_tokens, dtype=np.int64)
+    block_table = np.asarray(block_table, dtype=np.int64)
+    num_reqs = len(query_lens)
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    seq_lens = num_computed_tokens + query_lens
+
+    # positions: for token t of request r, num_computed[r] + (t - query_start[r])
+    req_of_token = np.repeat(np.arange(num_reqs), query_lens)  # (T,)
+    positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(
+        query_start_loc[:-1] - num_computed_tokens, query_lens
+    )
+    slot_mapping = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
+
+    is_decode = query_lens == 1
+    decode_reqs = np.nonzero(is_decode)[0]
+    decode_token_idx = query_start_loc[decode_reqs]
+    if len(decode_reqs):
+        decode_lens = seq_lens[decode_reqs]
+        max_blocks = int((decode_lens.max() + block_size - 1) // block_size)
+        decode_block_table = block_table[decode_reqs, :max_blocks]
+        key_pos = np.arange(max_blocks * block_size)
+        decode_key_mask = (key_pos[None, :] < decode_lens[:, None])[:, None, None, :]
+    else:
+        decode_block_table = np.zeros((0, 1), dtype=np.int64)
+        decode_key_mask = np.zeros((0, 1, 1, block_size), dtype=bool)
+
+    prefills = []
+    for r in np.nonzero(~is_decode & (query_lens > 0))[0]:
+        n_blocks = int((seq_lens[r] + block_size - 1) // block_size)
+        prefills.append(
+            PrefillSpan(
+                token_start=int(query_start_loc[r]),
+                token_end=int(query_start_loc[r + 1]),
+                num_context=int(seq_lens[r]),
+                block_ids=torch.from_numpy(block_table[r, :n_blocks].copy()),
+            )
+        )
+
+    metadata = AttentionMetadata(
+        block_size=block_size,
+        query_start_loc=torch.from_numpy(query_start_loc),
+        seq_lens=torch.from_numpy(seq_lens),
+        block_table=torch.from_numpy(block_table),
+        slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)),
+        decode_token_idx=torch.from_numpy(decode_token_idx.astype(np.int64)),
+        decode_block_table=torch.from_numpy(np.ascontiguousarray(decode_block_table)),
+        decode_key_mask=torch.from_numpy(np.ascontiguousarray(decode_key_mask)),
+        prefills=tuple(prefills),
+    )
+    return metadata, positions

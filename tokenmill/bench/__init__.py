@@ -1,0 +1,1 @@
+"""Benchmark support: request datasets (ShareGPT, random tokens) shared by the benchmark scripts."""

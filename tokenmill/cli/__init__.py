@@ -1,0 +1,1 @@
+"""Command-line interface: `tokenmill generate | chat | serve | bench | plan`."""

@@ -1,0 +1,138 @@
+"""`tokenmill` command: argument parsing and dispatch to the subcommands."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every subcommand that builds an engine (names as in vLLM)."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV pool budget in GiB")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+        seed=args.seed, num_threads=args.num_threads,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+
+
+def sampling_params(args: argparse.Namespace):
+    from tokenmill.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokenmill.engine.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outputs = llm.generate(list(args.prompt), params)
+    for prompt, output in zip(args.prompt, outputs):
+        print(f"### {prompt}\n{output.outputs[0].text}\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tokenmill.engine.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("tokenmill chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = llm.chat(messages, params)[0].outputs[0].text
+        print(reply)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill LLM inference engine")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--model", dest="model", default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    add_engine_args_no_positional(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with the model")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(func=cmd_chat)
+
+    for name, module in (("serve", "tokenmill.cli.serve"), ("bench", "tokenmill.cli.bench"), ("plan", "tokenmill.cli.plan")):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError:
+            continue
+        mod.register(sub)
+    return parser
+
+
+def add_engine_args_no_positional(parser: argparse.ArgumentParser) -> None:
+    """Engine flags for subcommands whose positional arguments are prompts (model via --model)."""
+    tmp = argparse.ArgumentParser(add_help=False)
+    add_engine_args(tmp)
+    for action in tmp._actions:
+        if action.dest in ("model", "help"):
+            continue
+        parser._add_action(action)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""LLM: the offline API (`LLM(model).generate(prompts, SamplingParams(...))` and `.chat(messages)`)."""
+from __future__ import annotations
+
+import itertools
+
+from tqdm import tqdm
+
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batch generation over an in-process engine.
+
+    Args:
+        model: local HF directory, GGUF file, or None for the embedded SmolLM2-135M-Instruct.
+        dtype: "auto", "float32" or "bfloat16".
+        kv_cache_memory: KV pool budget in GiB (ignored if num_kv_blocks is set).
+        Others as in vLLM (max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
+        enable_prefix_caching, enable_chunked_prefill).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 1024,
+        max_model_len: int | None = None,
+        kv_cache_memory: float = 2.0,
+        num_kv_blocks: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        num_threads: int | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            seed=seed,
+            num_threads=num_threads,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_gib=kv_cache_memory,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+        )
+        self.engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns finished RequestOutputs in input order.
+
+        Raises ValueError (before anything is queued) when a prompt or its parameters are invalid.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        ids = [f"offline-{next(self._counter)}" for _ in prompts]
+        added = []
+        try:
+            for request_id, prompt, params in zip(ids, prompts, sampling_params):
+                self.engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except Exception:
+            self.engine.abort_request(added)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        while len(results) < len(ids):
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    results[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        tokenizer = self.get_tokenizer()
+        if not tokenizer.chat_template:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=False)

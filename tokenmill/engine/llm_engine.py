@@ -1,0 +1,158 @@
+"""LLMEngine: request intake and the step loop (schedule → execute → update → detokenize).
+
+Synchronous and single-threaded; the server drives it from its own thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import replace
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.kv_cache import KVCacheManager
+from tokenmill.models.loader import load_model
+from tokenmill.outputs import RequestOutput
+from tokenmill.request import Request, RequestStatus
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# A prompt: text, token ids, or {"prompt": str} / {"prompt_token_ids": list[int]}.
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    """Owns the model runner, the scheduler (and through it the KV cache) and the output processor."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
+        self.loaded = load_model(config.model, config.dtype)
+        self.tokenizer = self.loaded.tokenizer
+        model_max = self.loaded.max_position_embeddings
+        max_model_len = config.scheduler.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}")
+        self.scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
+        self.config = replace(config, scheduler=self.scheduler_config)
+        self.runner = ModelRunner(
+            self.loaded, config.cache.block_size, config.cache.num_kv_blocks, config.cache.kv_cache_memory_gib
+        )
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.model_name = self.loaded.model_path
+        logger.info(
+            "engine ready in %.1fs: %s (%s), max_model_len=%d, %d KV tokens",
+            time.perf_counter() - t0, self.loaded.model_path, self.loaded.dtype, max_model_len, self.runner.num_kv_tokens,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- intake ---------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids). Raises ValueError on an empty or invalid prompt."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.loaded.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return None, token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validate, tokenize and queue a request (``params.n`` sequences).
+
+        Raises:
+            ValueError: empty prompt, prompt too long, or prompt + max_tokens over max_model_len.
+        """
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = (params or SamplingParams()).with_defaults(self.loaded.generation_config)
+        text, token_ids = self.tokenize_prompt(prompt)
+        num_prompt = len(token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {num_prompt} tokens; max_model_len is {self.max_model_len}, "
+                "so at most {} prompt tokens fit".format(self.max_model_len - 1)
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed(params.seed + i)
+            children.append(
+                Request(child_id, token_ids, params, self.loaded.eos_token_ids, max_tokens,
+                        arrival_time=arrival_time, cache_salt=cache_salt, generator=generator)
+            )
+        self.output_processor.add_request(request_id, text, children)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests (by the ids given to add_request); their KV blocks are freed at once."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            children = self.output_processor.child_ids(request_id)
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.remove(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns a RequestOutput for every request with news."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.runner.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, to_stop = self.output_processor.process(updated)
+        if to_stop:
+            self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def check_integrity(self) -> None:
+        """Assert the KV pool's invariants (free + cached + in use == total, nothing leaked)."""
+        self.kv_cache_manager.check_integrity()

@@ -1,0 +1,165 @@
+"""KVCacheBlock, the O(1) intrusive LRU free list and the BlockPool that owns every block.
+
+Pure CPU bookkeeping; never imports torch. Free blocks that still hold a cached prefix stay
+indexed by hash until they are reused (evicted), least recently freed first.
+"""
+from __future__ import annotations
+
+
+class KVCacheBlock:
+    """Metadata of one KV block: id, reference count, prefix-cache hash, free-list links."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks threaded through the blocks themselves.
+
+    Front = next to evict (least recently freed). popleft, append and remove are O(1).
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise RuntimeError("no free KV blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, f"{block} is not in the free list"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, f"{block} is already free"
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def contains(self, block: KVCacheBlock) -> bool:
+        return block.prev_free is not None
+
+
+class BlockPool:
+    """All KV blocks, the free list and the prefix-cache index (block_hash -> block).
+
+    Args:
+        num_blocks: size of the pool.
+        enable_caching: keep hashes of freed full blocks for reuse.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        assert num_blocks > 0
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        self.evicted_block_hashes: list[int] = []  # for tests and lower tiers; cleared by the consumer
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by running requests (0.0 – 1.0)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` from the front of the free list, evicting their cached hashes."""
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"cannot allocate {num_blocks} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached_block_hash_to_block.get(block.block_hash) is block:
+            del self.cached_block_hash_to_block[block.block_hash]
+            self.evicted_block_hashes.append(block.block_hash)
+        block.block_hash = None
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits; free ones leave the free list."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+        """Index a full block by its hash (first writer wins; a duplicate keeps its own content)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached_block_hash_to_block:
+            return
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block[block_hash] = block
+
+    def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the tail of the free list in the
+        given order (earlier in the list = evicted sooner)."""
+        for block in ordered_blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (only when no block is in use). Returns whether it ran."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    def check_integrity(self) -> None:
+        """Assert free + in-use == total, no referenced block in the free list, index consistent."""
+        in_free = 0
+        for block in self.free_block_queue:
+            assert block.ref_cnt == 0, f"{block} is free but referenced"
+            in_free += 1
+        assert in_free == self.num_free_blocks, "free-list length mismatch"
+        in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        assert in_free + in_use == self.num_blocks, f"leak: free {in_free} + used {in_use} != {self.num_blocks}"
+        for h, block in self.cached_block_hash_to_block.items():
+            assert block.block_hash == h, f"index points at {block} for hash {h}"

@@ -1,0 +1,117 @@
+"""KVCacheManager: the scheduler's only door into the KV cache (allocation, prefix hits, freeing).
+
+Pure CPU bookkeeping; never imports torch. Prefix caching follows vLLM's automatic prefix
+caching: full blocks are indexed by chained hashes; a hit reuses the longest cached prefix.
+"""
+from __future__ import annotations
+
+from tokenmill.kv_cache.block_hash import extend_block_hashes
+from tokenmill.kv_cache.block_pool import BlockPool, KVCacheBlock
+from tokenmill.request import Request
+
+
+class KVCacheManager:
+    """Per-request block lists over one BlockPool.
+
+    Args:
+        num_blocks: pool size.
+        block_size: tokens per block.
+        enable_caching: automatic prefix caching on/off.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of each request already indexed
+        # Prefix-cache statistics, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    def usage(self) -> float:
+        return self.block_pool.usage()
+
+    def _extra_keys(self, request: Request) -> tuple:
+        return (request.cache_salt,) if request.cache_salt else ()
+
+    def _update_block_hashes(self, request: Request) -> None:
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, self._extra_keys(request))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of a request about to be admitted.
+
+        Returns (blocks, num_computed_tokens). At least the last token is always left to compute
+        so there are logits to sample from. Requests asking for prompt log-probabilities skip the
+        cache (they need logits at every prompt position).
+        """
+        if not self.enable_caching or request.wants_prompt_logprobs:
+            return [], 0
+        self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens after the request's computed ones.
+
+        ``new_computed_blocks`` are prefix hits from :meth:`get_computed_blocks` (first scheduling).
+        Returns the newly allocated blocks, or None (nothing changed) if the pool cannot supply them.
+        Full blocks covered by this step are indexed for prefix caching right away.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_required = -(-total // self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        # Hits sitting in the free list are counted as free but are about to be taken.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, req_blocks, min(total, request.num_tokens))
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        self._update_block_hashes(request)
+        num_full = num_tokens // self.block_size
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.block_pool.cache_block(req_blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks; its tail blocks become evictable before its head blocks."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(list(reversed(blocks)))
+
+    def check_integrity(self) -> None:
+        """Assert pool invariants and that every request's blocks are referenced."""
+        self.block_pool.check_integrity()
+        for req_id, blocks in self.req_to_blocks.items():
+            for block in blocks:
+                assert block.ref_cnt > 0, f"{req_id} holds unreferenced {block}"

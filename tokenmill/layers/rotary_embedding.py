@@ -1,0 +1,88 @@
+"""Rotary position embedding (rotate-half / NeoX style) with a cos/sin cache indexed by ``positions``.
+
+Inverse frequencies and the attention scaling come from transformers' ``ROPE_INIT_FUNCTIONS``
+(plus the plain formula for "default"), so every supported ``rope_type`` matches transformers:
+
+- default, linear, llama3, yarn: static frequencies; the cache is exact for every position.
+- dynamic (NTK): transformers re-derives the frequencies only once a sequence grows past
+  ``max_position_embeddings``; below that it uses the unscaled frequencies. The cache here holds
+  those unscaled frequencies for positions ``[0, max_position_embeddings)``, which equals
+  transformers for every sequence that fits. Positions past the cache are not supported (a
+  paged KV cache could not follow the rescaling anyway: cached keys keep their old rotation).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """The config's RoPE dict (``rope_type``, ``rope_theta``, scaling fields), transformers-v5 style."""
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        params = {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+    return params
+
+
+def compute_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq [head_dim // 2] float32, attention_scaling) for the config's rope_type.
+
+    Raises:
+        NotImplementedError: a rope_type outside SUPPORTED_ROPE_TYPES, or partial rotary embeddings.
+    """
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("partial_rotary_factor != 1.0 is not supported")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+        return inv_freq, 1.0
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    assert inv_freq.shape == (head_dim // 2,), f"inv_freq shape {tuple(inv_freq.shape)} for head_dim {head_dim}"
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Per-model cos/sin cache; one instance is shared by all layers.
+
+    forward(positions [T] int64, dtype) -> (cos, sin), each [T, 1, head_dim // 2] in ``dtype``,
+    ready to broadcast over heads in :func:`apply_rotary_emb`. The cache itself stays float32
+    (``cos_sin_cache`` [max_position_embeddings, head_dim]: cos half | sin half), computed the
+    same way as transformers (``position * inv_freq`` in float32, then cos/sin times the
+    attention scaling, then a cast to the activation dtype).
+    """
+
+    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position_embeddings = int(config.max_position_embeddings)
+        inv_freq, self.attention_scaling = compute_inv_freq(config, head_dim)
+        t = torch.arange(self.max_position_embeddings, dtype=torch.int64, device="cpu").float()
+        freqs = t[:, None] * inv_freq[None, :]  # (P, D/2)
+        cache = torch.cat((freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling), dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)  # (P, D) float32
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(dtype)  # (T, D)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2) each
+        return cos, sin
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rotate-half RoPE on a flat batch.
+
+    x: [T, num_heads * head_dim] or [T, num_heads, head_dim]; cos/sin: [T, 1, head_dim // 2].
+    Returns a new contiguous [T, num_heads, head_dim] tensor:
+    ``[x1 * cos - x2 * sin, x2 * cos + x1 * sin]`` with x1/x2 the two halves of each head, i.e.
+    transformers' ``x * cos + rotate_half(x) * sin`` with the same rounding.
+    """
+    x = x.view(x.shape[0], -1, head_dim)  # (T, H, D)
+    x1, x2 = x.chunk(2, dim=-1)  # (T, H, D/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,23 @@
+"""Model implementations (Llama, Mistral, Qwen2, Qwen3) and the loaders that fill them from local files.
+
+Models take a flat token batch plus the paged KV cache; loading never touches the network.
+"""
+from tokenmill.models.default_model import default_model_path
+from tokenmill.models.llama import LlamaForCausalLM, MistralForCausalLM
+from tokenmill.models.loader import LoadedModel, load_model
+from tokenmill.models.qwen2 import Qwen2ForCausalLM
+from tokenmill.models.qwen3 import Qwen3ForCausalLM
+from tokenmill.models.registry import MODEL_REGISTRY, get_model_class, supported_architectures
+
+__all__ = [
+    "MODEL_REGISTRY",
+    "LlamaForCausalLM",
+    "LoadedModel",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "default_model_path",
+    "get_model_class",
+    "load_model",
+    "supported_architectures",
+]

@@ -1,0 +1,263 @@
+"""Llama-family decoder (Llama, Mistral; Qwen2/Qwen3 reuse it) on the flat [num_tokens, hidden] layout.
+
+Module names follow the Hugging Face checkpoint keys (``model.layers.{i}.self_attn.o_proj`` ...),
+except two fused projections: ``qkv_proj`` (q | k | v, one GEMM) and ``gate_up_proj``
+(gate | up, one GEMM); ``load_weights`` routes the checkpoint's separate tensors into them.
+No padding, no per-token Python; the paged KV cache is written and read by ``Attention``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from tokenmill.attention import Attention, AttentionMetadata
+from tokenmill.attention.layer import KVCache
+from tokenmill.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding
+from tokenmill.layers import apply_rotary_emb
+
+
+@dataclass(frozen=True)
+class DecoderVariant:
+    """What distinguishes the Llama-like families.
+
+    qkv_bias/o_bias/mlp_bias: which projections carry a bias; qk_norm: RMSNorm over head_dim on
+    q and k before RoPE (Qwen3).
+    """
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """Explicit ``head_dim`` when the config has one (Qwen3, Mistral), else hidden_size // num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+# checkpoint projection name -> (fused module name, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    """forward(hidden [T, hidden], cos/sin [T, 1, D/2], kv_cache, metadata) -> [T, hidden]."""
+
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=variant.qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=variant.o_bias)
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)  # (T, (H + 2 * KVH) * D)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # views
+        if self.q_norm is not None:
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # (T, H, D)
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # (T, KVH, D)
+        q = apply_rotary_emb(q, cos, sin, self.head_dim)  # (T, H, D)
+        k = apply_rotary_emb(k, cos, sin, self.head_dim)  # (T, KVH, D)
+        out = self.attn(q.view(num_tokens, self.q_size), k.view(num_tokens, self.kv_size), v, kv_cache, attn_metadata)
+        return self.o_proj(out)  # (T, hidden)
+
+
+class LlamaMLP(nn.Module):
+    """SiLU-gated MLP: forward(x [T, hidden]) -> [T, hidden], gate and up in one GEMM."""
+
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+        super().__init__()
+        intermediate = config.intermediate_size
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act {act!r} is not supported (only 'silu')")
+        self.gate_up_proj = MergedLinear(config.hidden_size, [intermediate, intermediate], bias=variant.mlp_bias)
+        self.down_proj = Linear(intermediate, config.hidden_size, bias=variant.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # (T, 2I) -> (T, I) -> (T, hidden)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). Shapes stay [T, hidden]."""
+
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, variant)
+        self.mlp = LlamaMLP(config, variant)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        h = self.self_attn(self.input_layernorm(hidden_states), cos, sin, kv_cache, attn_metadata)
+        h.add_(residual)  # h is a fresh o_proj output: safe to update in place
+        residual = h
+        out = self.mlp(self.post_attention_layernorm(h))
+        out.add_(residual)
+        return out
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm: forward(input_ids [T], positions [T], ...) -> [T, hidden]."""
+
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} kv caches for {len(self.layers)} layers"
+        hidden_states = self.embed_tokens(input_ids)  # (T, hidden)
+        cos, sin = self.rotary_emb(positions, hidden_states.dtype)  # (T, 1, D/2) each, shared by all layers
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden_states = layer(hidden_states, cos, sin, kv_cache, attn_metadata)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama causal LM over the flat token batch (see the module docstring for the layout).
+
+    forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer), attn_metadata)
+    -> hidden states [T, hidden]; compute_logits(hidden [N, hidden]) -> [N, vocab] float32.
+    Parameters are uninitialised until ``load_weights`` fills them.
+    """
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.decoder_variant(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
+        """Llama reads its bias flags from the config."""
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return DecoderVariant(
+            qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(getattr(config, "mlp_bias", False))
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32; call it only on the rows that are sampled."""
+        return self.lm_head(hidden_states).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the model (casting to each parameter's dtype).
+
+        q/k/v_proj go into ``qkv_proj`` and gate/up_proj into ``gate_up_proj``; ``lm_head.weight``
+        is skipped when embeddings are tied; ``rotary_emb.inv_freq`` buffers are ignored.
+
+        Raises:
+            ValueError: an unknown tensor name, a shape mismatch, or parameters left unloaded.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            module_path, _, param_name = name.rpartition(".")
+            parent, _, proj = module_path.rpartition(".")
+            if proj in _STACKED:
+                fused, shard = _STACKED[proj]
+                target = f"{parent}.{fused}"
+                if f"{target}.{param_name}" not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+                self.get_submodule(target).load_shard(param_name, shard, tensor)
+                loaded.add(name)
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+            param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(self._expected_checkpoint_names()) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _expected_checkpoint_names(self) -> list[str]:
+        """Every checkpoint tensor name load_weights needs (fused params expanded to their sources)."""
+        inverse: dict[str, list[str]] = {}
+        for proj, (fused, _) in _STACKED.items():
+            inverse.setdefault(fused, []).append(proj)
+        names = []
+        for name, _ in self.named_parameters():  # tied lm_head appears once, as embed_tokens
+            module_path, _, param_name = name.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            if leaf in inverse:
+                names.extend(f"{parent}.{proj}.{param_name}" for proj in inverse[leaf])
+            else:
+                names.append(name)
+        return names
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama architecture with an explicit head_dim and no biases.
+
+    A sliding window shorter than the served context is rejected by the loader
+    (``tokenmill.models.loader``); otherwise it never changes the result.
+    """
+
+    @classmethod
+    def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
+        return DecoderVariant()

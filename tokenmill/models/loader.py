@@ -1,0 +1,226 @@
+"""load_model: turns a local path (HF safetensors directory or .gguf file) or None (the embedded default) into a LoadedModel.
+
+Never downloads: anything that is not an existing local path is rejected with a ValueError.
+The model is built with uninitialised storage directly in the target dtype, then filled by
+``load_weights``; it ends on CPU in eval mode.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
+
+from tokenmill.models import gguf_loader
+from tokenmill.models.default_model import default_model_path
+from tokenmill.models.llama import head_dim_of
+from tokenmill.models.registry import get_model_class
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A ready-to-run model and everything the engine needs around it."""
+
+    model: nn.Module
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerFast
+    generation_config: dict[str, Any]
+    eos_token_ids: set[int]
+    model_path: str
+    dtype: torch.dtype
+    load_seconds: float = field(default=0.0)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf_config.num_key_value_heads or self.hf_config.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(head_dim_of(self.hf_config))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(self.hf_config.max_position_embeddings)
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    """Map the user's dtype string to a torch dtype.
+
+    "auto" keeps float32 checkpoints in float32 and runs everything else (bf16, fp16, GGUF
+    quantized, unknown) in bfloat16.
+
+    Raises:
+        ValueError: dtype not one of "auto", "float32", "bfloat16".
+    """
+    if dtype == "auto":
+        return torch.float32 if checkpoint_dtype == torch.float32 else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of 'auto', 'float32', 'bfloat16'; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build parameters directly in ``dtype`` (no float32 allocation followed by a cast)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _build_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
+    model_cls = get_model_class(config)
+    with _default_dtype(dtype):
+        return model_cls(config)
+
+
+def check_sliding_window(config: PretrainedConfig, max_model_len: int | None = None) -> None:
+    """Sliding-window attention is not implemented; allow it only when it can never bite.
+
+    The window is harmless when it is None or at least the longest sequence served
+    (``max_model_len``, default ``max_position_embeddings``).
+
+    Raises:
+        NotImplementedError: a sliding window shorter than the served context.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return
+    limit = max_model_len if max_model_len is not None else config.max_position_embeddings
+    if window < limit:
+        raise NotImplementedError(
+            f"sliding_window={window} is shorter than the served context ({limit} tokens) and sliding-window "
+            f"attention is not implemented; pass max_model_len <= {window}"
+        )
+
+
+def _checkpoint_dtype(config: PretrainedConfig, files: list[Path]) -> torch.dtype | None:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    with safe_open(str(files[0]), framework="pt") as f:  # no dtype in config.json: look at a tensor header
+        first = next(iter(f.keys()), None)
+        if first is None:
+            return None
+        return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(f.get_slice(first).get_dtype())
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _eos_token_ids(generation_config: dict[str, Any], tokenizer: PreTrainedTokenizerFast) -> set[int]:
+    eos = generation_config.get("eos_token_id")
+    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return {int(i) for i in ids}
+
+
+def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None) -> LoadedModel:
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json; expected a Hugging Face model directory or a .gguf file")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors files (only safetensors checkpoints are supported)")
+    config = AutoConfig.from_pretrained(str(path))
+    get_model_class(config)  # fail on unsupported architectures before touching weights
+    check_sliding_window(config, max_model_len)
+    torch_dtype = resolve_dtype(dtype, _checkpoint_dtype(config, files))
+    model = _build_model(config, torch_dtype)
+    model.load_weights(_iter_safetensors(files))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    gen_path = path / "generation_config.json"
+    generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    return LoadedModel(
+        model=model.eval(),
+        hf_config=config,
+        tokenizer=tokenizer,
+        generation_config=generation_config,
+        eos_token_ids=_eos_token_ids(generation_config, tokenizer),
+        model_path=str(path),
+        dtype=torch_dtype,
+    )
+
+
+def _load_gguf(path: Path, dtype: str, max_model_len: int | None) -> LoadedModel:
+    torch_dtype = resolve_dtype(dtype, None)
+    reader = gguf_loader.open_gguf(path)
+    config = gguf_loader.gguf_to_hf_config(reader)
+    check_sliding_window(config, max_model_len)
+    model = _build_model(config, torch_dtype)
+    model.load_weights(gguf_loader.iter_gguf_weights(reader, config))
+    del reader
+    tokenizer = gguf_loader.load_gguf_tokenizer(path)
+    return LoadedModel(
+        model=model.eval(),
+        hf_config=config,
+        tokenizer=tokenizer,
+        generation_config={},
+        eos_token_ids=_eos_token_ids({}, tokenizer),
+        model_path=str(path),
+        dtype=torch_dtype,
+    )
+
+
+def load_model(model: str | None, dtype: str = "auto", max_model_len: int | None = None) -> LoadedModel:
+    """Load a model from a local path; ``None`` means the embedded SmolLM2-135M-Instruct GGUF.
+
+    Args:
+        model: None, a directory with config.json + *.safetensors (+ tokenizer files,
+            generation_config.json), or a path to a .gguf file.
+        dtype: "auto" (bfloat16 for GGUF and bf16/fp16 checkpoints, float32 for float32
+            checkpoints), "float32" or "bfloat16".
+        max_model_len: the longest sequence that will be served; only used to decide whether a
+            sliding window can be ignored (default: max_position_embeddings).
+    Raises:
+        ValueError: a bad dtype, a path that does not exist (tokenmill never downloads), a
+            directory without config.json/safetensors, an unsupported architecture.
+        NotImplementedError: model features tokenmill cannot run (e.g. a short sliding window).
+        FileNotFoundError: model is None and the default-model package is not installed.
+    """
+    start = time.perf_counter()
+    if dtype not in ("auto", *_DTYPES):
+        raise ValueError(f"dtype must be one of 'auto', 'float32', 'bfloat16'; got {dtype!r}")
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        loaded = _load_hf_dir(path, dtype, max_model_len)
+    elif path.is_file() and path.suffix == ".gguf":
+        loaded = _load_gguf(path, dtype, max_model_len)
+    elif path.is_file():
+        raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a .gguf file or a model directory")
+    else:
+        raise ValueError(
+            f"model {model!r} is not a local path. tokenmill never downloads models: pass a local directory "
+            "holding config.json + *.safetensors (+ tokenizer files), or a .gguf file path. For a Hugging Face "
+            f"hub model, download it first (e.g. `huggingface-cli download {model} --local-dir ./{Path(str(model)).name}`) "
+            "and pass that directory."
+        )
+    loaded.load_seconds = time.perf_counter() - start
+    return loaded

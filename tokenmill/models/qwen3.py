@@ -1,0 +1,18 @@
+"""Qwen3: the Llama decoder with per-head RMSNorm on q and k (before RoPE) and an explicit head_dim."""
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from tokenmill.models.llama import DecoderVariant, LlamaForCausalLM
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 dense causal LM; ``self_attn.q_norm`` / ``self_attn.k_norm`` are RMSNorm over head_dim.
+
+    ``config.head_dim`` may differ from hidden_size // num_attention_heads.
+    """
+
+    @classmethod
+    def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return DecoderVariant(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)

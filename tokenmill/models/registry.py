@@ -1,0 +1,38 @@
+"""Maps a Hugging Face ``architectures`` name to the tokenmill model class that implements it."""
+from __future__ import annotations
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from tokenmill.models.llama import LlamaForCausalLM, MistralForCausalLM
+from tokenmill.models.qwen2 import Qwen2ForCausalLM
+from tokenmill.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    """Architecture names accepted in config.json ``architectures``."""
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
+    """Pick the model class for ``config.architectures`` (the first supported entry wins).
+
+    Raises:
+        ValueError: no ``architectures`` in the config, or none of them supported.
+    """
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures:
+        raise ValueError(
+            f"config has no 'architectures' field; cannot choose a model class (supported: {supported_architectures()})"
+        )
+    for name in architectures:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    raise ValueError(f"unsupported architectures {architectures}; tokenmill supports {supported_architectures()}")

@@ -1,0 +1,111 @@
+"""Request: the engine's per-sequence state (tokens, progress, status). Pure Python, no torch tensors."""
+from __future__ import annotations
+
+import enum
+import time
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle of a request inside the scheduler."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED}
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    ``all_token_ids`` = prompt + output. ``num_computed_tokens`` counts tokens whose K/V is in the
+    cache; the scheduler schedules ``num_tokens - num_computed_tokens`` more (a prefill chunk, or
+    the last sampled token during decode). ``max_tokens`` is already resolved (never None).
+    ``generator`` is a seeded torch.Generator owned by the sampler (None = global RNG).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: set[int],
+        max_tokens: int,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        generator: object | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.generator = generator
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache, set at first schedule
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.num_preemptions = 0
+        # Filled by the model runner's outputs, consumed by the output processor.
+        self.logprobs: list[dict] = []
+        self.prompt_logprobs: list = []
+        self.cumulative_logprob = 0.0
+        # Chained prefix-cache hashes of this request's full blocks (maintained by the KV cache manager).
+        self.block_hashes: list[int] = []
+        # Timestamps (time.monotonic()) for metrics.
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,1 @@
+"""Execution: turns a SchedulerOutput into tensors, runs the model and the sampler."""

@@ -1,0 +1,20 @@
+"""KV-cache sizing arithmetic shared by the model runner and `tokenmill plan`. Pure Python."""
+from __future__ import annotations
+
+GIB = 1024**3
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of K and V one token occupies across all layers: 2 × layers × kv_heads × head_dim × bytes."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
+    """How many whole KV blocks fit in ``budget_bytes``. Raises ValueError if not even one does."""
+    bytes_per_block = block_size * bytes_per_token
+    num_blocks = budget_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory of {budget_bytes / GIB:.4f} GiB holds no block of {bytes_per_block} bytes; raise it"
+        )
+    return int(num_blocks)

@@ -1,0 +1,159 @@
+"""ModelRunner: owns the model, the KV-cache tensors and the sampler; executes one SchedulerOutput.
+
+Builds input_ids / positions / slot_mapping with vectorised numpy (a loop over requests, never
+over tokens), computes logits only at sampled positions (plus prompt positions whose
+log-probabilities were asked for), and returns plain Python results in a ModelRunnerOutput.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenmill.attention import build_attention_metadata
+from tokenmill.outputs import Logprob, PositionLogprobs
+from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
+from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
+from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs the model over a flat batch of scheduled tokens.
+
+    Args:
+        loaded: a ``tokenmill.models.loader.LoadedModel``.
+        block_size: tokens per KV block.
+        num_kv_blocks: explicit pool size, or None to size from ``kv_cache_memory_gib``.
+        kv_cache_memory_gib: KV pool budget in GiB.
+    """
+
+    def __init__(self, loaded, block_size: int, num_kv_blocks: int | None, kv_cache_memory_gib: float) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.block_size = block_size
+        self.vocab_size = loaded.vocab_size
+        self.kv_dtype = loaded.dtype
+        self.bytes_per_token = kv_bytes_per_token(
+            loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, torch.empty(0, dtype=self.kv_dtype).element_size()
+        )
+        if num_kv_blocks is None:
+            num_kv_blocks = num_blocks_for_budget(int(kv_cache_memory_gib * GIB), block_size, self.bytes_per_token)
+        self.num_kv_blocks = num_kv_blocks
+        # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+        self.kv_cache = torch.zeros(
+            loaded.num_layers, 2, num_kv_blocks, block_size, loaded.num_kv_heads, loaded.head_dim, dtype=self.kv_dtype
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(loaded.num_layers)]
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.3f GiB, %d bytes/token, %s)",
+            num_kv_blocks, block_size, num_kv_blocks * block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / GIB, self.bytes_per_token, self.kv_dtype,
+        )
+        self.sampler = Sampler(self.vocab_size)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Shapes: T = total scheduled tokens, B = scheduled requests."""
+        requests = scheduler_output.scheduled_requests
+        num_reqs = len(requests)
+        query_lens = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
+        num_computed = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=num_reqs)
+        num_tokens = int(query_lens.sum())
+
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        max_blocks = max(len(b) for b in scheduler_output.block_ids)
+        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+        offset = 0
+        for i, request in enumerate(requests):
+            start = int(num_computed[i])
+            input_ids[offset : offset + query_lens[i]] = request.all_token_ids[start : start + query_lens[i]]
+            offset += int(query_lens[i])
+            block_ids = scheduler_output.block_ids[i]
+            block_table[i, : len(block_ids)] = block_ids
+
+        metadata, positions = build_attention_metadata(query_lens, num_computed, block_table, self.block_size)
+        hidden = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, metadata)
+
+        # Requests whose scheduled tokens reach the end of their sequence get a new token.
+        ends = num_computed + query_lens
+        sample_rows = [i for i, r in enumerate(requests) if ends[i] >= r.num_tokens]
+        last_token_idx = metadata.query_start_loc[1:] - 1  # (B,)
+        sampled: list[int | None] = [None] * num_reqs
+        logprobs_out: list[PositionLogprobs | None] | None = None
+        if sample_rows:
+            rows_t = torch.tensor(sample_rows, dtype=torch.int64)
+            logits = self.model.compute_logits(hidden[last_token_idx[rows_t]])  # (S, V) float32
+            rows = [
+                SamplingRow(
+                    params=requests[i].sampling_params,
+                    prompt_token_ids=requests[i].prompt_token_ids,
+                    output_token_ids=requests[i].output_token_ids,
+                    generator=requests[i].generator,
+                    stop_token_ids=requests[i].eos_token_ids | set(requests[i].sampling_params.stop_token_ids or ()),
+                )
+                for i in sample_rows
+            ]
+            result = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size))
+            token_ids = result.sampled_token_ids.tolist()
+            for j, i in enumerate(sample_rows):
+                sampled[i] = token_ids[j]
+            if result.logprobs is not None:
+                logprobs_out = [None] * num_reqs
+                lp = result.logprobs.tolist()
+                ranks = result.sampled_ranks.tolist()
+                top_ids = result.top_logprob_ids.tolist()
+                top_lps = result.top_logprobs.tolist()
+                for j, i in enumerate(sample_rows):
+                    k = requests[i].sampling_params.logprobs
+                    if k is None:
+                        continue
+                    entry = {token_ids[j]: Logprob(lp[j], ranks[j])}
+                    for rank, (tid, tlp) in enumerate(zip(top_ids[j][:k], top_lps[j][:k]), start=1):
+                        entry.setdefault(tid, Logprob(tlp, rank))
+                    logprobs_out[i] = entry
+
+        prompt_logprobs = self._prompt_logprobs(requests, num_computed, query_lens, metadata, hidden, input_ids)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, requests, num_computed, query_lens, metadata, hidden, input_ids):
+        """Score prompt tokens for requests that asked for prompt log-probabilities.
+
+        Hidden state at position p predicts token p + 1; entries are returned for prompt positions
+        start+1 .. end (capped at the prompt), with the first prompt position's entry being None.
+        """
+        out: dict[str, tuple[int, list]] = {}
+        for i, request in enumerate(requests):
+            k = request.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = int(num_computed[i])
+            end = min(start + int(query_lens[i]), request.num_prompt_tokens)
+            if start >= request.num_prompt_tokens:
+                continue
+            entries: list[PositionLogprobs | None] = [None] if start == 0 else []
+            num_scored = end - start - (1 if end == request.num_prompt_tokens else 0)
+            if num_scored > 0:
+                tok0 = int(metadata.query_start_loc[i])
+                logits = self.model.compute_logits(hidden[tok0 : tok0 + num_scored])  # (n, V)
+                logprobs = torch.log_softmax(logits, dim=-1)
+                targets = torch.tensor(request.prompt_token_ids[start + 1 : start + 1 + num_scored])
+                target_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
+                ranks = (logprobs > target_lp[:, None]).sum(dim=1) + 1
+                top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+                for j in range(num_scored):
+                    tid = int(targets[j])
+                    entry = {tid: Logprob(float(target_lp[j]), int(ranks[j]))}
+                    if k > 0:
+                        for rank, (t, v) in enumerate(zip(top_ids[j].tolist(), top_lp[j].tolist()), start=1):
+                            entry.setdefault(t, Logprob(v, rank))
+                    entries.append(entry)
+            # Position index in request.prompt_logprobs where these entries start.
+            out[request.request_id] = (0 if start == 0 else start + 1, entries)
+        return out

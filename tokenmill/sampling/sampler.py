@@ -1,0 +1,134 @@
+"""Sampler: turns one step's logits [B, V] into sampled token ids and optional log-probabilities.
+
+Order (as in vLLM): logit bias -> min_tokens masking -> penalties -> log-probabilities ->
+temperature -> top-k -> top-p -> min-p -> sample. Greedy rows take the argmax; random rows use
+the exponential race (argmax of probs / Exp(1) noise), so nothing waits on the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.sampling.metadata import SamplingMetadata
+from tokenmill.sampling.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from tokenmill.sampling.top_k_top_p import apply_min_p, apply_top_k_top_p
+
+
+@dataclass
+class SamplerOutput:
+    """What the Sampler returns for B rows.
+
+    Attributes:
+        sampled_token_ids: [B] int64.
+        logprobs: [B] f32, log-probability of the sampled token; None if no row asked.
+        sampled_ranks: [B] int64, rank of the sampled token (1 = most likely; tokens with an
+            equal log-probability share the best rank). None if no row asked.
+        top_logprob_ids: [B, k] int64 with k = ``max_num_logprobs`` (may be 0), most likely first.
+        top_logprobs: [B, k] f32, matching ``top_logprob_ids``.
+    """
+
+    sampled_token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+    top_logprob_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+class Sampler:
+    """Samples one token per row; stateless apart from the vocabulary size.
+
+    Log-probabilities are ``log_softmax`` of the logits after bias, min_tokens masking and
+    penalties but before temperature and top-k/top-p/min-p: they describe the model's
+    (penalised) distribution, independent of how a token was then drawn from it.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample from ``logits`` [B, V] f32 (modified in place) described by ``metadata``."""
+        assert logits.dim() == 2 and logits.shape == (metadata.batch_size, self.vocab_size), logits.shape
+        logits = logits.float()  # a no-op for f32 logits
+        apply_logit_bias(logits, metadata)
+        apply_min_tokens(logits, metadata)
+        apply_penalties(logits, metadata)
+
+        all_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            all_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V], a fresh tensor
+
+        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)  # [B]
+        if metadata.all_greedy:
+            assert greedy_ids is not None
+            sampled = greedy_ids
+        else:
+            random_ids = self._sample_random(logits, metadata)  # [B]
+            sampled = random_ids if greedy_ids is None else torch.where(metadata.is_greedy, greedy_ids, random_ids)
+
+        if all_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        assert metadata.max_num_logprobs is not None
+        return gather_logprobs(all_logprobs, sampled, metadata.max_num_logprobs)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature, filters, then the exponential race. Returns [B] int64 (greedy rows: junk)."""
+        temperature = metadata.temperature.masked_fill(metadata.is_greedy, 1.0)  # [B], no div by 0
+        logits.div_(temperature.unsqueeze(1))
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        probs = logits.softmax(dim=-1)  # [B, V]
+        return exponential_race(probs, metadata.generators)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d.
+
+    Equivalent to ``multinomial(probs, 1)`` but with no host sync. Rows listed in ``generators``
+    draw their V noise values from their own generator (one loop over seeded rows, never over
+    tokens), so a seeded row's draws do not depend on the rest of the batch; other rows use the
+    global RNG.
+
+    Args:
+        probs: [B, V] f32, rows summing to 1 (filtered tokens exactly 0).
+        generators: row index -> generator on ``probs.device``.
+    Returns:
+        [B] int64 sampled token ids.
+    """
+    noise = torch.empty_like(probs)  # [B, V]
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    # An exact 0 draw would make 0 / 0 = nan for a filtered token; nan wins argmax.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def gather_logprobs(all_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> SamplerOutput:
+    """Package the sampled tokens with their log-probabilities, ranks and the top alternatives.
+
+    Args:
+        all_logprobs: [B, V] f32 log-probabilities.
+        sampled: [B] int64 sampled token ids.
+        num_logprobs: k, the number of top alternatives to return (may be 0).
+    Returns:
+        SamplerOutput with every field set; ``top_*`` are [B, k], most likely first.
+    """
+    sampled_logprobs = all_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
+    ranks = (all_logprobs >= sampled_logprobs).sum(dim=-1) + 1  # [B]
+    if num_logprobs > 0:
+        top_logprobs, top_ids = all_logprobs.topk(num_logprobs, dim=-1)  # [B, k], sorted
+    else:
+        batch_size = all_logprobs.shape[0]
+        top_logprobs = all_logprobs.new_empty((batch_size, 0))
+        top_ids = torch.empty((batch_size, 0), dtype=torch.int64, device=all_logprobs.device)
+    return SamplerOutput(
+        sampled_token_ids=sampled,
+        logprobs=sampled_logprobs.squeeze(1),
+        sampled_ranks=ranks,
+        top_logprob_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )

@@ -1,0 +1,43 @@
+"""The contract between CPU planning and execution: SchedulerOutput in, ModelRunnerOutput back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.outputs import PositionLogprobs
+from tokenmill.request import Request
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    ``scheduled_requests[i]`` computes ``num_scheduled_tokens[i]`` tokens starting at its
+    ``num_computed_tokens`` with KV blocks ``block_ids[i]``. The runner treats requests as read-only.
+    """
+
+    scheduled_requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced, aligned with ``SchedulerOutput.scheduled_requests``.
+
+    sampled_token_ids[i] is None for a request whose prefill chunk did not reach the end of its
+    sequence (nothing to sample). prompt_logprobs maps request_id -> entries for the prompt
+    positions this step covered (position p's entry scores token p; position 0 has none).
+    """
+
+    sampled_token_ids: list[int | None]
+    logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)

@@ -1,0 +1,171 @@
+"""The phase-free scheduler (as in vLLM v1): every request's num_computed_tokens catches up with
+its num_tokens under one token budget, so chunked prefill, decode, prefix hits and resumed
+preemption are a single loop. Pure CPU bookkeeping; never imports torch.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.kv_cache.kv_cache_manager import KVCacheManager
+from tokenmill.request import Request, RequestStatus
+from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and recompute preemption.
+
+    Args:
+        config: limits (max_num_seqs, max_num_batched_tokens, max_model_len).
+        kv_cache_manager: the only door into the KV cache.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+
+    # ---- request lifecycle -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, or stop on a stop string) requests wherever they are; frees their blocks."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- planning ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first (in FCFS order), then admit waiting ones."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"{request} has nothing to compute"
+            while kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()  # the newest running request
+                self._preempt(victim)
+                out.preempted_req_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                self._add_scheduled(out, request, num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        while self.waiting and budget > 0 and not out.preempted_req_ids:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_scheduled(out, request, num_new)
+            budget -= num_new
+        return out
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        out.scheduled_requests.append(request)
+        out.num_scheduled_tokens.append(num_new)
+        out.block_ids.append(self.kv_cache_manager.get_block_ids(request.request_id))
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    # ---- results ----------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance each scheduled request, append sampled tokens, apply stop rules.
+
+        Returns the requests that received a new token or finished this step.
+        """
+        updated = []
+        for i, request in enumerate(scheduler_output.scheduled_requests):
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[i]
+            entry = runner_output.prompt_logprobs.get(request.request_id)
+            if entry is not None:
+                start, items = entry
+                if len(request.prompt_logprobs) == start:  # skip positions already scored (preemption)
+                    request.prompt_logprobs.extend(items)
+            token_id = runner_output.sampled_token_ids[i]
+            if token_id is None:
+                continue
+            if request.max_tokens == 0:  # prompt-only request (e.g. echo with max_tokens 0)
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                updated.append(request)
+                continue
+            request.append_output_token(token_id)
+            if runner_output.logprobs is not None and runner_output.logprobs[i] is not None:
+                request.logprobs.append(runner_output.logprobs[i])
+                request.cumulative_logprob += runner_output.logprobs[i][token_id].logprob
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
