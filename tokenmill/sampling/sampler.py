@@ -118,7 +118,7 @@ def gather_logprobs(all_logprobs: torch.Tensor, sampled: torch.Tensor, num_logpr
         SamplerOutput with every field set; ``top_*`` are [B, k], most likely first.
     """
     sampled_logprobs = all_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
-    ranks = (all_logprobs >= sampled_logprobs).sum(dim=-1) + 1  # [B]
+    ranks = (all_logprobs > sampled_logprobs).sum(dim=-1) + 1  # [B]
     if num_logprobs > 0:
         top_logprobs, top_ids = all_logprobs.topk(num_logprobs, dim=-1)  # [B, k], sorted
     else:
