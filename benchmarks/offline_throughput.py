@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import platform
 import statistics
 import sys
@@ -110,6 +111,8 @@ def build_tokenmill(args: argparse.Namespace) -> tuple[Any, float]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
+        seed=args.seed,
+        num_threads=args.threads,
     )
     return llm, time.perf_counter() - start
 
@@ -323,6 +326,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns (and optionally writes) the results as a JSON-able dict."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5:
+        print(f"warning: 1-minute load average is {load_before:.1f} before starting; other jobs "
+              "sharing the cores make every number here slower and noisier", file=sys.stderr)
     tokenizer = load_tokenizer(args.model)
     start = time.perf_counter()
     requests = sample_sharegpt(tokenizer, args.num_prompts, args.seed,
@@ -369,6 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch1": [asdict(b) for b in batch1],
         "ratios": ratio,
         "env": {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
                 "python": platform.python_version(), "machine": platform.machine()},
         "peer_output_counting": "output_tokens counts each request's expected_output_len; "
                                 "raw_generated_tokens includes padded rows of a batch",

@@ -17,13 +17,15 @@ class PrefillSpan:
 
     token_start/token_end index the flat token dimension; ``num_context`` is the request's
     sequence length after this step (cached prefix + this chunk); ``block_ids`` [num_blocks]
-    covers the context.
+    covers the context. ``attn_mask`` [Lq, num_context] bool is set when the chunk follows a
+    cached prefix (None: plain causal, query == context).
     """
 
     token_start: int
     token_end: int
     num_context: int
     block_ids: torch.Tensor
+    attn_mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class AttentionMetadata:
     Derived views for the torch reference backend:
         decode_token_idx: [Bd] int64, flat token index of each single-token (decode) query.
         decode_block_table: [Bd, max_decode_blocks] int64.
+        decode_seq_lens: [Bd] int64, keys per decode query.
         decode_key_mask: [Bd, 1, 1, max_decode_blocks * block_size] bool, True where a key is valid.
         prefills: one PrefillSpan per multi-token query.
     """
@@ -49,6 +52,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     decode_token_idx: torch.Tensor
     decode_block_table: torch.Tensor
+    decode_seq_lens: torch.Tensor
     decode_key_mask: torch.Tensor
     prefills: tuple[PrefillSpan, ...]
 
@@ -96,21 +100,29 @@ def build_attention_metadata(
         decode_lens = seq_lens[decode_reqs]
         max_blocks = int((decode_lens.max() + block_size - 1) // block_size)
         decode_block_table = block_table[decode_reqs, :max_blocks]
+        decode_seq_lens = decode_lens
         key_pos = np.arange(max_blocks * block_size)
         decode_key_mask = (key_pos[None, :] < decode_lens[:, None])[:, None, None, :]
     else:
         decode_block_table = np.zeros((0, 1), dtype=np.int64)
+        decode_seq_lens = np.zeros(0, dtype=np.int64)
         decode_key_mask = np.zeros((0, 1, 1, block_size), dtype=bool)
 
     prefills = []
     for r in np.nonzero(~is_decode & (query_lens > 0))[0]:
         n_blocks = int((seq_lens[r] + block_size - 1) // block_size)
+        num_query, num_context = int(query_lens[r]), int(seq_lens[r])
+        attn_mask = None
+        if num_query != num_context:  # query row i sits at position num_context - num_query + i
+            q_pos = torch.arange(num_query).unsqueeze(1) + (num_context - num_query)
+            attn_mask = torch.arange(num_context).unsqueeze(0) <= q_pos  # (Lq, Lk)
         prefills.append(
             PrefillSpan(
                 token_start=int(query_start_loc[r]),
                 token_end=int(query_start_loc[r + 1]),
                 num_context=int(seq_lens[r]),
                 block_ids=torch.from_numpy(block_table[r, :n_blocks].copy()),
+                attn_mask=attn_mask,
             )
         )
 
@@ -122,6 +134,7 @@ def build_attention_metadata(
         slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)),
         decode_token_idx=torch.from_numpy(decode_token_idx.astype(np.int64)),
         decode_block_table=torch.from_numpy(np.ascontiguousarray(decode_block_table)),
+        decode_seq_lens=torch.from_numpy(np.ascontiguousarray(decode_seq_lens, dtype=np.int64)),
         decode_key_mask=torch.from_numpy(np.ascontiguousarray(decode_key_mask)),
         prefills=tuple(prefills),
     )

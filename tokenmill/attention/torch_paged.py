@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention import cpu_decode
 from tokenmill.attention.metadata import AttentionMetadata
 
 
@@ -26,10 +27,39 @@ def write_kv(
 
 def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, kvh, d] cache, [..., nb] ids -> [..., kvh, nb * bs, d] keys/values in sequence order."""
-    blocks = cache[block_ids]  # (..., nb, bs, kvh, d)
-    shape = blocks.shape
-    flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])  # (..., L, kvh, d)
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = cache.index_select(0, block_ids.reshape(-1))  # (prod(...) * nb, bs, kvh, d)
+    flat = blocks.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_dim)
     return flat.transpose(-3, -2)  # (..., kvh, L, d)
+
+
+def use_fast_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the compiled CPU decode kernel handles these tensors."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == k_cache.dtype
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and cpu_decode.available()
+    )
+
+
+def reference_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Slow, obviously correct decode attention: gather each context, masked softmax in float32.
+
+    q: [Bd, H, D] -> [Bd, H, D]. Uses decode_block_table and decode_key_mask from the metadata.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    k = _gather_context(k_cache, metadata.decode_block_table).float()  # (Bd, KVH, L, D)
+    v = _gather_context(v_cache, metadata.decode_block_table).float()
+    qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bhld->bhgl", qf, k) * scale  # (Bd, KVH, G, L)
+    scores = scores.masked_fill(~metadata.decode_key_mask.view(num_seqs, 1, 1, -1), float("-inf"))
+    out = torch.einsum("bhgl,bhld->bhgd", scores.softmax(dim=-1), v)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def paged_attention(
@@ -49,29 +79,22 @@ def paged_attention(
     use_gqa = num_heads != k_cache.shape[-2]
 
     if metadata.decode_token_idx.numel():
-        q = query[metadata.decode_token_idx].unsqueeze(2)  # (Bd, H, 1, D)
-        k = _gather_context(k_cache, metadata.decode_block_table)  # (Bd, KVH, L, D)
-        v = _gather_context(v_cache, metadata.decode_block_table)
-        o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=metadata.decode_key_mask, scale=scale, enable_gqa=use_gqa
-        )
-        out[metadata.decode_token_idx] = o.squeeze(2)
+        q = query[metadata.decode_token_idx]  # (Bd, H, D)
+        if use_fast_decode(query, k_cache):
+            o = cpu_decode.paged_decode_attention(
+                q, k_cache, v_cache, metadata.decode_block_table, metadata.decode_seq_lens, scale
+            )
+        else:
+            o = reference_decode_attention(q, k_cache, v_cache, metadata, scale)
+        out[metadata.decode_token_idx] = o
 
     for span in metadata.prefills:
         q = query[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # (1, H, Lq, D)
-        num_query = span.token_end - span.token_start
         k = _gather_context(k_cache, span.block_ids)[:, : span.num_context].unsqueeze(0)  # (1, KVH, Lk, D)
         v = _gather_context(v_cache, span.block_ids)[:, : span.num_context].unsqueeze(0)
-        if num_query == span.num_context:
-            o = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=use_gqa
-            )
-        else:
-            offset = span.num_context - num_query
-            q_pos = torch.arange(num_query).unsqueeze(1) + offset
-            mask = torch.arange(span.num_context).unsqueeze(0) <= q_pos  # (Lq, Lk)
-            o = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=use_gqa
-            )
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=span.attn_mask, is_causal=span.attn_mask is None,
+            scale=scale, enable_gqa=use_gqa,
+        )
         out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)
     return out

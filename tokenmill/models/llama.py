@@ -16,8 +16,15 @@ from transformers import PretrainedConfig
 
 from tokenmill.attention import Attention, AttentionMetadata
 from tokenmill.attention.layer import KVCache
-from tokenmill.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding
-from tokenmill.layers import apply_rotary_emb
+from tokenmill.layers import (
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    VocabEmbedding,
+    apply_rotary_emb,
+)
 
 
 @dataclass(frozen=True)

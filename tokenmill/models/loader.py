@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,13 +172,17 @@ def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None) -> LoadedMod
 
 def _load_gguf(path: Path, dtype: str, max_model_len: int | None) -> LoadedModel:
     torch_dtype = resolve_dtype(dtype, None)
-    reader = gguf_loader.open_gguf(path)
-    config = gguf_loader.gguf_to_hf_config(reader)
-    check_sliding_window(config, max_model_len)
-    model = _build_model(config, torch_dtype)
-    model.load_weights(gguf_loader.iter_gguf_weights(reader, config))
-    del reader
-    tokenizer = gguf_loader.load_gguf_tokenizer(path)
+    # transformers rebuilds the tokenizer by re-reading the file's metadata (seconds of Python);
+    # overlap that with dequantization, which spends its time in numpy/torch kernels.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        tokenizer_future = pool.submit(gguf_loader.load_gguf_tokenizer, path)
+        reader = gguf_loader.open_gguf(path)
+        config = gguf_loader.gguf_to_hf_config(reader)
+        check_sliding_window(config, max_model_len)
+        model = _build_model(config, torch_dtype)
+        model.load_weights(gguf_loader.iter_gguf_weights(reader, config))
+        del reader
+        tokenizer = tokenizer_future.result()
     return LoadedModel(
         model=model.eval(),
         hf_config=config,
@@ -194,7 +199,8 @@ def load_model(model: str | None, dtype: str = "auto", max_model_len: int | None
 
     Args:
         model: None, a directory with config.json + *.safetensors (+ tokenizer files,
-            generation_config.json), or a path to a .gguf file.
+            generation_config.json), a path to a .gguf file, or a directory holding exactly one
+            .gguf file (and no config.json).
         dtype: "auto" (bfloat16 for GGUF and bf16/fp16 checkpoints, float32 for float32
             checkpoints), "float32" or "bfloat16".
         max_model_len: the longest sequence that will be served; only used to decide whether a
@@ -209,6 +215,10 @@ def load_model(model: str | None, dtype: str = "auto", max_model_len: int | None
     if dtype not in ("auto", *_DTYPES):
         raise ValueError(f"dtype must be one of 'auto', 'float32', 'bfloat16'; got {dtype!r}")
     path = default_model_path() if model is None else Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        gguf_files = sorted(path.glob("*.gguf"))
+        if len(gguf_files) == 1:  # a directory holding just one GGUF file means that file
+            path = gguf_files[0]
     if path.is_dir():
         loaded = _load_hf_dir(path, dtype, max_model_len)
     elif path.is_file() and path.suffix == ".gguf":

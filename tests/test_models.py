@@ -1,0 +1,310 @@
+"""Model-layer tests: tokenmill's models and loaders against transformers on the same weights.
+
+Proves, per architecture, that prefill plus paged decode (block_size 4, scattered block ids) and a
+mixed multi-request step reproduce transformers' float32 logits; that RoPE variants match; that
+GGUF files (the real SmolLM2 and GGUFs written from tiny models) load to the same weights; and that
+the loader rejects what it must (hub names, bad dtypes, unknown architectures, short sliding windows).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast
+
+from tests.tiny_models import TINY_ARCHS, make_tiny_model, smollm2_gguf_path, tiny_config
+from tokenmill.attention import build_attention_metadata
+from tokenmill.models import get_model_class, load_model
+from tokenmill.models.gguf_loader import gguf_to_hf_config, iter_gguf_weights, open_gguf
+from tokenmill.models.loader import check_sliding_window
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+# Deliberately scattered block ids: a request's blocks are never contiguous in the pool.
+BLOCK_IDS = [9, 3, 17, 5, 22, 1, 30, 12, 7, 14, 2, 25, 19, 0]
+TOKEN_IDS = [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30, 9156, 2462, 253, 655, 28, 253, 1120]
+
+
+def new_kv_caches(loaded, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (NUM_BLOCKS, BLOCK_SIZE, loaded.num_kv_heads, loaded.head_dim)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(loaded.num_layers)]
+
+
+@torch.inference_mode()
+def run_step(loaded, kv_caches, token_ids: list[list[int]], num_computed: list[int], block_tables: list[list[int]]):
+    """One engine-style step over several requests; returns logits [T, vocab] for every scheduled token."""
+    query_lens = np.array([len(t) for t in token_ids])
+    width = max(len(b) for b in block_tables)
+    table = np.array([b + [0] * (width - len(b)) for b in block_tables])
+    metadata, positions = build_attention_metadata(query_lens, np.array(num_computed), table, BLOCK_SIZE)
+    input_ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
+    hidden = loaded.model(input_ids, torch.from_numpy(positions), kv_caches, metadata)
+    assert hidden.shape == (len(input_ids), loaded.hf_config.hidden_size)
+    return loaded.model.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
+    return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=list(TINY_ARCHS))
+def tiny(request, tmp_path_factory):
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    loaded = load_model(str(path), dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return request.param, loaded, hf
+
+
+def test_prefill_then_paged_decode_matches_transformers(tiny):
+    _, loaded, hf = tiny
+    kv_caches = new_kv_caches(loaded)
+    prompt = TOKEN_IDS[:11]
+    logits = [run_step(loaded, kv_caches, [prompt], [0], [BLOCK_IDS[:3]])]
+    seq = list(prompt)
+    for _ in range(6):  # decode steps cross two block boundaries
+        seq.append(int(logits[-1][-1].argmax()))
+        num_blocks = (len(seq) + BLOCK_SIZE - 1) // BLOCK_SIZE
+        logits.append(run_step(loaded, kv_caches, [[seq[-1]]], [len(seq) - 1], [BLOCK_IDS[:num_blocks]]))
+    ours = torch.cat(logits)  # (len(seq), vocab): position i predicts token i + 1
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, hf_logits(hf, seq), atol=1e-4, rtol=0)
+
+
+def test_mixed_batch_with_chunked_prefill_matches_transformers(tiny):
+    _, loaded, hf = tiny
+    kv_caches = new_kv_caches(loaded)
+    a, b = TOKEN_IDS[:6], TOKEN_IDS[3:]  # 6 and 14 tokens
+    blocks_a, blocks_b = BLOCK_IDS[:2], BLOCK_IDS[2:6]
+    # step 1: prefill all of A and the first 5 tokens of B
+    step1 = run_step(loaded, kv_caches, [a, b[:5]], [0, 0], [blocks_a, blocks_b])
+    next_a = int(step1[5].argmax())
+    # step 2: decode A, and B's remaining 9 tokens attend to its 5 cached ones
+    step2 = run_step(loaded, kv_caches, [[next_a], b[5:]], [6, 5], [blocks_a, blocks_b])
+    ref_a, ref_b = hf_logits(hf, a + [next_a]), hf_logits(hf, b)
+    torch.testing.assert_close(torch.cat([step1[:6], step2[:1]]), ref_a, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([step1[6:], step2[1:]]), ref_b, atol=1e-4, rtol=0)
+
+
+def test_loaded_model_metadata(tiny):
+    arch, loaded, _ = tiny
+    config = tiny_config(arch)
+    assert loaded.dtype == torch.float32 and all(p.dtype == torch.float32 for p in loaded.model.parameters())
+    assert not loaded.model.training
+    assert loaded.num_layers == config.num_hidden_layers
+    assert loaded.num_kv_heads == config.num_key_value_heads
+    assert loaded.head_dim == (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    assert loaded.vocab_size == 49152 and loaded.max_position_embeddings == 512
+    assert loaded.eos_token_ids == {2}
+    assert loaded.generation_config["eos_token_id"] == 2
+    assert loaded.tokenizer.chat_template
+
+
+def test_tied_embeddings_share_one_tensor(tmp_path):
+    path = make_tiny_model("llama_tied", tmp_path)
+    model = load_model(str(path), dtype="float32").model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_auto_dtype_follows_checkpoint_and_bf16_matches_transformers(tmp_path):
+    path = make_tiny_model("qwen3", tmp_path, dtype=torch.bfloat16)
+    loaded = load_model(str(path))  # dtype="auto"
+    assert loaded.dtype == torch.bfloat16
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    ours = run_step(loaded, new_kv_caches(loaded, torch.bfloat16), [TOKEN_IDS], [0], [BLOCK_IDS[:5]])
+    torch.testing.assert_close(ours, hf_logits(hf, TOKEN_IDS), atol=2e-2, rtol=0)
+    assert torch.equal(ours.argmax(-1), hf_logits(hf, TOKEN_IDS).argmax(-1))
+
+
+def test_load_weights_rejects_unknown_and_missing_tensors(tmp_path):
+    path = make_tiny_model("llama", tmp_path)
+    hf_state = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).state_dict()
+    config = tiny_config("llama")
+    with pytest.raises(ValueError, match="no matching parameter"):
+        get_model_class(config)(config).load_weights([("model.layers.0.self_attn.x_proj.weight", torch.zeros(1))])
+    partial = [(k, v) for k, v in hf_state.items() if "layers.1.mlp.up_proj" not in k]
+    with pytest.raises(ValueError, match="missing 1 tensors"):
+        get_model_class(config)(config).load_weights(partial)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+        {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0, "original_max_position_embeddings": 64},
+        {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ],
+    ids=lambda r: r["rope_type"],
+)
+def test_rotary_cache_matches_transformers(rope):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from tokenmill.layers import RotaryEmbedding
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=512, rope_parameters=dict(rope))
+    positions = torch.tensor([0, 1, 7, 63, 64, 300, 511])
+    ours_cos, ours_sin = RotaryEmbedding(config, head_dim=32)(positions, torch.float32)  # (T, 1, 16)
+    ref_cos, ref_sin = LlamaRotaryEmbedding(config)(torch.zeros(1), positions[None])  # (1, T, 32)
+    torch.testing.assert_close(torch.cat([ours_cos[:, 0]] * 2, -1), ref_cos[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.cat([ours_sin[:, 0]] * 2, -1), ref_sin[0], atol=1e-6, rtol=0)
+
+
+# --- GGUF -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(str(smollm2_gguf_path()), dtype="float32")
+
+
+def test_smollm2_gguf_matches_transformers(smollm2):
+    path = smollm2_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    prompt = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    token_ids = smollm2.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    num_blocks = (len(token_ids) + BLOCK_SIZE - 1) // BLOCK_SIZE
+    kv_caches = [
+        (torch.zeros(num_blocks, BLOCK_SIZE, 3, 64), torch.zeros(num_blocks, BLOCK_SIZE, 3, 64)) for _ in range(30)
+    ]
+    ours = run_step(smollm2, kv_caches, [token_ids], [0], [list(range(num_blocks))[::-1]])
+    ref = hf_logits(hf, token_ids)
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
+    assert int(ours[-1].argmax()) == int(ref[-1].argmax())
+
+
+def test_smollm2_gguf_config_and_tokenizer(smollm2):
+    config = smollm2.hf_config
+    assert config.architectures == ["LlamaForCausalLM"] and config.tie_word_embeddings
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (30, 576, 9)
+    assert (config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (3, 1536, 49152)
+    assert config.max_position_embeddings == 8192 and config.rope_parameters["rope_theta"] == 100000.0
+    assert smollm2.model.lm_head.weight is smollm2.model.model.embed_tokens.weight
+    assert isinstance(smollm2.tokenizer, PreTrainedTokenizerFast)
+    assert "<|im_start|>" in smollm2.tokenizer.chat_template
+    assert smollm2.eos_token_ids == {2} and smollm2.generation_config == {}
+
+
+def test_gguf_auto_dtype_is_bfloat16():
+    loaded = load_model(None)
+    assert loaded.dtype == torch.bfloat16
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert loaded.load_seconds < 60
+
+
+def _write_gguf(hf_model, arch: str, out_path) -> None:
+    """Export a tiny HF model as an F32 GGUF the way llama.cpp does (Q/K rows permuted for llama)."""
+    import gguf
+
+    config = hf_model.config
+    head_dim = config.head_dim
+    writer = gguf.GGUFWriter(str(out_path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
+             "down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in hf_model.state_dict().items():
+        w = tensor.float().numpy()
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:  # model.layers.{i}.{self_attn|mlp}.{proj}.{kind} or model.layers.{i}.{norm}.weight
+            gguf_name = f"blk.{parts[2]}.{names[parts[-2]]}.{parts[-1]}"
+        if arch == "llama" and parts[-2] in ("q_proj", "k_proj"):
+            heads = config.num_attention_heads if parts[-2] == "q_proj" else config.num_key_value_heads
+            w = w.reshape(heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gguf_export_of_tiny_model_loads_to_same_weights(arch, tmp_path):
+    path = make_tiny_model(arch, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    hf.config.head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+    _write_gguf(hf, arch, tmp_path / "tiny.gguf")
+    reader = open_gguf(tmp_path / "tiny.gguf")
+    config = gguf_to_hf_config(reader)
+    assert config.architectures == list(hf.config.architectures)
+    assert not config.tie_word_embeddings
+    weights = dict(iter_gguf_weights(reader, config))
+    expected = hf.state_dict()
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+    model = get_model_class(config)(config)
+    model.load_weights(weights.items())  # every tensor lands somewhere, none missing
+
+
+# --- loader errors and the default model ------------------------------------------------------
+
+
+def test_default_model_is_the_embedded_smollm2_gguf():
+    path = smollm2_gguf_path()
+    assert path.is_file() and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_hub_name_is_rejected_with_a_clear_message():
+    with pytest.raises(ValueError, match="never downloads") as excinfo:
+        load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert "local" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "fp32", "bf16", ""])
+def test_bad_dtype_is_rejected_naming_dtype(dtype):
+    with pytest.raises(ValueError, match="dtype") as excinfo:
+        load_model(None, dtype=dtype)
+    assert repr(dtype) in str(excinfo.value)
+
+
+def test_unsupported_architecture_is_rejected(tmp_path):
+    path = make_tiny_model("llama", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architectures.*GPT2LMHeadModel"):
+        load_model(str(path))
+
+
+def test_directory_without_checkpoint_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        load_model(str(tmp_path / "notes.txt"))
+
+
+def test_sliding_window_only_allowed_when_it_cannot_apply():
+    config = MistralConfig(sliding_window=4096, max_position_embeddings=32768)
+    with pytest.raises(NotImplementedError, match="sliding_window=4096"):
+        check_sliding_window(config)
+    check_sliding_window(config, max_model_len=4096)  # window covers the whole served context
+    check_sliding_window(MistralConfig(sliding_window=None))
+    qwen = tiny_config("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    with pytest.raises(NotImplementedError):
+        check_sliding_window(qwen)
+    check_sliding_window(tiny_config("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=3))

@@ -1,0 +1,45 @@
+"""`tokenmill serve [MODEL]`: the OpenAI-compatible HTTP server (see tokenmill/server/)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tokenmill.cli.main import add_engine_args, engine_kwargs
+
+
+def register(subparsers) -> None:
+    """Add the ``serve`` subcommand (all engine flags plus the server's own)."""
+    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients use (default: the model path, or the embedded model's name)")
+    parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    parser.set_defaults(func=cmd_serve)
+
+
+def default_served_model_name(model: str | None) -> str:
+    """The model argument as given; for the embedded model, its file name without extensions."""
+    if model is not None:
+        return model
+    from tokenmill.models.default_model import default_model_path
+
+    return Path(default_model_path()).name.split(".")[0]
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.api_server import run_server
+    from tokenmill.server.state import ServerConfig
+
+    config = ServerConfig(
+        served_model_name=args.served_model_name or default_served_model_name(args.model),
+        engine_kwargs=engine_kwargs(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+    )
+    return run_server(config)

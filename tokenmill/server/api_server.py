@@ -1,0 +1,175 @@
+"""The FastAPI app (routes, API-key check, lifespan of the engine thread) and ``run_server``.
+
+Routes: /v1/models, /v1/completions, /v1/chat/completions (API key checked when configured),
+/health, /version, /metrics, /tokenize, /detokenize and the debug view /debug/kv_cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+from contextlib import asynccontextmanager
+from typing import Callable
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import tokenmill
+from tokenmill.server.async_engine import EngineDeadError
+from tokenmill.server.errors import APIError, error_response, install_error_handlers
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokenmill.server.serving_chat import create_chat_completion, render_chat
+from tokenmill.server.serving_completions import create_completion
+from tokenmill.server.state import ServerConfig, ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def kv_cache_snapshot(engine) -> dict:
+    """The KV pool and scheduler counts, with the result of ``check_integrity()`` (engine thread only)."""
+    kv = engine.kv_cache_manager
+    try:
+        engine.check_integrity()
+        integrity = "ok"
+    except AssertionError as exc:
+        integrity = f"failed: {exc}"
+    return {
+        "num_blocks": kv.num_blocks,
+        "num_free_blocks": kv.block_pool.num_free_blocks,
+        "block_size": kv.block_size,
+        "usage": kv.usage(),
+        "num_running": engine.scheduler.num_running,
+        "num_waiting": engine.scheduler.num_waiting,
+        "num_preemptions_total": engine.scheduler.num_preemptions_total,
+        "prefix_cache_queries": kv.prefix_cache_queries,
+        "prefix_cache_hits": kv.prefix_cache_hits,
+        "integrity": integrity,
+    }
+
+
+def _api_key_check(api_key: str | None) -> list:
+    if not api_key:
+        return []
+    expected = f"Bearer {api_key}".encode()
+
+    def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise APIError("missing or incorrect API key: send 'Authorization: Bearer <key>'", 401,
+                           "authentication_error", code="invalid_api_key")
+
+    return [Depends(check)]
+
+
+def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine thread (model loading) and stops it on shutdown."""
+    state = ServerState(config, on_load_failure)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start(asyncio.get_running_loop())
+        yield
+        await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=_api_key_check(config.api_key))
+
+    def model_card() -> dict:
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill"}
+        if state.engine.is_healthy:
+            card["max_model_len"] = state.max_model_len
+        return card
+
+    @v1.get("/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model:path}")
+    async def get_model(model: str) -> dict:
+        state.check_model(model)
+        return model_card()
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, raw_request: Request):
+        return await create_completion(body, raw_request, state)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
+        return await create_chat_completion(body, raw_request, state)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if state.engine.is_healthy:
+            return {"status": "ok"}
+        why = "the model is loading" if state.engine.is_loading else f"the engine is not running ({state.engine.error})"
+        return error_response(why, 503, "service_unavailable_error")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": tokenmill.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            token_ids = render_chat(state, body.messages, body.add_generation_prompt)
+        else:
+            token_ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": token_ids, "count": len(token_ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.check_model(body.model)
+        vocab_size = state.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(f"tokens must be in [0, {vocab_size}), got {bad[:5]}", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.get("/debug/kv_cache")
+    async def debug_kv_cache() -> JSONResponse:
+        try:
+            return JSONResponse(await state.engine.call(kv_cache_snapshot))
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503, "service_unavailable_error") from None
+
+    return app
+
+
+def _ignore_signal(signum: int, frame) -> None:
+    logger.info("signal %d after shutdown: ignored", signum)
+
+
+def run_server(config: ServerConfig) -> int:
+    """Serve until SIGINT/SIGTERM; returns the process exit code (1 if the model failed to load)."""
+    load_failures: list[BaseException] = []
+
+    def on_load_failure(exc: BaseException) -> None:
+        load_failures.append(exc)
+        server.should_exit = True
+
+    app = build_app(config, on_load_failure)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_config=None,
+        timeout_graceful_shutdown=config.timeout_graceful_shutdown,
+    ))
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal under the handler
+    # that was installed before it; with this one the re-raise is a no-op and we exit with 0.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _ignore_signal)
+    logger.info("serving %r on http://%s:%d", config.served_model_name, config.host, config.port)
+    server.run()
+    return 1 if load_failures else 0

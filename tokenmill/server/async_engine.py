@@ -1,0 +1,305 @@
+"""AsyncEngine: runs the synchronous LLMEngine in one engine-owner thread for the asyncio server.
+
+Only that thread touches the engine's mutable state. The event loop sends it commands (add,
+abort, call, stop) through a queue; the thread drains them, steps while there is work, blocks
+on the queue when idle, and hands each step's RequestOutputs to per-request asyncio queues
+with one ``loop.call_soon_threadsafe`` per step. Reading the tokenizer and fixed facts
+(``max_model_len``, vocab size) from the event loop is fine; nothing else is.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tokenmill.engine.llm import LLM
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.metrics import EngineStats, RequestMetricsTracker
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not serving (still loading, crashed, or shut down)."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One prompt to generate for: already tokenized and validated by the server."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass
+class _Add:
+    requests: list[EngineRequest]
+    outputs: asyncio.Queue
+    accepted: concurrent.futures.Future
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    result: concurrent.futures.Future
+
+
+class _Stop:
+    pass
+
+
+class RequestStream:
+    """Async iterator over the RequestOutputs of a group of requests (one per prompt) until all finish.
+
+    Always ``close()`` it (a ``finally`` block): unfinished requests are then aborted, which
+    frees their KV blocks at once.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], outputs: asyncio.Queue) -> None:
+        self._engine = engine
+        self._outputs = outputs
+        self.unfinished = set(request_ids)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.unfinished:
+            raise StopAsyncIteration
+        item = await self._outputs.get()
+        if isinstance(item, BaseException):
+            self.unfinished.clear()  # the engine already dropped them
+            raise item
+        if item.finished:
+            self.unfinished.discard(item.request_id)
+        return item
+
+    def close(self) -> None:
+        if self.unfinished:
+            self._engine.abort(list(self.unfinished))
+            self.unfinished.clear()
+
+
+class AsyncEngine:
+    """Owns the engine thread. ``start()`` builds the engine there (``/health`` is 503 meanwhile).
+
+    Args:
+        engine_kwargs: keyword arguments of ``LLM(...)`` (model, dtype, max_model_len, ...).
+        tracker: per-request latency/counter metrics, updated from the engine thread.
+        on_load_failure: called (from the engine thread) if the engine cannot be built.
+    """
+
+    def __init__(
+        self,
+        engine_kwargs: dict,
+        tracker: RequestMetricsTracker | None = None,
+        on_load_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._engine_kwargs = engine_kwargs
+        self._tracker = tracker
+        self._on_load_failure = on_load_failure
+        self._commands: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.llm: LLM | None = None  # set once loaded; read-only for the event loop
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.stats = EngineStats()
+        self._streams: dict[str, asyncio.Queue] = {}  # engine thread only: request id -> its outputs
+
+    # ---- event-loop side ------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the engine thread; outputs are delivered on ``loop``."""
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_loading(self) -> bool:
+        return self.error is None and not self.ready.is_set()
+
+    @property
+    def is_healthy(self) -> bool:
+        """Loaded and the engine thread still running."""
+        return self.ready.is_set() and self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def check_healthy(self) -> None:
+        """Raise EngineDeadError unless the engine can take requests."""
+        if self.is_loading:
+            raise EngineDeadError("the model is still loading; retry when /health returns 200")
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
+
+    async def add(self, requests: list[EngineRequest]) -> RequestStream:
+        """Queue requests atomically: all are added, or none (the engine's ValueError is re-raised)."""
+        self.check_healthy()
+        outputs: asyncio.Queue = asyncio.Queue()
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add(requests, outputs, accepted, time.monotonic()))
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:  # the client left while the add was pending
+            self.abort([r.request_id for r in requests])
+            raise
+        return RequestStream(self, [r.request_id for r in requests], outputs)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (no-op for finished or unknown ids)."""
+        self._commands.put(_Abort(request_ids))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(llm_engine)`` on the engine thread between steps and return its result."""
+        self.check_healthy()
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, result))
+        return await asyncio.wrap_future(result)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still running get EngineDeadError."""
+        self._commands.put(_Stop())
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- engine-thread side ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.llm = LLM(**self._engine_kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported through /health and on_load_failure
+            logger.exception("engine failed to load")
+            self.error = exc
+            self._fail_pending(EngineDeadError(f"engine failed to load: {exc}"))
+            if self._on_load_failure is not None:
+                self._on_load_failure(exc)
+            return
+        self._update_stats()
+        self.ready.set()
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
+            logger.exception("engine thread crashed")
+            self.error = exc
+            self._fail_pending(EngineDeadError(f"engine crashed: {type(exc).__name__}: {exc}"))
+        else:
+            self._fail_pending(EngineDeadError("the server is shutting down"))
+
+    def _serve(self) -> None:
+        engine = self.llm.engine
+        while True:
+            idle = not engine.has_unfinished_requests()
+            if not self._drain_commands(engine, block=idle):
+                return
+            if engine.has_unfinished_requests():
+                step_start = time.monotonic()
+                outputs = engine.step()
+                if self._tracker is not None:
+                    self._tracker.on_step(engine, step_start, outputs)
+                self._deliver(outputs)
+            self._update_stats()
+
+    def _drain_commands(self, engine, block: bool) -> bool:
+        """Apply queued commands (waiting for one if ``block``); False once a stop arrives."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                self._add(engine, command)
+            elif isinstance(command, _Abort):
+                engine.abort_request(command.request_ids)
+                for request_id in command.request_ids:
+                    if self._streams.pop(request_id, None) is not None and self._tracker is not None:
+                        self._tracker.on_finished(request_id)
+            elif isinstance(command, _Call):
+                try:
+                    command.result.set_result(command.fn(engine))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    command.result.set_exception(exc)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, engine, command: _Add) -> None:
+        added: list[str] = []
+        try:
+            for r in command.requests:
+                engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, r.params,
+                                   arrival_time=command.arrival_time, cache_salt=r.cache_salt)
+                added.append(r.request_id)
+        except Exception as exc:  # noqa: BLE001 - a rejected request, handed to the caller
+            engine.abort_request(added)
+            command.accepted.set_exception(exc)
+            return
+        for r in command.requests:
+            self._streams[r.request_id] = command.outputs
+            if self._tracker is not None:
+                self._tracker.on_added(engine, r.request_id, command.arrival_time)
+        command.accepted.set_result(None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batch = []
+        for output in outputs:
+            target = self._streams.get(output.request_id)
+            if target is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            batch.append((target, output))
+        if batch:
+            self._post(batch)
+
+    def _post(self, batch: list[tuple[asyncio.Queue, Any]]) -> None:
+        try:
+            self._loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _fail_pending(self, error: EngineDeadError) -> None:
+        """Fail every live request and every command still queued (the engine takes no more)."""
+        batch = [(target, error) for target in {id(q): q for q in self._streams.values()}.values()]
+        self._streams.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, (_Add, _Call)):
+                future = command.accepted if isinstance(command, _Add) else command.result
+                future.set_exception(error)
+        if batch:
+            self._post(batch)
+
+    def _update_stats(self) -> None:
+        engine = self.llm.engine
+        kv = engine.kv_cache_manager
+        self.stats = EngineStats(
+            num_requests_running=engine.scheduler.num_running,
+            num_requests_waiting=engine.scheduler.num_waiting,
+            kv_cache_usage=kv.usage(),
+            num_preemptions_total=engine.scheduler.num_preemptions_total,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for target, item in batch:
+        target.put_nowait(item)

@@ -1,0 +1,166 @@
+"""Prometheus metrics of the server, under the ``tokenmill:`` prefix, in their own CollectorRegistry.
+
+Latency histograms and token/request counters are updated by the engine thread through
+``RequestMetricsTracker``; gauges and the engine's own counters (preemptions, prefix-cache
+queries/hits) are read at scrape time from the ``EngineStats`` snapshot the engine thread
+publishes after every step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tokenmill.outputs import RequestOutput
+from tokenmill.request import RequestStatus
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's gauges and cumulative counters after its latest step (replaced, never mutated)."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # tokens found there
+
+
+class _EngineStatsCollector(Collector):
+    """Turns the latest EngineStats into gauges and counters at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        labels = ["model_name"]
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch.", stats.num_requests_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_requests_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_cache_usage),
+        ):
+            gauge = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            gauge.add_metric([self._model_name], value)
+            yield gauge
+        for name, doc, value in (
+            ("num_preemptions", "Preemptions of running requests.", stats.num_preemptions_total),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            counter.add_metric([self._model_name], value)
+            yield counter
+
+
+class ServerMetrics:
+    """The registry and every metric the server exports.
+
+    Args:
+        model_name: value of the ``model_name`` label (the served model name).
+        stats: returns the engine's latest EngineStats (read at scrape time).
+    """
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        label = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(f"tokenmill:{name}", doc, label, buckets=buckets, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(f"tokenmill:{name}", doc, label, registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first output token.",
+                                             _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output steps of a request.",
+                                             _ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.",
+                                            _LATENCY_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
+        self._request_success = Counter("tokenmill:request_success", "Finished sequences by finish reason.",
+                                        ["model_name", "finished_reason"], registry=self.registry)
+        self.registry.register(_EngineStatsCollector(model_name, stats))
+
+    def count_finished(self, finish_reason: str) -> None:
+        self._request_success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of the registry."""
+        return generate_latest(self.registry)
+
+
+@dataclass
+class _Tracked:
+    first_child_id: str
+    arrival_time: float
+    scheduled: bool = False
+    prompt_counted: bool = False
+    last_token_time: float | None = None
+
+
+class RequestMetricsTracker:
+    """Per-request latency bookkeeping. Engine thread only (it reads the scheduler between steps).
+
+    Queue time ends at the start of the step in which the request was first scheduled; TTFT and
+    inter-token latency are measured when outputs carrying new tokens leave the engine.
+    """
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self._tracked: dict[str, _Tracked] = {}
+        self._unscheduled: set[str] = set()
+
+    def on_added(self, engine, request_id: str, arrival_time: float) -> None:
+        first_child = engine.output_processor.child_ids(request_id)[0]
+        self._tracked[request_id] = _Tracked(first_child, arrival_time)
+        self._unscheduled.add(request_id)
+
+    def on_finished(self, request_id: str) -> None:
+        """Forget an aborted request."""
+        self._tracked.pop(request_id, None)
+        self._unscheduled.discard(request_id)
+
+    def on_step(self, engine, step_start: float, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        for request_id in list(self._unscheduled):
+            tracked = self._tracked[request_id]
+            request = engine.scheduler.requests.get(tracked.first_child_id)
+            if request is None or request.status is not RequestStatus.WAITING:
+                m.request_queue_time.observe(step_start - tracked.arrival_time)
+                self._unscheduled.discard(request_id)
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            if not tracked.prompt_counted:
+                m.prompt_tokens.inc(len(output.prompt_token_ids))
+                tracked.prompt_counted = True
+            num_new = sum(len(c.delta_token_ids) for c in output.outputs)
+            if num_new:
+                m.generation_tokens.inc(num_new)
+                if tracked.last_token_time is None:
+                    m.time_to_first_token.observe(now - tracked.arrival_time)
+                else:
+                    m.inter_token_latency.observe(now - tracked.last_token_time)
+                tracked.last_token_time = now
+            if output.finished:
+                m.e2e_request_latency.observe(now - tracked.arrival_time)
+                for completion in output.outputs:
+                    m.count_finished(completion.finish_reason or "abort")
+                self.on_finished(output.request_id)

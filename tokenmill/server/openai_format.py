@@ -1,0 +1,180 @@
+"""Translation between OpenAI request fields and tokenmill types: SamplingParams, length checks,
+log-probabilities in the completions and chat formats, usage, and SSE framing.
+
+Pure functions over the engine's outputs; never touches the engine.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from tokenmill.outputs import Logprob, PositionLogprobs, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import APIError, param_from_message
+from tokenmill.server.protocol import SamplingRequest
+
+MAX_N = 128  # most sequences one request may ask for
+MAX_STOP_STRINGS = 32  # every stop string is searched at every step
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias
+_NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def build_sampling_params(
+    request: SamplingRequest,
+    *,
+    vocab_size: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    aliases: dict[str, str] | None = None,
+) -> SamplingParams:
+    """SamplingParams for a request, or an APIError naming the request field at fault.
+
+    ``aliases`` maps SamplingParams field names to the request's names (chat's
+    ``top_logprobs`` is ``logprobs`` here).
+    """
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop
+    if stop is not None and len(stop) > MAX_STOP_STRINGS:
+        raise APIError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
+    if request.n > MAX_N:
+        raise APIError(f"n must be <= {MAX_N}, got {request.n}", param="n")
+    for token_id in request.stop_token_ids or ():
+        if not 0 <= token_id < vocab_size:
+            raise APIError(f"stop_token_ids must be in [0, {vocab_size}), got {token_id}", param="stop_token_ids")
+    logit_bias = None
+    if request.logit_bias:
+        logit_bias = {}
+        for key, bias in request.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not 0 <= token_id < vocab_size:
+                raise APIError(f"logit_bias token id must be in [0, {vocab_size}), got {token_id}", param="logit_bias")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise APIError(f"logit_bias values must be in [-100, 100], got {bias}", param="logit_bias")
+            logit_bias[token_id] = bias
+    try:
+        return SamplingParams(
+            n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+            logit_bias=logit_bias, max_tokens=max_tokens, min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos, stop=stop, stop_token_ids=request.stop_token_ids,
+            include_stop_str_in_output=request.include_stop_str_in_output, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
+        )
+    except ValueError as exc:
+        raise APIError(str(exc), param=param_from_message(str(exc), aliases)) from None
+
+
+def check_length(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str, max_tokens_param: str
+) -> None:
+    """Reject prompts that cannot fit (with room for at least one token) and over-long max_tokens."""
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(
+            f"{prompt_param} is {num_prompt_tokens} tokens long, but this model's max_model_len is "
+            f"{max_model_len} tokens, so at most {max_model_len - 1} prompt tokens fit",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise APIError(
+            f"{prompt_param} ({num_prompt_tokens} tokens) + {max_tokens_param} ({max_tokens}) = "
+            f"{num_prompt_tokens + max_tokens} tokens exceeds this model's max_model_len of {max_model_len}",
+            param=max_tokens_param, code="context_length_exceeded",
+        )
+
+
+def _logprob_value(logprob: Logprob) -> float:
+    value = logprob.logprob
+    return _NEG_INF_LOGPROB if math.isinf(value) or math.isnan(value) else value
+
+
+class TokenTexts:
+    """Token id -> the text of that token alone, decoded once and remembered."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+class CompletionLogprobs:
+    """Builds the completions ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset).
+
+    Positions are appended in order (prompt positions first when echoing); ``take()`` returns
+    what was appended since the previous ``take()``, with ``text_offset`` continuing across calls.
+    """
+
+    def __init__(self, token_text: TokenTexts) -> None:
+        self._token_text = token_text
+        self._offset = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._new: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def append(self, token_ids: list[int], entries: list[PositionLogprobs | None]) -> None:
+        for token_id, entry in zip(token_ids, entries):
+            text = self._token_text(token_id, entry.get(token_id) if entry else None)
+            self._new["tokens"].append(text)
+            self._new["text_offset"].append(self._offset)
+            self._offset += len(text)
+            if entry is None:  # the first prompt token has no context
+                self._new["token_logprobs"].append(None)
+                self._new["top_logprobs"].append(None)
+                continue
+            self._new["token_logprobs"].append(_logprob_value(entry[token_id]))
+            self._new["top_logprobs"].append(
+                {self._token_text(tid, lp): _logprob_value(lp) for tid, lp in entry.items()}
+            )
+
+    def take(self) -> dict:
+        new = self._new
+        self._reset()
+        return new
+
+
+def chat_logprobs(
+    token_ids: list[int], entries: list[PositionLogprobs], top_logprobs: int, token_text: TokenTexts
+) -> dict:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}, ...]}``."""
+
+    def item(token_id: int, logprob: Logprob) -> dict:
+        text = token_text(token_id, logprob)
+        return {"token": text, "logprob": _logprob_value(logprob), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        top = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= top_logprobs),
+                     key=lambda pair: pair[1].rank)
+        content.append({**item(token_id, entry[token_id]), "top_logprobs": [item(t, lp) for t, lp in top]})
+    return {"content": content}
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    """OpenAI usage over the finished outputs of one HTTP request (one per prompt)."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+    }
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event carrying a JSON payload."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,100 @@
+"""``POST /v1/chat/completions``: a conversation rendered with the model's chat template, answered
+as OpenAI chat completions (streamed as ``chat.completion.chunk`` deltas or not).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tokenmill.server.async_engine import EngineRequest, RequestStream
+from tokenmill.server.errors import APIError
+from tokenmill.server.openai_format import build_sampling_params, chat_logprobs, check_length, usage
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
+from tokenmill.server.state import ServerState, sse_stream
+
+
+def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """Prompt token ids of a conversation (the same ones ``LLM.chat`` would use)."""
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return state.llm().apply_chat_template(conversation, add_generation_prompt)
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise APIError(f"messages could not be rendered with the chat template: {exc}", param="messages") from None
+
+
+def _engine_request(body: ChatCompletionRequest, state: ServerState, request_id: str) -> EngineRequest:
+    use_completion_name = body.max_completion_tokens is not None
+    max_tokens = body.max_completion_tokens if use_completion_name else body.max_tokens
+    max_tokens_param = "max_completion_tokens" if use_completion_name else "max_tokens"
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    params = build_sampling_params(
+        body, vocab_size=state.vocab_size, max_tokens=max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        aliases={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
+    )
+    token_ids = render_chat(state, body.messages, body.add_generation_prompt)
+    check_length(len(token_ids), max_tokens, state.max_model_len, "messages", max_tokens_param)
+    return EngineRequest(request_id, token_ids, params, None, body.cache_salt)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, state: ServerState):
+    """Validate, queue, and answer (JSON or SSE) one chat completions request."""
+    state.check_model(body.model)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request = _engine_request(body, state, response_id)
+    stream = await state.submit([request], "messages")
+    created = int(time.time())
+    if body.stream:
+        header = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+        return StreamingResponse(sse_stream(_stream_events(body, state, stream, header), stream),
+                                 media_type="text/event-stream")
+    output = (await state.collect(stream, raw_request))[response_id]
+    choices = []
+    for completion in output.outputs:
+        logprobs = None
+        if body.logprobs:
+            logprobs = chat_logprobs(completion.token_ids, completion.logprobs or [], body.top_logprobs or 0,
+                                     state.token_texts)
+        choices.append({"index": completion.index, "message": {"role": "assistant", "content": completion.text},
+                        "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                        "stop_reason": completion.stop_reason})
+    return JSONResponse({"id": response_id, "object": "chat.completion", "created": created,
+                         "model": state.model_name, "choices": choices, "usage": usage([output])})
+
+
+async def _stream_events(
+    body: ChatCompletionRequest, state: ServerState, stream: RequestStream, header: dict
+) -> AsyncIterator[dict]:
+    yield {**header, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None} for i in range(body.n)]}
+    finished: set[int] = set()
+    final = None
+    async for output in stream:
+        choices = []
+        for completion in output.outputs:
+            if completion.index in finished:
+                continue
+            text = completion.delta_text
+            has_tokens = bool(completion.delta_token_ids)
+            if not text and completion.finish_reason is None and not (body.logprobs and has_tokens):
+                continue
+            logprobs = None
+            if body.logprobs:
+                logprobs = chat_logprobs(completion.delta_token_ids, completion.delta_logprobs or [],
+                                         body.top_logprobs or 0, state.token_texts)
+            if completion.finish_reason is not None:
+                finished.add(completion.index)
+            choices.append({"index": completion.index, "delta": {"content": text} if text else {},
+                            "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                            "stop_reason": completion.stop_reason})
+        final = output
+        if choices:
+            yield {**header, "choices": choices}
+    if body.include_usage and final is not None:
+        yield {**header, "choices": [], "usage": usage([final])}

@@ -1,0 +1,122 @@
+"""``POST /v1/completions``: prompts (text or token ids, one or many) to OpenAI text completions.
+
+Choice ``index`` is ``prompt_index * n + sequence_index``. With ``echo`` the prompt text (and,
+with ``logprobs``, the prompt tokens' log-probabilities, the first one null) comes first.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.async_engine import EngineRequest, RequestStream
+from tokenmill.server.errors import APIError
+from tokenmill.server.openai_format import CompletionLogprobs, build_sampling_params, check_length, usage
+from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.state import ServerState, sse_stream
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+def _engine_requests(body: CompletionRequest, state: ServerState, response_id: str) -> list[EngineRequest]:
+    if body.suffix is not None:
+        raise APIError("suffix is not supported (no fill-in-the-middle); leave it unset", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(f"best_of is not supported (got {body.best_of}); use n", param="best_of")
+    params = build_sampling_params(
+        body, vocab_size=state.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs,
+        prompt_logprobs=body.logprobs if body.echo else None,
+    )
+    prompts = _prompt_list(body.prompt)
+    if not prompts:
+        raise APIError("prompt must not be empty", param="prompt")
+    engine = state.llm().engine
+    requests = []
+    for i, prompt in enumerate(prompts):
+        try:
+            text, token_ids = engine.tokenize_prompt(prompt)
+        except ValueError as exc:
+            raise APIError(f"{exc}" if len(prompts) == 1 else f"prompt {i}: {exc}", param="prompt") from None
+        check_length(len(token_ids), body.max_tokens, engine.max_model_len, "prompt", "max_tokens")
+        if text is None and body.echo:
+            text = state.tokenizer.decode(token_ids)
+        request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
+        requests.append(EngineRequest(request_id, token_ids, params, text, body.cache_salt))
+    return requests
+
+
+async def create_completion(body: CompletionRequest, raw_request: Request, state: ServerState):
+    """Validate, queue, and answer (JSON or SSE) one completions request."""
+    state.check_model(body.model)
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = _engine_requests(body, state, response_id)
+    stream = await state.submit(requests, "prompt")
+    header = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
+    if body.stream:
+        events = _stream_events(body, state, requests, stream, header)
+        return StreamingResponse(sse_stream(events, stream), media_type="text/event-stream")
+    finals = await state.collect(stream, raw_request)
+    choices = []
+    for i, request in enumerate(requests):
+        output = finals[request.request_id]
+        for completion in output.outputs:
+            text = completion.text
+            logprobs = None
+            if body.logprobs is not None:
+                builder = CompletionLogprobs(state.token_texts)
+                if body.echo:
+                    builder.append(output.prompt_token_ids, output.prompt_logprobs or [])
+                builder.append(completion.token_ids, completion.logprobs or [])
+                logprobs = builder.take()
+            if body.echo:
+                text = request.prompt + text
+            choices.append({"index": i * body.n + completion.index, "text": text, "logprobs": logprobs,
+                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+    return JSONResponse({**header, "choices": choices, "usage": usage([finals[r.request_id] for r in requests])})
+
+
+async def _stream_events(
+    body: CompletionRequest, state: ServerState, requests: list[EngineRequest], stream: RequestStream, header: dict
+) -> AsyncIterator[dict]:
+    prompt_index = {r.request_id: i for i, r in enumerate(requests)}
+    builders: dict[tuple[int, int], CompletionLogprobs] = {}
+    started: set[tuple[int, int]] = set()
+    finished: set[tuple[int, int]] = set()
+    finals: dict[str, RequestOutput] = {}
+    async for output in stream:
+        p = prompt_index[output.request_id]
+        choices = []
+        for completion in output.outputs:
+            key = (p, completion.index)
+            if key in finished:
+                continue
+            echo_now = body.echo and key not in started
+            text = (requests[p].prompt + completion.delta_text) if echo_now else completion.delta_text
+            logprobs = None
+            if body.logprobs is not None:
+                builder = builders.setdefault(key, CompletionLogprobs(state.token_texts))
+                if echo_now:
+                    builder.append(output.prompt_token_ids, output.prompt_logprobs or [])
+                builder.append(completion.delta_token_ids, completion.delta_logprobs or [])
+                logprobs = builder.take()
+            if not text and completion.finish_reason is None and not (logprobs and logprobs["tokens"]):
+                continue
+            started.add(key)
+            if completion.finish_reason is not None:
+                finished.add(key)
+            choices.append({"index": p * body.n + completion.index, "text": text, "logprobs": logprobs,
+                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+        if output.finished:
+            finals[output.request_id] = output
+        if choices:
+            yield {**header, "choices": choices}
+    if body.include_usage:
+        yield {**header, "choices": [], "usage": usage([finals[r.request_id] for r in requests])}

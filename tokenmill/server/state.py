@@ -1,0 +1,135 @@
+"""ServerConfig and ServerState: what every route shares (engine, served name, metrics), plus the
+plumbing between a route and the engine: submit requests, collect results while watching for
+a disconnected client, and frame streams as SSE that abort on exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.async_engine import AsyncEngine, EngineDeadError, EngineRequest, RequestStream
+from tokenmill.server.errors import APIError
+from tokenmill.server.metrics import RequestMetricsTracker, ServerMetrics
+from tokenmill.server.openai_format import SSE_DONE, TokenTexts, sse
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of ``tokenmill serve``.
+
+    Args:
+        engine_kwargs: keyword arguments of ``LLM(...)``.
+        served_model_name: the name clients must use in ``model``.
+        api_key: when set, every /v1 route needs ``Authorization: Bearer <api_key>``.
+        timeout_graceful_shutdown: seconds in-flight requests get to finish after SIGTERM/SIGINT.
+    """
+
+    served_model_name: str
+    engine_kwargs: dict = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    timeout_graceful_shutdown: float = 30.0
+
+
+class ServerState:
+    """The engine, the metrics and the served name, shared by all routes (``app.state.server``)."""
+
+    def __init__(self, config: ServerConfig, on_load_failure: Callable[[BaseException], None] | None = None) -> None:
+        self.config = config
+        self.model_name = config.served_model_name
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats)
+        self.engine = AsyncEngine(config.engine_kwargs, RequestMetricsTracker(self.metrics), on_load_failure)
+        self._token_texts: TokenTexts | None = None
+
+    # ---- facts of the loaded engine (raise 503 until it is loaded) ---------------------------
+    def llm(self):
+        try:
+            self.engine.check_healthy()
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503, "service_unavailable_error") from None
+        return self.engine.llm
+
+    @property
+    def tokenizer(self):
+        return self.llm().get_tokenizer()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm().engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm().engine.loaded.vocab_size
+
+    @property
+    def token_texts(self) -> TokenTexts:
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.tokenizer)
+        return self._token_texts
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is None or the served name."""
+        if model is not None and model != self.model_name:
+            raise APIError(f"model {model!r} does not exist; this server serves {self.model_name!r}", 404,
+                           "not_found_error", param="model", code="model_not_found")
+
+    # ---- talking to the engine -----------------------------------------------------------------
+    async def submit(self, requests: list[EngineRequest], prompt_param: str) -> RequestStream:
+        """Queue requests (all or none); engine rejections become 400s naming ``prompt_param``."""
+        try:
+            return await self.engine.add(requests)
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503, "service_unavailable_error") from None
+        except ValueError as exc:
+            raise APIError(str(exc), param=prompt_param) from None
+
+    async def collect(self, stream: RequestStream, raw_request: Request) -> dict[str, RequestOutput]:
+        """The final output of every request in ``stream``; aborts them if the client disconnects."""
+        finals: dict[str, RequestOutput] = {}
+
+        async def drain() -> None:
+            async for output in stream:
+                if output.finished:
+                    finals[output.request_id] = output
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await raw_request.is_disconnected():
+                    logger.info("client disconnected; aborting %s", sorted(stream.unfinished))
+                    raise APIError("client disconnected", 499)
+            try:
+                task.result()
+            except EngineDeadError as exc:
+                raise APIError(str(exc), 503, "service_unavailable_error") from None
+            return finals
+        finally:
+            task.cancel()
+            stream.close()
+
+
+async def sse_stream(events: AsyncIterator[dict], stream: RequestStream) -> AsyncIterator[str]:
+    """Frame chunk dicts as SSE, end with ``[DONE]``; the requests are aborted if the client leaves."""
+    try:
+        async for event in events:
+            yield sse(event)
+    except EngineDeadError as exc:
+        yield sse({"error": {"message": str(exc), "type": "service_unavailable_error", "param": None, "code": 503}})
+    finally:
+        stream.close()
+    yield SSE_DONE
