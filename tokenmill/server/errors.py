@@ -57,15 +57,17 @@ def error_response(
     return JSONResponse(body, status_code=status_code)
 
 
-def param_from_message(message: str, aliases: dict[str, str] | None = None) -> str | None:
-    """The field a ``SamplingParams``/engine ValueError names (its first word), mapped through ``aliases``.
+def field_error(message: str, aliases: dict[str, str] | None = None) -> APIError:
+    """An APIError for a ``SamplingParams``/engine ValueError, whose first word names the field.
 
-    SamplingParams messages read "<field> must be ..., got <value>".
+    SamplingParams messages read "<field> must be ..., got <value>"; ``aliases`` renames fields
+    to the request's names (in the message too).
     """
     first = message.split(" ", 1)[0].strip(":,")
     if not first.isidentifier():
-        return None
-    return (aliases or {}).get(first, first)
+        return APIError(message)
+    param = (aliases or {}).get(first, first)
+    return APIError(param + message[len(first):], param=param)
 
 
 def param_from_loc(loc: tuple) -> str | None:

@@ -10,7 +10,7 @@ import math
 
 from tokenmill.outputs import Logprob, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.errors import APIError, param_from_message
+from tokenmill.server.errors import APIError, field_error
 from tokenmill.server.protocol import SamplingRequest
 
 MAX_N = 128  # most sequences one request may ask for
@@ -65,7 +65,7 @@ def build_sampling_params(
             prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
         )
     except ValueError as exc:
-        raise APIError(str(exc), param=param_from_message(str(exc), aliases)) from None
+        raise field_error(str(exc), aliases) from None
 
 
 def check_length(

@@ -1,0 +1,351 @@
+"""The OpenAI-compatible server against a tiny random Llama, as a real process over real HTTP.
+
+Greedy results (completions and chat, streamed and not, 64 concurrent streams) must equal the
+offline ``LLM`` on the same weights in this process; bad inputs get OpenAI error bodies naming
+the field while a valid request still succeeds; disconnects free KV blocks; /metrics counters
+move; the API key is enforced; SIGTERM exits with 0 after finishing in-flight requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tests.server_fixtures import ServerProcess, sse_events
+from tests.tiny_models import make_tiny_model
+from tokenmill import LLM, SamplingParams
+
+SERVER_ARGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "16", "--num-threads", "1"]
+NUM_BLOCKS = 256
+MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,"]
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    return str(make_tiny_model("llama", tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, tmp_path_factory):
+    proc = ServerProcess(tiny_path, SERVER_ARGS, tmp_path_factory.mktemp("logs") / "server.log").wait_healthy()
+    yield proc
+    assert proc.stop() == 0, proc.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_path) -> LLM:
+    return LLM(model=tiny_path, dtype="float32", num_kv_blocks=NUM_BLOCKS, num_threads=1)
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+# ---- results equal the offline engine ---------------------------------------------------------
+def test_completions_equal_offline_generate(server, llm, tiny_path):
+    expected = llm.generate(PROMPTS, greedy(12))
+    client = server.client()
+    for prompt, want in zip(PROMPTS, expected):
+        got = client.completions.create(model=tiny_path, prompt=prompt, max_tokens=12, temperature=0)
+        assert got.id.startswith("cmpl-") and got.model == tiny_path and got.object == "text_completion"
+        assert got.choices[0].text == want.outputs[0].text
+        assert got.choices[0].finish_reason == want.outputs[0].finish_reason
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+        assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+        assert got.usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_streamed_completion_joins_to_non_streamed(server, llm, tiny_path):
+    want = llm.generate(PROMPTS[1], greedy(16))[0]
+    chunks = list(server.client().completions.create(
+        model=tiny_path, prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.outputs[0].finish_reason
+    assert len({c.id for c in chunks}) == 1
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert usage_chunk.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_chat_equals_offline_chat_streamed_and_not(server, llm, tiny_path):
+    want = llm.chat(CHAT, greedy(16))[0]
+    client = server.client()
+    got = client.chat.completions.create(model=tiny_path, messages=CHAT, max_tokens=16, temperature=0)
+    assert got.id.startswith("chatcmpl-") and got.object == "chat.completion"
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+    chunks = list(client.chat.completions.create(model=tiny_path, messages=CHAT, max_completion_tokens=16,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+def test_prompt_forms_and_n_choice_indices(server, llm, tiny_path):
+    token_prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS[:2]]
+    expected = llm.generate([{"prompt_token_ids": t} for t in token_prompts], greedy(6))
+    client = server.client()
+    single = client.completions.create(model=tiny_path, prompt=token_prompts[0], max_tokens=6, temperature=0)
+    assert single.choices[0].text == expected[0].outputs[0].text
+    many = client.completions.create(model=tiny_path, prompt=token_prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert [c.text for c in many.choices] == [e.outputs[0].text for e in expected for _ in range(2)]
+    assert many.usage.completion_tokens == 2 * sum(len(e.outputs[0].token_ids) for e in expected)
+    texts = client.completions.create(model=tiny_path, prompt=PROMPTS[:3], max_tokens=6, temperature=0)
+    assert [c.text for c in texts.choices] == [o.outputs[0].text for o in llm.generate(PROMPTS[:3], greedy(6))]
+
+
+def test_completion_echo_with_logprobs(server, llm, tiny_path):
+    want = llm.generate(PROMPTS[0], greedy(5, logprobs=2, prompt_logprobs=2))[0]
+    got = server.client().completions.create(model=tiny_path, prompt=PROMPTS[0], max_tokens=5, temperature=0,
+                                             echo=True, logprobs=2)
+    choice = got.choices[0]
+    assert choice.text == PROMPTS[0] + want.outputs[0].text
+    lp = choice.logprobs
+    num_prompt = len(want.prompt_token_ids)
+    assert len(lp.tokens) == num_prompt + len(want.outputs[0].token_ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    expected_prompt_lps = [want.prompt_logprobs[i][t].logprob for i, t in enumerate(want.prompt_token_ids) if i]
+    assert lp.token_logprobs[1:num_prompt] == pytest.approx(expected_prompt_lps, abs=1e-4)
+    expected_output_lps = [e[t].logprob for e, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+    assert lp.token_logprobs[num_prompt:] == pytest.approx(expected_output_lps, abs=1e-4)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_chat_logprobs_format(server, tiny_path):
+    got = server.client().chat.completions.create(model=tiny_path, messages=CHAT, max_tokens=6, temperature=0,
+                                                  logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3
+        values = [t.logprob for t in item.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert item.logprob == pytest.approx(values[0])  # greedy: the sampled token is the top one
+        assert item.bytes == list(item.token.encode("utf-8"))
+
+
+def test_64_concurrent_streaming_requests(server, llm, tiny_path):
+    prompts = [f"Request number {i}: " + "word " * (i % 13) for i in range(64)]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, greedy(8))]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, int]:
+        stream = await client.completions.create(model=tiny_path, prompt=prompt, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+        text, completion_tokens = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage:
+                completion_tokens = chunk.usage.completion_tokens
+        return text, completion_tokens
+
+    async def run_all():
+        async with server.async_client(timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(run_all())
+    assert [text for text, _ in results] == expected
+    assert all(n is not None and n <= 8 for _, n in results)
+    kv = server.wait_idle()
+    assert kv["num_free_blocks"] == NUM_BLOCKS and kv["integrity"] == "ok"
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+LONG = "hello " * 600  # > max_model_len tokens
+C, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
+BAD_REQUESTS = [  # (path, body, status, param)
+    (C, {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    (C, {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    (C, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    (C, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    (C, {"prompt": "x", "n": 0}, 400, "n"),
+    (C, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    (C, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    (C, {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+    (C, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    (C, {"prompt": "x", "stop": ["s"] * 100}, 400, "stop"),
+    (C, {"prompt": "x", "stop": 5}, 400, "stop"),
+    (C, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    (C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "suffix": "tail"}, 400, "suffix"),
+    (C, {"prompt": ""}, 400, "prompt"),
+    (C, {"prompt": []}, 400, "prompt"),
+    (C, {"prompt": [10**9]}, 400, "prompt"),
+    (C, {"prompt": LONG}, 400, "prompt"),
+    (C, {"prompt": "hello " * 450, "max_tokens": 100}, 400, "max_tokens"),
+    (C, {"max_tokens": 3}, 400, "prompt"),
+    (C, {"prompt": "x", "model": "no-such-model"}, 404, "model"),
+    (C, [1, 2, 3], 400, None),
+    (CHAT_PATH, {"messages": []}, 400, "messages"),
+    (CHAT_PATH, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400,
+     "max_completion_tokens"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+]
+
+
+def test_bad_inputs_get_openai_errors_while_valid_request_succeeds(server, llm, tiny_path):
+    want = llm.generate(PROMPTS[2], greedy(40, ignore_eos=True))[0].outputs[0].text
+    queries_before = server.kv_cache()["prefix_cache_queries"]
+    valid: dict = {}
+
+    def run_valid() -> None:
+        valid["response"] = server.post(C, {"model": tiny_path, "prompt": PROMPTS[2], "max_tokens": 40,
+                                            "temperature": 0, "ignore_eos": True})
+
+    thread = threading.Thread(target=run_valid)
+    thread.start()
+    invalid_json = httpx.post(f"{server.url}{C}", content=b'{"prompt": "x",', timeout=30,
+                              headers={"content-type": "application/json"})
+    assert invalid_json.status_code == 400 and invalid_json.json()["error"]["type"] == "invalid_request_error"
+    for path, body, status, param in BAD_REQUESTS:
+        if isinstance(body, dict):
+            body = {"model": tiny_path, **body}
+        response = server.post(path, body)
+        assert response.status_code == status, (body, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param, (body, error)
+        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+        assert error["message"] and (param is None or param.split("[")[0] in error["message"]), error
+    thread.join(60)
+    assert valid["response"].status_code == 200 and valid["response"].json()["choices"][0]["text"] == want
+    # None of the bad requests reached the engine: only the valid prompt was looked up in the cache.
+    num_valid_prompt = valid["response"].json()["usage"]["prompt_tokens"]
+    assert server.kv_cache()["prefix_cache_queries"] - queries_before == num_valid_prompt
+    assert server.get_json("/health") == {"status": "ok"}
+
+
+def test_over_length_error_names_token_counts(server, llm, tiny_path):
+    error = server.post(C, {"model": tiny_path, "prompt": LONG}).json()["error"]
+    num_tokens = len(llm.get_tokenizer().encode(LONG))
+    assert f"{num_tokens} tokens" in error["message"] and f"{MAX_MODEL_LEN} tokens" in error["message"]
+    assert error["code"] == "context_length_exceeded"
+
+
+# ---- disconnects --------------------------------------------------------------------------------
+def _long_body(tiny_path: str, stream: bool) -> dict:
+    return {"model": tiny_path, "prompt": PROMPTS[0], "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+
+
+def test_disconnect_mid_stream_frees_blocks(server, tiny_path):
+    generated_before = server.metrics()["tokenmill:generation_tokens_total"]
+    with httpx.stream("POST", f"{server.url}{C}", json=_long_body(tiny_path, True), timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            assert next(lines) .startswith("data: ")
+            next(lines)
+        assert server.kv_cache()["num_running"] == 1
+    kv = server.wait_idle()
+    assert kv["num_running"] == 0 and kv["num_free_blocks"] == NUM_BLOCKS and kv["integrity"] == "ok"
+    generated = server.metrics()["tokenmill:generation_tokens_total"] - generated_before
+    assert generated < MAX_MODEL_LEN - 16  # it stopped consuming compute
+
+
+def test_disconnect_while_waiting_non_streamed_frees_blocks(server, tiny_path):
+    generated_before = server.metrics()["tokenmill:generation_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}{C}", json=_long_body(tiny_path, False), timeout=0.3)
+    kv = server.wait_idle()
+    assert kv["num_running"] == 0 and kv["num_free_blocks"] == NUM_BLOCKS and kv["integrity"] == "ok"
+    generated = server.metrics()["tokenmill:generation_tokens_total"] - generated_before
+    assert generated < MAX_MODEL_LEN - 16
+
+
+# ---- metrics and small endpoints --------------------------------------------------------------
+def test_metrics_parse_and_counters_move(server, tiny_path):
+    before = server.metrics()
+    got = server.client().completions.create(model=tiny_path, prompt=PROMPTS[3], max_tokens=7, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert delta("tokenmill:prompt_tokens_total") == got.usage.prompt_tokens
+    assert delta("tokenmill:generation_tokens_total") == 7
+    assert delta("tokenmill:request_success_total{finished_reason=length}") == 1
+    assert delta("tokenmill:time_to_first_token_seconds_count") == 1
+    assert delta("tokenmill:inter_token_latency_seconds_count") == 6
+    assert delta("tokenmill:e2e_request_latency_seconds_count") == 1
+    assert delta("tokenmill:request_queue_time_seconds_count") == 1
+    assert delta("tokenmill:prefix_cache_queries_total") == got.usage.prompt_tokens
+    for name in ("tokenmill:num_requests_running", "tokenmill:num_requests_waiting", "tokenmill:kv_cache_usage_perc",
+                 "tokenmill:num_preemptions_total", "tokenmill:prefix_cache_hits_total"):
+        assert name in after
+
+
+def test_models_version_tokenize_detokenize(server, llm, tiny_path):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [tiny_path]
+    assert server.get_json("/version")["version"]
+    tokens = server.post("/tokenize", {"prompt": PROMPTS[0]}).json()
+    assert tokens["tokens"] == llm.get_tokenizer().encode(PROMPTS[0]) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    chat_tokens = server.post("/tokenize", {"messages": CHAT}).json()["tokens"]
+    assert chat_tokens == llm.apply_chat_template(CHAT)
+    assert server.post("/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == PROMPTS[0]
+    bad = server.post("/detokenize", {"tokens": [-5]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_sse_wire_format(server, tiny_path):
+    response = server.post(C, {"model": tiny_path, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0,
+                               "stream": True})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response)
+    assert events[-1] == "[DONE]" and all(isinstance(e, dict) for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+# ---- API key and shutdown (a server of their own) ---------------------------------------------
+def test_api_key_required_and_sigterm_exits_cleanly(tiny_path, tmp_path):
+    server = ServerProcess(tiny_path, SERVER_ARGS, tmp_path / "server.log", api_key="sekret").wait_healthy()
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.get(f"{server.url}/v1/models", headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert server.client().models.list().data[0].id == tiny_path
+
+        # A long streamed request is in flight when SIGTERM arrives: it still finishes.
+        result: dict = {}
+
+        def stream_long() -> None:
+            chunks = list(server.client(timeout=60).completions.create(
+                model=tiny_path, prompt=PROMPTS[0], max_tokens=300, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}))
+            result["finish_reason"] = chunks[-1].choices[0].finish_reason
+
+        thread = threading.Thread(target=stream_long)
+        thread.start()
+        while server.kv_cache()["num_running"] == 0 and thread.is_alive():
+            time.sleep(0.01)
+    finally:
+        code = server.stop()
+    thread.join(60)
+    assert code == 0, server.log()[-3000:]
+    assert result.get("finish_reason") == "length"
+    assert "Traceback" not in server.log()
