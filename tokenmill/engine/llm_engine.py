@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.stats_logger import StatsLogger
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.models.loader import load_model
 from tokenmill.outputs import RequestOutput
@@ -50,6 +51,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats_logger = StatsLogger()
         self.model_name = self.loaded.model_path
         logger.info(
             "engine ready in %.1fs: %s (%s), max_model_len=%d, %d KV tokens",
@@ -148,6 +150,9 @@ class LLMEngine:
             return []
         runner_output = self.runner.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        num_generated = sum(t is not None for t in runner_output.sampled_token_ids)
+        self.stats_logger.record_step(scheduler_output.total_num_scheduled_tokens - num_generated, num_generated)
+        self.stats_logger.maybe_log(self.scheduler, self.kv_cache_manager)
         outputs, to_stop = self.output_processor.process(updated)
         if to_stop:
             self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)

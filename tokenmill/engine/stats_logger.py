@@ -1,0 +1,41 @@
+"""StatsLogger: a periodic one-line log of engine throughput, queue sizes, KV usage and prefix-cache hit rate."""
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger("tokenmill.engine")
+
+
+class StatsLogger:
+    """Accumulates per-step token counts and logs them every ``interval_s`` seconds (when busy)."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._last_log = time.monotonic()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._last_queries = 0
+        self._last_hits = 0
+
+    def record_step(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self._prompt_tokens += num_prompt_tokens
+        self._generation_tokens += num_generation_tokens
+
+    def maybe_log(self, scheduler, kv_cache_manager) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_log
+        if elapsed < self.interval_s:
+            return
+        queries = kv_cache_manager.prefix_cache_queries - self._last_queries
+        hits = kv_cache_manager.prefix_cache_hits - self._last_hits
+        logger.info(
+            "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d, waiting: %d, "
+            "KV cache usage: %.1f%%, prefix cache hit rate: %.1f%% (%d/%d tokens)",
+            self._prompt_tokens / elapsed, self._generation_tokens / elapsed, scheduler.num_running,
+            scheduler.num_waiting, 100 * kv_cache_manager.usage(), 100 * hits / queries if queries else 0.0,
+            hits, queries,
+        )
+        self._last_log = now
+        self._prompt_tokens = self._generation_tokens = 0
+        self._last_queries, self._last_hits = kv_cache_manager.prefix_cache_queries, kv_cache_manager.prefix_cache_hits
