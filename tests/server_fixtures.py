@@ -37,6 +37,7 @@ class ServerProcess:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.loading_responses: dict[str, httpx.Response] = {}  # first /health and /v1/models seen while loading
 
     def wait_healthy(self, timeout: float = 300.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
@@ -44,8 +45,12 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                health = httpx.get(f"{self.url}/health", timeout=2)
+                if health.status_code == 200:
                     return self
+                if not self.loading_responses:
+                    self.loading_responses = {"health": health, "completions": self.post(
+                        "/v1/completions", {"prompt": "Hi", "max_tokens": 1})}
             except httpx.TransportError:
                 pass
             time.sleep(0.25)

@@ -114,6 +114,8 @@ class AsyncEngine:
         self._tracker = tracker
         self._on_load_failure = on_load_failure
         self._commands: queue.Queue = queue.Queue()
+        self._closed = False  # set (under _lock) once the thread takes no more commands
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.llm: LLM | None = None  # set once loaded; read-only for the event loop
@@ -131,6 +133,7 @@ class AsyncEngine:
 
     @property
     def is_loading(self) -> bool:
+        """Still building the engine (no load error yet)."""
         return self.error is None and not self.ready.is_set()
 
     @property
@@ -150,7 +153,7 @@ class AsyncEngine:
         self.check_healthy()
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add(requests, outputs, accepted, time.monotonic()))
+        self._send(_Add(requests, outputs, accepted, time.monotonic()))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:  # the client left while the add was pending
@@ -159,21 +162,33 @@ class AsyncEngine:
         return RequestStream(self, [r.request_id for r in requests], outputs)
 
     def abort(self, request_ids: list[str]) -> None:
-        """Abort requests (no-op for finished or unknown ids)."""
-        self._commands.put(_Abort(request_ids))
+        """Abort requests (no-op for finished or unknown ids, or once the engine has stopped)."""
+        try:
+            self._send(_Abort(request_ids))
+        except EngineDeadError:
+            pass
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(llm_engine)`` on the engine thread between steps and return its result."""
         self.check_healthy()
         result: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Call(fn, result))
+        self._send(_Call(fn, result))
         return await asyncio.wrap_future(result)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still running get EngineDeadError."""
-        self._commands.put(_Stop())
+        try:
+            self._send(_Stop())
+        except EngineDeadError:
+            pass
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def _send(self, command: object) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
+            self._commands.put(command)
 
     # ---- engine-thread side ----------------------------------------------------------------
     def _run(self) -> None:
@@ -274,6 +289,8 @@ class AsyncEngine:
 
     def _fail_pending(self, error: EngineDeadError) -> None:
         """Fail every live request and every command still queued (the engine takes no more)."""
+        with self._lock:
+            self._closed = True
         batch = [(target, error) for target in {id(q): q for q in self._streams.values()}.values()]
         self._streams.clear()
         while True:
