@@ -37,9 +37,10 @@ class ServerProcess:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.loading_responses: dict[str, httpx.Response] = {}  # first /health and /v1/models seen while loading
+        self.loading_responses: dict[str, httpx.Response] = {}  # first /health and /v1/completions answers while loading
 
     def wait_healthy(self, timeout: float = 300.0) -> ServerProcess:
+        """Poll /health until 200 (recording the first answers given while loading); returns self."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

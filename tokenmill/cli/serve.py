@@ -31,6 +31,7 @@ def default_served_model_name(model: str | None) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the exit code."""
     from tokenmill.server.api_server import run_server
     from tokenmill.server.state import ServerConfig
 

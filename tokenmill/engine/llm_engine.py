@@ -103,6 +103,7 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = (params or SamplingParams()).with_defaults(self.loaded.generation_config)
+        self._check_token_ids(params)
         text, token_ids = self.tokenize_prompt(prompt)
         num_prompt = len(token_ids)
         if num_prompt >= self.max_model_len:
@@ -129,6 +130,13 @@ class LLMEngine:
         self.output_processor.add_request(request_id, text, children)
         for child in children:
             self.scheduler.add_request(child)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.loaded.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or [])):
+            bad = [t for t in ids if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids outside [0, {vocab}): {bad[:5]}")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (by the ids given to add_request); their KV blocks are freed at once."""

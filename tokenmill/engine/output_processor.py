@@ -33,6 +33,7 @@ class _ParentState:
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
     num_finished: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -91,8 +92,9 @@ class OutputProcessor:
             if parent.first_token_time is None:
                 parent.first_token_time = now
                 parent.num_cached_tokens = request.num_cached_tokens or 0
-                if request.wants_prompt_logprobs:
-                    parent.prompt_logprobs = request.prompt_logprobs
+                parent.first_scheduled_time = request.first_scheduled_time
+                if request.wants_prompt_logprobs:  # complete once the first token exists
+                    parent.prompt_logprobs = list(request.prompt_logprobs)
             new_ids = request.output_token_ids[seq.num_tokens_emitted :]
             seq.num_tokens_emitted = request.num_output_tokens
             stop_str = seq.detokenizer.update(new_ids)
@@ -112,9 +114,9 @@ class OutputProcessor:
             seq.output = CompletionOutput(
                 index=seq.index,
                 text=seq.detokenizer.output_text,
-                token_ids=request.output_token_ids,
+                token_ids=list(request.output_token_ids),
                 cumulative_logprob=request.cumulative_logprob,
-                logprobs=request.logprobs if request.sampling_params.logprobs is not None else None,
+                logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 delta_text=seq.detokenizer.get_delta_text(),
@@ -137,7 +139,11 @@ class OutputProcessor:
                     completions.append(seq.output)
                 else:  # no news for this sequence: same state, empty delta
                     completions.append(replace(seq.output, delta_text="", delta_token_ids=[], delta_logprobs=None))
-            parent.metrics = {"arrival_time": parent.arrival_time, "first_token_time": parent.first_token_time or now}
+            parent.metrics = {
+                "arrival_time": parent.arrival_time,
+                "first_scheduled_time": parent.first_scheduled_time or parent.arrival_time,
+                "first_token_time": parent.first_token_time or now,
+            }
             if finished:
                 parent.metrics["finished_time"] = now
                 self.remove(parent.request_id)

@@ -4,6 +4,7 @@ preemption are a single loop. Pure CPU bookkeeping; never imports torch.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from tokenmill.config import SchedulerConfig
@@ -106,6 +107,8 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             self._add_scheduled(out, request, num_new)
             budget -= num_new

@@ -87,25 +87,30 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
 
     @v1.get("/models")
     async def list_models() -> dict:
+        """The served model."""
         return {"object": "list", "data": [model_card()]}
 
     @v1.get("/models/{model:path}")
     async def get_model(model: str) -> dict:
+        """One model by name (404 unless it is the served one)."""
         state.check_model(model)
         return model_card()
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, raw_request: Request):
+        """OpenAI text completions."""
         return await create_completion(body, raw_request, state)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
+        """OpenAI chat completions."""
         return await create_chat_completion(body, raw_request, state)
 
     app.include_router(v1)
 
     @app.get("/health")
     async def health():
+        """200 when the engine serves; 503 while loading or after the engine thread stopped."""
         if state.engine.is_healthy:
             return {"status": "ok"}
         why = "the model is loading" if state.engine.is_loading else f"the engine is not running ({state.engine.error})"
@@ -113,14 +118,17 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
 
     @app.get("/version")
     async def version() -> dict:
+        """The tokenmill version."""
         return {"version": tokenmill.__version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        """Prometheus text exposition."""
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
+        """Token ids of a prompt, or of messages rendered with the chat template."""
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt or messages", param="prompt")
@@ -132,6 +140,7 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
+        """Text of token ids."""
         state.check_model(body.model)
         vocab_size = state.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
@@ -141,6 +150,7 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
 
     @app.get("/debug/kv_cache")
     async def debug_kv_cache() -> JSONResponse:
+        """The KV pool, scheduler counts and check_integrity() result, read on the engine thread."""
         try:
             return JSONResponse(await state.engine.call(kv_cache_snapshot))
         except EngineDeadError as exc:

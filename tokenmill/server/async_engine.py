@@ -90,6 +90,7 @@ class RequestStream:
         return item
 
     def close(self) -> None:
+        """Abort the requests that have not finished (idempotent)."""
         if self.unfinished:
             self._engine.abort(list(self.unfinished))
             self.unfinished.clear()
@@ -119,7 +120,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.llm: LLM | None = None  # set once loaded; read-only for the event loop
-        self.ready = threading.Event()
+        self.ready = threading.Event()  # set once the engine is built
+        self._load_ended = threading.Event()  # set once loading succeeded or failed
         self.error: BaseException | None = None
         self.stats = EngineStats()
         self._streams: dict[str, asyncio.Queue] = {}  # engine thread only: request id -> its outputs
@@ -130,6 +132,11 @@ class AsyncEngine:
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until loading ends (either way); True if the engine is then healthy."""
+        self._load_ended.wait(timeout)
+        return self.is_healthy
 
     @property
     def is_loading(self) -> bool:
@@ -198,11 +205,13 @@ class AsyncEngine:
             logger.exception("engine failed to load")
             self.error = exc
             self._fail_pending(EngineDeadError(f"engine failed to load: {exc}"))
+            self._load_ended.set()
             if self._on_load_failure is not None:
                 self._on_load_failure(exc)
             return
         self._update_stats()
         self.ready.set()
+        self._load_ended.set()
         try:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish

@@ -46,6 +46,7 @@ class APIError(Exception):
         self.code = code
 
     def response(self) -> JSONResponse:
+        """This error as an HTTP response with an OpenAI error body."""
         return error_response(self.message, self.status_code, self.type, self.param, self.code)
 
 

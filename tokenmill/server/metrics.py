@@ -16,7 +16,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenmill.outputs import RequestOutput
-from tokenmill.request import RequestStatus
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -97,6 +96,7 @@ class ServerMetrics:
         self.registry.register(_EngineStatsCollector(model_name, stats))
 
     def count_finished(self, finish_reason: str) -> None:
+        """Count one finished sequence under its finish reason."""
         self._request_success.labels(self.model_name, finish_reason).inc()
 
     def render(self) -> bytes:
@@ -108,7 +108,6 @@ class ServerMetrics:
 class _Tracked:
     first_child_id: str
     arrival_time: float
-    scheduled: bool = False
     prompt_counted: bool = False
     last_token_time: float | None = None
 
@@ -116,40 +115,36 @@ class _Tracked:
 class RequestMetricsTracker:
     """Per-request latency bookkeeping. Engine thread only (it reads the scheduler between steps).
 
-    Queue time ends at the start of the step in which the request was first scheduled; TTFT and
-    inter-token latency are measured when outputs carrying new tokens leave the engine.
+    Queue time (arrival to first scheduling) comes from the engine's RequestOutput.metrics; TTFT
+    and inter-token latency are measured when outputs carrying new tokens leave the engine.
     """
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self._tracked: dict[str, _Tracked] = {}
-        self._unscheduled: set[str] = set()
 
     def on_added(self, engine, request_id: str, arrival_time: float) -> None:
+        """Start tracking a request the engine just accepted."""
         first_child = engine.output_processor.child_ids(request_id)[0]
         self._tracked[request_id] = _Tracked(first_child, arrival_time)
-        self._unscheduled.add(request_id)
 
     def on_finished(self, request_id: str) -> None:
         """Forget an aborted request."""
         self._tracked.pop(request_id, None)
-        self._unscheduled.discard(request_id)
 
     def on_step(self, engine, step_start: float, outputs: list[RequestOutput]) -> None:
+        """Observe one engine step that started at ``step_start`` and produced ``outputs``."""
         now = time.monotonic()
         m = self.metrics
-        for request_id in list(self._unscheduled):
-            tracked = self._tracked[request_id]
-            request = engine.scheduler.requests.get(tracked.first_child_id)
-            if request is None or request.status is not RequestStatus.WAITING:
-                m.request_queue_time.observe(step_start - tracked.arrival_time)
-                self._unscheduled.discard(request_id)
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
             if not tracked.prompt_counted:
                 m.prompt_tokens.inc(len(output.prompt_token_ids))
+                m.request_queue_time.observe(
+                    max(0.0, output.metrics["first_scheduled_time"] - output.metrics["arrival_time"])
+                )
                 tracked.prompt_counted = True
             num_new = sum(len(c.delta_token_ids) for c in output.outputs)
             if num_new:

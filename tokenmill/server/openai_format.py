@@ -123,6 +123,7 @@ class CompletionLogprobs:
         self._new: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def append(self, token_ids: list[int], entries: list[PositionLogprobs | None]) -> None:
+        """Add positions: token ids and their engine log-probability entries (None: no context)."""
         for token_id, entry in zip(token_ids, entries):
             text = self._token_text(token_id, entry.get(token_id) if entry else None)
             self._new["tokens"].append(text)
@@ -138,6 +139,7 @@ class CompletionLogprobs:
             )
 
     def take(self) -> dict:
+        """The logprobs object of the positions appended since the last take()."""
         new = self._new
         self._reset()
         return new

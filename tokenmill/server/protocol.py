@@ -46,6 +46,7 @@ class SamplingRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
 
@@ -80,6 +81,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextContentPart] | None = None
 
     def text(self) -> str:
+        """The content as one string (text parts joined; None is empty)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):

@@ -71,8 +71,9 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
 async def _stream_events(
     body: ChatCompletionRequest, state: ServerState, stream: RequestStream, header: dict
 ) -> AsyncIterator[dict]:
-    yield {**header, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None} for i in range(body.n)]}
+    for i in range(body.n):
+        yield {**header, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}]}
     finished: set[int] = set()
     final = None
     async for output in stream:
@@ -94,7 +95,7 @@ async def _stream_events(
                             "logprobs": logprobs, "finish_reason": completion.finish_reason,
                             "stop_reason": completion.stop_reason})
         final = output
-        if choices:
-            yield {**header, "choices": choices}
+        for choice in choices:  # one choice per chunk, as OpenAI streams them
+            yield {**header, "choices": [choice]}
     if body.include_usage and final is not None:
         yield {**header, "choices": [], "usage": usage([final])}

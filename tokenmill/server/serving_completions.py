@@ -116,7 +116,7 @@ async def _stream_events(
                             "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
         if output.finished:
             finals[output.request_id] = output
-        if choices:
-            yield {**header, "choices": choices}
+        for choice in choices:  # one choice per chunk, as OpenAI streams them
+            yield {**header, "choices": [choice]}
     if body.include_usage:
         yield {**header, "choices": [], "usage": usage([finals[r.request_id] for r in requests])}

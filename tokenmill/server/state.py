@@ -55,6 +55,7 @@ class ServerState:
 
     # ---- facts of the loaded engine (raise 503 until it is loaded) ---------------------------
     def llm(self):
+        """The loaded LLM (for its tokenizer and fixed facts), or a 503 APIError."""
         try:
             self.engine.check_healthy()
         except EngineDeadError as exc:
