@@ -51,9 +51,11 @@ class ThroughputResult:
     load_s: float
     output_tok_s: float = field(init=False)
     total_tok_s: float = field(init=False)  # (prompt + useful output) / wall
+    raw_generated_tok_s: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.output_tok_s = self.output_tokens / self.wall_s
+        self.raw_generated_tok_s = self.raw_generated_tokens / self.wall_s
         self.total_tok_s = (self.prompt_tokens + self.output_tokens) / self.wall_s
 
 
@@ -294,11 +296,11 @@ def print_table(results: list[ThroughputResult], batch1: list[Batch1Result]) -> 
     """Human-readable summary of the run."""
     print()
     print(f"{'engine':<14}{'requests':>9}{'prompt tok':>12}{'output tok':>12}{'raw gen tok':>13}"
-          f"{'wall s':>10}{'output tok/s':>14}{'total tok/s':>13}")
+          f"{'wall s':>10}{'output tok/s':>14}{'total tok/s':>13}{'raw tok/s':>11}")
     for r in results:
         print(f"{r.engine:<14}{r.num_requests:>9}{r.prompt_tokens:>12}{r.output_tokens:>12}"
               f"{r.raw_generated_tokens:>13}{r.wall_s:>10.2f}{r.output_tok_s:>14.1f}"
-              f"{r.total_tok_s:>13.1f}")
+              f"{r.total_tok_s:>13.1f}{r.raw_generated_tok_s:>11.1f}")
     if batch1:
         print()
         print(f"{'batch-1':<14}{'prompt':>8}{'new':>6}{'wall s':>10}{'e2e tok/s':>11}"

@@ -78,6 +78,10 @@ def paged_attention(
     out = torch.empty_like(query)
     use_gqa = num_heads != k_cache.shape[-2]
 
+    if not metadata.prefills and use_fast_decode(query, k_cache):  # decode-only step: no gather/scatter
+        return cpu_decode.paged_decode_attention(
+            query, k_cache, v_cache, metadata.decode_block_table, metadata.decode_seq_lens, scale
+        )
     if metadata.decode_token_idx.numel():
         q = query[metadata.decode_token_idx]  # (Bd, H, D)
         if use_fast_decode(query, k_cache):

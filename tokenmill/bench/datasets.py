@@ -47,11 +47,11 @@ def parse_json_array_prefix(stream: Any, chunk_bytes: int = _CHUNK_BYTES) -> lis
 
     ``stream`` is a binary file object holding UTF-8 JSON that starts with ``[``. Elements are
     decoded one at a time with ``json.JSONDecoder.raw_decode`` over a buffer refilled in
-    ``chunk_bytes`` pieces; an element cut off by the end of the file is dropped.
+    ``chunk_bytes`` pieces; an element cut off by the end of the file is dropped. An element
+    that never parses is taken for that truncated tail: parsing stops there.
 
     Raises:
-        ValueError: when the stream does not start with a JSON array, or an element is
-            malformed before the end of the file.
+        ValueError: when the stream does not start with a JSON array.
     """
     decoder = json.JSONDecoder()
     utf8 = codecs.getincrementaldecoder("utf-8")()

@@ -1,0 +1,145 @@
+"""`tokenmill bench {serve,offline,compare}`: argument parsing and printing; the work is in tokenmill/bench/."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+from tokenmill.bench.workload import add_dataset_args, build_workload, dataset_config, load_tokenizer
+from tokenmill.cli.main import add_engine_args, engine_kwargs
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    """Add ``bench`` with its ``serve``, ``offline`` and ``compare`` subcommands."""
+    bench = subparsers.add_parser("bench", help="benchmark a server (serve) or the engine in-process (offline, compare)")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    serve = sub.add_parser("serve", help="load-test an OpenAI-compatible server (streaming)")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (with or without /v1)")
+    serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    serve.add_argument("--model", default=None, help="served model name (default: first of /v1/models)")
+    serve.add_argument("--tokenizer", default=None,
+                       help="local tokenizer (model dir or .gguf) for sampling and counting (default: embedded SmolLM2)")
+    serve.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY)")
+    add_dataset_args(serve)
+    serve.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (default inf)")
+    serve.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    serve.add_argument("--concurrency", default=None,
+                       help="sweep: comma-separated max-concurrency levels, e.g. 1,4,16,64 (one run each)")
+    serve.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first")
+    serve.add_argument("--temperature", type=float, default=0.0)
+    serve.add_argument("--ignore-eos", action="store_true", help="ask the server for exactly max_tokens tokens")
+    serve.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    serve.add_argument("--save-result", action="store_true", help="write the result JSON")
+    serve.add_argument("--result-file", type=Path, default=None, help="result JSON path (implies --save-result)")
+    serve.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
+                       help="write latency histograms (sweep: throughput vs latency) to PNG (default: next to the JSON)")
+    serve.add_argument("--disable-tqdm", action="store_true")
+    serve.set_defaults(func=cmd_bench_serve)
+
+    offline = sub.add_parser("offline", help="the engine in-process, no HTTP: throughput, TTFT, TPOT")
+    add_engine_args(offline)
+    add_dataset_args(offline, with_seed=False)
+    offline.add_argument("--result-file", type=Path, default=None, help="write the result JSON here")
+    offline.add_argument("--disable-tqdm", action="store_true")
+    offline.set_defaults(func=cmd_bench_offline)
+
+    compare = sub.add_parser("compare", help="the same workload on tokenmill (offline) and installed peers")
+    add_engine_args(compare)
+    add_dataset_args(compare, with_seed=False)
+    compare.add_argument("--peers", default="transformers,llama_cpp",
+                         help="comma-separated peers (transformers, llama_cpp) or 'none'; absent ones are skipped")
+    compare.add_argument("--peer-batch-size", type=int, default=32, help="transformers generate batch size")
+    compare.add_argument("--result-file", type=Path, default=None, help="write the comparison JSON here")
+    compare.set_defaults(func=cmd_bench_compare)
+
+
+def _concurrency_levels(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"concurrency must be comma-separated integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise ValueError(f"concurrency levels must be >= 1, got {text!r}")
+    return levels
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Run ``bench serve`` (one run, or a concurrency sweep); returns the exit code."""
+    from tokenmill.bench.serve_client import ClientConfig
+    from tokenmill.bench.serve_bench import LoadConfig
+
+    levels = _concurrency_levels(args.concurrency)
+    for noisy in ("httpx2", "httpx", "matplotlib"):  # one INFO line per HTTP request drowns the progress bar
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    client_config = ClientConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+                                 temperature=args.temperature, ignore_eos=args.ignore_eos, api_key=args.api_key,
+                                 timeout_s=args.timeout)
+    load = LoadConfig(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+                      num_warmups=args.num_warmups, seed=args.seed, disable_tqdm=args.disable_tqdm)
+    dataset = dataset_config(args)
+    if dataset.name == "multi-turn" and args.endpoint != "chat":
+        raise ValueError("endpoint: the multi-turn dataset needs --endpoint chat")
+    tokenizer = load_tokenizer(args.tokenizer)
+    workload = build_workload(dataset, tokenizer)
+    from tokenmill.bench.serve_report import run_and_report
+
+    return asyncio.run(run_and_report(client_config, load, dataset, workload, tokenizer, args, levels))
+
+
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    """Run the workload through an in-process LLM and print the result block; returns the exit code."""
+    from tokenmill.bench.metrics import format_result_block, per_request_arrays
+    from tokenmill.bench.offline import run_offline
+    from tokenmill.engine.llm import LLM
+
+    dataset = dataset_config(args)
+    llm = LLM(**engine_kwargs(args))
+    workload = build_workload(dataset, llm.get_tokenizer())
+    run = run_offline(llm, workload, use_tqdm=not args.disable_tqdm)
+    print(format_result_block(run.metrics, "Offline Benchmark Result", latencies=("ttft", "tpot", "e2el")))
+    print("(offline: all requests of a round queued at once; TTFT includes queueing; no per-token ITL)")
+    if args.result_file is not None:
+        record = {"dataset_name": dataset.name, "num_prompts": dataset.num_prompts, "engine_args": engine_kwargs(args),
+                  **run.metrics.summary(), **per_request_arrays(run.results)}
+        args.result_file.parent.mkdir(parents=True, exist_ok=True)
+        args.result_file.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.result_file}")
+    return 0
+
+
+def cmd_bench_compare(args: argparse.Namespace) -> int:
+    """Run tokenmill and the peers on one single-turn workload and print the table; returns the exit code."""
+    from tokenmill.bench.compare import compare_engines, compare_record, format_compare_table
+    from tokenmill.engine.llm import LLM
+
+    dataset = dataset_config(args)
+    if dataset.name == "multi-turn":
+        raise ValueError("dataset_name: compare runs single-turn datasets only")
+    peers = [] if args.peers in ("", "none") else [p.strip() for p in args.peers.split(",") if p.strip()]
+    tokenizer = load_tokenizer(args.model)
+    requests = [c.turns[0] for c in build_workload(dataset, tokenizer)]
+    runs, skipped, notes = compare_engines(lambda: LLM(**engine_kwargs(args)), args.model, requests, peers,
+                                           args.peer_batch_size, args.num_threads)
+    print(format_compare_table(runs, skipped, notes))
+    if args.result_file is not None:
+        record = {"dataset_name": dataset.name, "num_prompts": dataset.num_prompts, "engine_args": engine_kwargs(args),
+                  **compare_record(runs, skipped, notes)}
+        args.result_file.parent.mkdir(parents=True, exist_ok=True)
+        args.result_file.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.result_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    from tokenmill.cli.main import main
+
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -1,0 +1,100 @@
+"""`tokenmill plan [MODEL]`: how a memory budget splits into weights, reserve and KV cache (no weights loaded)."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from tokenmill.memory_plan import KV_CACHE_DTYPES, MemoryPlan, PlanConfig, physical_memory_gib, plan_memory, read_model_shape
+from tokenmill.runner.kv_cache_sizing import GIB
+
+MIB = 1024**2
+
+
+def register(subparsers) -> None:
+    """Add the ``plan`` subcommand."""
+    p = subparsers.add_parser("plan", help="plan memory: weights, activation reserve, KV-cache capacity")
+    p.add_argument("model", nargs="?", default=None,
+                   help="local HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--memory", type=float, default=None, help="memory in GiB (default: this machine's RAM)")
+    p.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of --memory tokenmill may use")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto = model dtype; fp8 = 1 byte per element")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="plan this KV budget in GiB instead of what --memory leaves")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.3f} GiB" if nbytes >= GIB // 4 else f"{nbytes / MIB:.1f} MiB"
+
+
+def plan_record(plan: MemoryPlan) -> dict:
+    """The plan as a JSON-ready dict (inputs, model shape, every byte count and capacity)."""
+    return {
+        "model": asdict(plan.model), "config": asdict(plan.config), "dtype": plan.dtype,
+        "kv_cache_dtype": plan.kv_cache_dtype, "max_model_len": plan.max_model_len,
+        "weight_bytes": plan.weight_bytes, "runtime_overhead_bytes": plan.runtime_overhead_bytes,
+        "activation_bytes": plan.activation_bytes, "reserve_bytes": plan.reserve_bytes,
+        "usable_bytes": plan.usable_bytes, "kv_budget_bytes": plan.kv_budget_bytes,
+        "kv_bytes_per_token": plan.kv_bytes_per_token, "bytes_per_block": plan.bytes_per_block,
+        "num_kv_blocks": plan.num_kv_blocks, "num_kv_tokens": plan.num_kv_tokens,
+        "kv_pool_bytes": plan.kv_pool_bytes, "blocks_per_sequence": plan.blocks_per_sequence,
+        "num_full_length_sequences": plan.num_full_length_sequences, "total_bytes": plan.total_bytes,
+        "kv_cache_memory_flag": plan.kv_cache_memory_flag,
+    }
+
+
+def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
+    """The human-readable plan; ``model_arg`` is the MODEL as given (None: the embedded default)."""
+    m, c = plan.model, plan.config
+    lines = [
+        f"model: {m.path} ({m.architecture}, {m.file_format}, {_gib(m.checkpoint_bytes)} on disk)",
+        f"  layers {m.num_layers}, hidden {m.hidden_size}, heads {m.num_attention_heads}, kv heads {m.num_kv_heads}, "
+        f"head_dim {m.head_dim}, intermediate {m.intermediate_size}, vocab {m.vocab_size}",
+        f"parameters: {m.num_params:,} x {plan.dtype} = {_gib(plan.weight_bytes)}",
+        f"KV bytes per token: 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim} head_dim x "
+        f"{plan.kv_bytes_per_token // (2 * m.num_layers * m.num_kv_heads * m.head_dim)} B ({plan.kv_cache_dtype}) "
+        f"= {plan.kv_bytes_per_token:,} B; block of {c.block_size} tokens = {plan.bytes_per_block:,} B",
+        f"memory: {c.memory:g} GiB x {c.memory_utilization:g} = {_gib(plan.usable_bytes)} usable",
+        f"reserve: {_gib(plan.reserve_bytes)} = runtime overhead {_gib(plan.runtime_overhead_bytes)} + activations "
+        f"{_gib(plan.activation_bytes)} (one step of {c.max_num_batched_tokens} tokens, {min(c.max_num_seqs, c.max_num_batched_tokens)} "
+        f"sampled rows, one prefill chunk over {plan.max_model_len} tokens)",
+        f"KV budget: {_gib(plan.kv_budget_bytes)}"
+        + (" (given by --kv-cache-memory)" if c.kv_cache_memory is not None else " (usable - weights - reserve)"),
+        f"KV pool: {plan.num_kv_blocks:,} blocks x {c.block_size} = {plan.num_kv_tokens:,} tokens "
+        f"({_gib(plan.kv_pool_bytes)})",
+        f"full-length sequences ({plan.max_model_len} tokens, {plan.blocks_per_sequence} blocks each) at once: "
+        f"{plan.num_full_length_sequences:,}",
+        f"total: {_gib(plan.total_bytes)} of {_gib(plan.usable_bytes)} usable",
+        "equivalent: tokenmill serve "
+        + (f"{model_arg} " if model_arg else "")
+        + f"--dtype {plan.dtype} --block-size {c.block_size} --max-model-len {plan.max_model_len} "
+        f"--kv-cache-memory {plan.kv_cache_memory_flag:.12g}   (or --num-kv-blocks {plan.num_kv_blocks})",
+    ]
+    if plan.total_bytes > plan.usable_bytes:
+        lines.append("warning: weights + reserve + KV pool exceed the usable memory")
+    if plan.kv_cache_dtype != plan.dtype:
+        lines.append(f"note: tokenmill serve stores KV in the model dtype ({plan.dtype}) today; these {plan.kv_cache_dtype} "
+                     "numbers are for planning, the flags above would allocate a different size")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the memory plan; returns the exit code."""
+    config = PlanConfig(
+        memory=args.memory if args.memory is not None else physical_memory_gib(),
+        memory_utilization=args.memory_utilization, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=args.kv_cache_memory,
+    )
+    plan = plan_memory(read_model_shape(args.model), config)
+    print(json.dumps(plan_record(plan), indent=2) if args.json else format_plan(plan, args.model))
+    return 0

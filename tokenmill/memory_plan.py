@@ -1,0 +1,293 @@
+"""Memory planning for ``tokenmill plan``: how much KV cache a memory budget leaves, without loading weights.
+
+Model facts come from config.json + safetensors headers, or GGUF metadata + tensor shapes
+(parameter counts are sums of tensor shapes; no tensor data is read). The budget is split as
+
+    usable      = memory × memory_utilization
+    weights     = num_params × bytes(dtype)              (tokenmill runs dense in dtype)
+    reserve     = RUNTIME_OVERHEAD + activations
+    activations = T × (4·hidden + 2·q + 2·kv + 3·intermediate) × bytes(dtype)   one step's flat tensors
+                + S × vocab × 4 × 3                      fp32 logits of the sampled rows + 2 sampler copies
+                + heads × C × L × 4 + 2 × L × kv × bytes(dtype)   one prefill chunk's scores and gathered context
+    kv budget   = usable − weights − reserve             (or the given kv_cache_memory)
+
+with T = max_num_batched_tokens, S = min(max_num_seqs, T), L = max_model_len, C = min(T, L),
+q = heads × head_dim, kv = kv_heads × head_dim. The KV pool then holds
+floor(kv budget / (block_size × kv_bytes_per_token)) blocks: the engine's own formula
+(``runner.kv_cache_sizing``), so the block count equals ``ModelRunner.num_kv_blocks``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
+
+MIB = 1024**2
+# Torch/Python runtime, tokenizer, server and allocator slack (an idle process with torch and
+# transformers imported is ~300 MiB resident on CPU).
+RUNTIME_OVERHEAD_BYTES = 512 * MIB
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about a model (read without loading weights)."""
+
+    path: str
+    file_format: str  # "safetensors" or "gguf"
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    num_params: int
+    checkpoint_bytes: int  # tensor data as stored (quantized for GGUF)
+    checkpoint_dtype: str | None  # what dtype="auto" follows; None for GGUF
+
+
+def _safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (8-byte little-endian length, then JSON); no tensor data."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _checkpoint_dtype(config, headers: list[dict]) -> str | None:
+    """The checkpoint dtype as the loader decides it: config ``dtype``/``torch_dtype``, else the first tensor's."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if dtype is not None:
+        return str(dtype).removeprefix("torch.")
+    first = sorted(headers[0])[0] if headers and headers[0] else None
+    return _SAFETENSORS_DTYPES.get(headers[0][first]["dtype"]) if first else None
+
+
+def _shape_from_config(config, path: Path, file_format: str, num_params: int, nbytes: int,
+                       checkpoint_dtype: str | None) -> ModelShape:
+    from tokenmill.models.llama import head_dim_of
+    from tokenmill.models.registry import get_model_class
+
+    get_model_class(config)  # unsupported architectures fail here, as in the engine
+    return ModelShape(
+        path=str(path), file_format=file_format, architecture=config.architectures[0],
+        num_layers=int(config.num_hidden_layers), hidden_size=int(config.hidden_size),
+        num_attention_heads=int(config.num_attention_heads),
+        num_kv_heads=int(config.num_key_value_heads or config.num_attention_heads),
+        head_dim=int(head_dim_of(config)), intermediate_size=int(config.intermediate_size),
+        vocab_size=int(config.vocab_size), max_position_embeddings=int(config.max_position_embeddings),
+        num_params=num_params, checkpoint_bytes=nbytes, checkpoint_dtype=checkpoint_dtype,
+    )
+
+
+def read_model_shape(model: str | None) -> ModelShape:
+    """Read a model's shape from a local HF directory, a .gguf file, or the embedded default (None).
+
+    Parameter counts skip what the engine does not load: ``rotary_emb.inv_freq`` buffers and a
+    stored ``lm_head.weight`` when embeddings are tied.
+
+    Raises:
+        ValueError: a path that does not exist, lacks config.json/safetensors, or an unsupported architecture.
+    """
+    from tokenmill.models.default_model import default_model_path
+
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+    if path.is_file() and path.suffix == ".gguf":
+        from tokenmill.models.gguf_loader import gguf_to_hf_config, open_gguf
+
+        reader = open_gguf(path)
+        config = gguf_to_hf_config(reader)
+        num_params = sum(int(t.n_elements) for t in reader.tensors)
+        nbytes = sum(int(t.n_bytes) for t in reader.tensors)
+        return _shape_from_config(config, path, "gguf", num_params, nbytes, None)
+    if not path.is_dir():
+        raise ValueError(f"model {model!r} is not a local model directory or .gguf file")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {path} has no config.json")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: {path} has no *.safetensors files")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    headers = [_safetensors_header(f) for f in files]
+    num_params = nbytes = 0
+    for header in headers:
+        for name, info in header.items():
+            if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                continue
+            num_params += math.prod(info["shape"])
+            nbytes += info["data_offsets"][1] - info["data_offsets"][0]
+    return _shape_from_config(config, path, "safetensors", num_params, nbytes, _checkpoint_dtype(config, headers))
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """The planner's inputs (engine flag names; memory in GiB).
+
+    ``kv_cache_memory`` set: plan that KV budget directly (``memory`` only checks the fit).
+    """
+
+    memory: float
+    memory_utilization: float = 0.9
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 128
+    kv_cache_memory: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory <= 0:
+            raise ValueError(f"memory must be > 0 GiB, got {self.memory}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be one of 'auto', 'float32', 'bfloat16'; got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}; got {self.kv_cache_dtype!r}")
+        for name in ("max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The planner's answer; byte counts are exact integers."""
+
+    model: ModelShape
+    config: PlanConfig
+    dtype: str
+    kv_cache_dtype: str
+    max_model_len: int
+    weight_bytes: int
+    runtime_overhead_bytes: int
+    activation_bytes: int
+    usable_bytes: int
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    num_kv_blocks: int
+    kv_cache_memory_flag: float  # a short --kv-cache-memory value giving exactly num_kv_blocks
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.runtime_overhead_bytes + self.activation_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.config.block_size * self.kv_bytes_per_token
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.num_kv_blocks * self.bytes_per_block
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.config.block_size
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return -(-self.max_model_len // self.config.block_size)
+
+    @property
+    def num_full_length_sequences(self) -> int:
+        """Sequences of max_model_len tokens that fit at once (whole blocks each)."""
+        return self.num_kv_blocks // self.blocks_per_sequence
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.reserve_bytes + self.kv_pool_bytes
+
+
+def activation_bytes(shape: ModelShape, dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
+                     max_model_len: int) -> int:
+    """The activation reserve of one engine step (see the module docstring for the formula)."""
+    t, length = max_num_batched_tokens, max_model_len
+    sampled, chunk = min(max_num_seqs, t), min(t, length)
+    q = shape.num_attention_heads * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    step = t * (4 * shape.hidden_size + 2 * q + 2 * kv + 3 * shape.intermediate_size) * dtype_bytes
+    logits = sampled * shape.vocab_size * 4 * 3
+    prefill = shape.num_attention_heads * chunk * length * 4 + 2 * length * kv * dtype_bytes
+    return step + logits + prefill
+
+
+def kv_cache_memory_flag(num_blocks: int, bytes_per_block: int, budget_bytes: int) -> float:
+    """The shortest decimal GiB value for which the engine's sizing gives exactly ``num_blocks`` (and ≤ budget)."""
+    lo = num_blocks * bytes_per_block
+    hi = min(budget_bytes, lo + bytes_per_block - 1)
+    for digits in range(1, 16):
+        value = math.ceil(lo / GIB * 10**digits) / 10**digits
+        if lo <= int(value * GIB) <= hi:
+            return value
+    return lo / GIB
+
+
+def run_dtype(shape: ModelShape, dtype: str) -> str:
+    """The dtype the engine runs in: "auto" keeps float32 checkpoints in float32, everything else bfloat16."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if shape.checkpoint_dtype == "float32" else "bfloat16"
+
+
+def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
+    """Split ``config.memory`` into weights, reserve and KV pool for ``shape``.
+
+    Raises:
+        ValueError: max_model_len over the model's limit, or a budget that leaves no KV block
+            (naming ``memory`` or ``kv_cache_memory``).
+    """
+    dtype = run_dtype(shape, config.dtype)
+    kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    max_model_len = config.max_model_len or shape.max_position_embeddings
+    if max_model_len > shape.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{shape.max_position_embeddings}")
+    weights = shape.num_params * DTYPE_BYTES[dtype]
+    activations = activation_bytes(shape, DTYPE_BYTES[dtype], config.max_num_batched_tokens, config.max_num_seqs,
+                                   max_model_len)
+    usable = int(config.memory * config.memory_utilization * GIB)
+    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, DTYPE_BYTES[kv_dtype])
+    if config.kv_cache_memory is not None:
+        budget, field = int(config.kv_cache_memory * GIB), "kv_cache_memory"
+    else:
+        budget, field = usable - weights - RUNTIME_OVERHEAD_BYTES - activations, "memory"
+        if budget < config.block_size * per_token:
+            need = (weights + RUNTIME_OVERHEAD_BYTES + activations + config.block_size * per_token) / GIB
+            raise ValueError(f"{field}: {config.memory} GiB x {config.memory_utilization} leaves no room for one KV "
+                             f"block; weights + reserve + one block need {need:.3f} GiB")
+    try:
+        blocks = num_blocks_for_budget(budget, config.block_size, per_token)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
+    return MemoryPlan(
+        model=shape, config=config, dtype=dtype, kv_cache_dtype=kv_dtype, max_model_len=max_model_len,
+        weight_bytes=weights, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES, activation_bytes=activations,
+        usable_bytes=usable, kv_budget_bytes=budget, kv_bytes_per_token=per_token, num_kv_blocks=blocks,
+        kv_cache_memory_flag=kv_cache_memory_flag(blocks, config.block_size * per_token, budget),
+    )
+
+
+def physical_memory_gib() -> float:
+    """This machine's physical memory in GiB (the default ``--memory`` on CPU)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
