@@ -1,0 +1,42 @@
+"""The `tokenmill` command as a user runs it: real processes on a tiny model."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.tiny_models import make_tiny_model
+from tokenmill import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model("llama", tmp_path_factory.mktemp("cli")))
+
+
+def tokenmill(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli.main", "--log-level", "WARNING", *args],
+                          input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def test_generate_prints_the_offline_greedy_text(tiny):
+    result = tokenmill("generate", "Once upon a time", "--model", tiny, "--dtype", "float32",
+                       "--max-tokens", "8", "--temperature", "0", "--kv-cache-memory", "0.05")
+    assert result.returncode == 0, result.stderr
+    expected = LLM(model=tiny, dtype="float32", kv_cache_memory=0.05).generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert result.stdout == f"### Once upon a time\n{expected}\n\n"
+
+
+def test_chat_reads_turns_from_stdin_until_an_empty_line(tiny):
+    result = tokenmill("chat", tiny, "--max-tokens", "4", "--temperature", "0", "--kv-cache-memory", "0.05",
+                       stdin="Hello\nAnd again\n\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("> ") == 3  # two turns answered, then the empty line ends the session
+
+
+def test_bad_model_name_is_a_clear_error():
+    result = tokenmill("generate", "hi", "--model", "meta-llama/Llama-3-8B")
+    assert result.returncode == 2
+    assert "never downloads" in result.stderr and "Traceback" not in result.stderr
