@@ -42,13 +42,13 @@ class WordTokenizer:
         return " ".join("x" * i for i in ids)
 
 
-def chunk(text: str | None, chat: bool, usage: tuple[int, int] | None = None):
+def chunk(text: str | None, chat: bool, usage: tuple[int, int] | None = None, finish: str | None = None):
     if text is None:  # usage-only chunk
         choices = []
     elif chat:
-        choices = [SimpleNamespace(delta=SimpleNamespace(content=text), finish_reason=None)]
+        choices = [SimpleNamespace(delta=SimpleNamespace(content=text), finish_reason=finish)]
     else:
-        choices = [SimpleNamespace(text=text, finish_reason=None)]
+        choices = [SimpleNamespace(text=text, finish_reason=finish)]
     u = SimpleNamespace(prompt_tokens=usage[0], completion_tokens=usage[1]) if usage else None
     return SimpleNamespace(choices=choices, usage=u)
 
@@ -112,6 +112,17 @@ def test_send_request_times_content_chunks(clock):
     call = client.calls[0]
     assert call["stream"] is True and call["stream_options"] == {"include_usage": True}
     assert call["max_tokens"] == 4 and call["extra_body"] == {"ignore_eos": True} and call["model"] == "m"
+
+
+def test_ttft_of_a_reply_without_text_is_its_finish_chunk(clock):
+    # EOS as the first token: a role-only chunk at +0.02, the finish chunk (no text) at +0.30, usage at +0.31.
+    script = [(0.02, chunk("", chat=True)), (0.28, chunk("", chat=True, finish="stop")),
+              (0.01, chunk(None, True, usage=(9, 1)))]
+    reply = asyncio.run(send_request(FakeClient(clock, [script]), ClientConfig(endpoint="chat"),
+                                     [{"role": "user", "content": "hi"}], 8, run_start=100.0))
+    assert reply.result.success and reply.finish_reason == "stop" and reply.text == ""
+    assert reply.result.ttft == pytest.approx(0.30) and reply.result.e2el == pytest.approx(0.31)
+    assert reply.result.itls == []
 
 
 def test_send_request_turns_exceptions_into_failed_results(clock):

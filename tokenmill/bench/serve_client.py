@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokenmill.bench.metrics import RequestResult
@@ -65,7 +65,7 @@ class Reply:
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
     finish_reason: str | None = None
-    chunks: int = field(default=0)
+    chunks: int = 0
 
 
 def make_client(config: ClientConfig) -> Any:
@@ -105,8 +105,8 @@ async def send_request(
     """Send one streamed request and time it.
 
     ``prompt`` is the text (completions) or the message list (chat). TTFT is taken at the first
-    chunk with content, each later content chunk adds one ITL gap, and E2EL ends when the stream
-    closes. ``run_start`` is the ``time.perf_counter()`` the run's ``start_time`` values are relative to.
+    chunk with content (or, when nothing decodes to text, at the chunk carrying the finish
+    reason), each later content chunk adds one ITL gap, and E2EL ends when the stream closes. ``run_start`` is the ``time.perf_counter()`` the run's ``start_time`` values are relative to.
     """
     extra = {"ignore_eos": True} if config.ignore_eos else None
     common = dict(model=config.model, max_tokens=max_tokens, temperature=config.temperature, stream=True,
@@ -115,6 +115,7 @@ async def send_request(
     reply = Reply(RequestResult(success=False, start_time=start - run_start))
     parts: list[str] = []
     last = start
+    finish_time: float | None = None
     try:
         if config.endpoint == "chat":
             stream = await client.chat.completions.create(messages=prompt, **common)
@@ -127,7 +128,8 @@ async def send_request(
                 reply.usage_prompt_tokens = chunk.usage.prompt_tokens
                 reply.usage_completion_tokens = chunk.usage.completion_tokens
             text, finish = _chunk_text(chunk, config.endpoint)
-            reply.finish_reason = finish or reply.finish_reason
+            if finish is not None and reply.finish_reason is None:
+                reply.finish_reason, finish_time = finish, now
             if not text:
                 continue
             if reply.result.ttft is None:
@@ -137,6 +139,8 @@ async def send_request(
             last = now
             parts.append(text)
         reply.result.e2el = time.perf_counter() - start
+        if reply.result.ttft is None and finish_time is not None:
+            reply.result.ttft = finish_time - start  # tokens that decode to no text (e.g. EOS first) still arrived
         if reply.finish_reason == "abort":
             reply.result.error = "the server aborted the request"
         else:

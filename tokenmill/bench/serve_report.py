@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 async def resolve_model(client: Any, config: ClientConfig) -> ClientConfig:
-    """``config`` with ``model`` filled from /v1/models when unset; left None (with a warning) if the server cannot say."""
+    """``config`` with ``model`` from /v1/models when unset; left None (with a warning) if the server cannot say."""
     if config.model is not None:
         return config
     try:
@@ -34,13 +34,14 @@ async def resolve_model(client: Any, config: ClientConfig) -> ClientConfig:
         return config
 
 
-def _plot_path(args: argparse.Namespace, json_path: Path) -> Path | None:
-    if args.plot is None:
+def _plot_path(plot: str | None, json_path: Path) -> Path | None:
+    """Where to write the PNG: ``plot`` itself, next to the JSON when ``plot`` is "", nowhere when None."""
+    if plot is None:
         return None
     if importlib.util.find_spec("matplotlib") is None:
-        print("note: --plot needs matplotlib (pip install matplotlib); no plot written")
+        print("note: plotting needs matplotlib (pip install matplotlib); no plot written")
         return None
-    return Path(args.plot) if args.plot else json_path.with_suffix(".png")
+    return Path(plot) if plot else json_path.with_suffix(".png")
 
 
 def error_summary(errors: list[str], limit: int = 3) -> str:
@@ -80,7 +81,7 @@ async def run_and_report(config: ClientConfig, load: LoadConfig, dataset: Datase
             path = args.result_file or default_result_path(dataset.name, config.endpoint, load.max_concurrency)
             if args.save_result or args.result_file is not None:
                 print(f"wrote {write_json(path, record)}")
-            plot = _plot_path(args, path)
+            plot = _plot_path(args.plot, path)
             if plot is not None:
                 from tokenmill.bench.plot import plot_latency_distributions
 
@@ -100,9 +101,7 @@ async def run_and_report(config: ClientConfig, load: LoadConfig, dataset: Datase
         print(format_sweep_table(rows))
         path = args.result_file or default_result_path(dataset.name, config.endpoint, None, suffix="-sweep")
         print(f"wrote {write_json(path, {'sweep': rows, 'runs': records})}")
-        if args.plot is None:
-            args.plot = ""  # sweeps always plot when matplotlib is there
-        plot = _plot_path(args, path)
+        plot = _plot_path(args.plot or "", path)  # sweeps always plot (next to the JSON unless --plot PNG)
         if plot is not None:
             from tokenmill.bench.plot import plot_sweep
 

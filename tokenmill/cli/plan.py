@@ -5,7 +5,14 @@ import argparse
 import json
 from dataclasses import asdict
 
-from tokenmill.memory_plan import KV_CACHE_DTYPES, MemoryPlan, PlanConfig, physical_memory_gib, plan_memory, read_model_shape
+from tokenmill.memory_plan import (
+    KV_CACHE_DTYPES,
+    MemoryPlan,
+    PlanConfig,
+    physical_memory_gib,
+    plan_memory,
+    read_model_shape,
+)
 from tokenmill.runner.kv_cache_sizing import GIB
 
 MIB = 1024**2
@@ -54,6 +61,7 @@ def plan_record(plan: MemoryPlan) -> dict:
 def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
     """The human-readable plan; ``model_arg`` is the MODEL as given (None: the embedded default)."""
     m, c = plan.model, plan.config
+    sampled_rows = min(c.max_num_seqs, c.max_num_batched_tokens)
     lines = [
         f"model: {m.path} ({m.architecture}, {m.file_format}, {_gib(m.checkpoint_bytes)} on disk)",
         f"  layers {m.num_layers}, hidden {m.hidden_size}, heads {m.num_attention_heads}, kv heads {m.num_kv_heads}, "
@@ -64,8 +72,8 @@ def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
         f"= {plan.kv_bytes_per_token:,} B; block of {c.block_size} tokens = {plan.bytes_per_block:,} B",
         f"memory: {c.memory:g} GiB x {c.memory_utilization:g} = {_gib(plan.usable_bytes)} usable",
         f"reserve: {_gib(plan.reserve_bytes)} = runtime overhead {_gib(plan.runtime_overhead_bytes)} + activations "
-        f"{_gib(plan.activation_bytes)} (one step of {c.max_num_batched_tokens} tokens, {min(c.max_num_seqs, c.max_num_batched_tokens)} "
-        f"sampled rows, one prefill chunk over {plan.max_model_len} tokens)",
+        f"{_gib(plan.activation_bytes)} (one step of {c.max_num_batched_tokens} tokens, {sampled_rows} sampled rows, "
+        f"one prefill chunk over {plan.max_model_len} tokens)",
         f"KV budget: {_gib(plan.kv_budget_bytes)}"
         + (" (given by --kv-cache-memory)" if c.kv_cache_memory is not None else " (usable - weights - reserve)"),
         f"KV pool: {plan.num_kv_blocks:,} blocks x {c.block_size} = {plan.num_kv_tokens:,} tokens "
@@ -76,13 +84,14 @@ def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
         "equivalent: tokenmill serve "
         + (f"{model_arg} " if model_arg else "")
         + f"--dtype {plan.dtype} --block-size {c.block_size} --max-model-len {plan.max_model_len} "
+        f"--max-num-seqs {c.max_num_seqs} --max-num-batched-tokens {c.max_num_batched_tokens} "
         f"--kv-cache-memory {plan.kv_cache_memory_flag:.12g}   (or --num-kv-blocks {plan.num_kv_blocks})",
     ]
     if plan.total_bytes > plan.usable_bytes:
         lines.append("warning: weights + reserve + KV pool exceed the usable memory")
     if plan.kv_cache_dtype != plan.dtype:
-        lines.append(f"note: tokenmill serve stores KV in the model dtype ({plan.dtype}) today; these {plan.kv_cache_dtype} "
-                     "numbers are for planning, the flags above would allocate a different size")
+        lines.append(f"note: tokenmill serve stores KV in the model dtype ({plan.dtype}) today; these "
+                     f"{plan.kv_cache_dtype} numbers are for planning, the flags above would allocate a different size")
     return "\n".join(lines)
 
 
