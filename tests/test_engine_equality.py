@@ -92,3 +92,15 @@ def test_prompt_logprobs_match_transformers(tiny):
         assert abs(entry[prompt[pos]].logprob - expected) < 1e-4
         top = ref[pos - 1].topk(2)
         assert top.indices[0].item() in entry
+
+
+def test_kv_pool_smaller_than_max_model_len_is_refused_or_clamped(tmp_path):
+    path = str(make_tiny_model("llama", tmp_path / "m"))
+    with pytest.raises(ValueError, match="KV cache capacity"):
+        LLM(model=path, num_kv_blocks=4, block_size=16, max_model_len=256)
+    llm = LLM(model=path, num_kv_blocks=4, block_size=16)  # max_model_len follows the pool: 64 tokens
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(ValueError, match="max_model_len"):  # would never fit: refused, not queued forever
+        llm.generate({"prompt_token_ids": [100] * 51}, SamplingParams(max_tokens=30))
+    out = llm.generate({"prompt_token_ids": [100] * 51}, SamplingParams(max_tokens=13, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 13

@@ -8,6 +8,8 @@ move; the API key is enforced; SIGTERM exits with 0 after finishing in-flight re
 """
 from __future__ import annotations
 
+import json
+
 import asyncio
 import threading
 import time
@@ -192,6 +194,9 @@ BAD_REQUESTS = [  # (path, body, status, param)
     (C, {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
     (C, {"prompt": "x", "top_p": 0}, 400, "top_p"),
     (C, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    (C, {"prompt": "x", "temperature": float("nan")}, 400, "temperature"),
+    (C, {"prompt": "x", "repetition_penalty": float("nan")}, 400, "repetition_penalty"),
+    (C, {"prompt": "x", "seed": 10**30}, 400, "seed"),
     (C, {"prompt": "x", "n": 0}, 400, "n"),
     (C, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     (C, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
@@ -219,6 +224,10 @@ BAD_REQUESTS = [  # (path, body, status, param)
     (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400,
      "max_completion_tokens"),
     (CHAT_PATH, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
 ]
 
 
@@ -239,7 +248,12 @@ def test_bad_inputs_get_openai_errors_while_valid_request_succeeds(server, llm, 
     for path, body, status, param in BAD_REQUESTS:
         if isinstance(body, dict):
             body = {"model": tiny_path, **body}
-        response = server.post(path, body)
+        if any(isinstance(v, float) and v != v for v in (body.values() if isinstance(body, dict) else ())):
+            # NaN is not standard JSON; clients such as Python's json module still send it.
+            response = httpx.post(f"{server.url}{path}", content=json.dumps(body).encode(), timeout=30,
+                                  headers={"content-type": "application/json"})
+        else:
+            response = server.post(path, body)
         assert response.status_code == status, (body, response.text)
         error = response.json()["error"]
         assert error["param"] == param, (body, error)

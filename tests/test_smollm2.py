@@ -76,3 +76,18 @@ def test_over_length_prompt_is_rejected_and_engine_keeps_working(llm):
         llm.generate({"prompt_token_ids": [100] * 1000}, SamplingParams(max_tokens=100))
     assert llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
     llm.engine.check_integrity()
+
+
+def test_non_finite_and_out_of_range_sampling_values_are_refused():
+    for kwargs, field in (({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+                          ({"repetition_penalty": float("nan")}, "repetition_penalty"), ({"seed": 2**70}, "seed"),
+                          ({"logit_bias": {5: 1000.0}}, "logit_bias")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+
+
+def test_non_prompt_objects_are_a_value_error(llm):
+    with pytest.raises(ValueError, match="prompt must be"):
+        llm.generate(5)
+    with pytest.raises(ValueError, match="prompt must be"):
+        llm.generate(["Hi", 5])

@@ -1,6 +1,7 @@
 """SamplingParams: the user-facing knobs of one request's generation, validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 # Largest number of top log-probabilities a request may ask for (OpenAI caps top_logprobs at 20).
@@ -44,8 +45,9 @@ class SamplingParams:
 
         if self.n < 1:
             raise bad("n", "must be >= 1")
-        if self.temperature is not None and self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
+        # Comparisons are written so that NaN fails them.
+        if self.temperature is not None and not (0 <= self.temperature < math.inf):
+            raise bad("temperature", "must be a finite number >= 0")
         if self.top_p is not None and not (0 < self.top_p <= 1):
             raise bad("top_p", "must be in (0, 1]")
         if self.top_k is not None and self.top_k < 0:
@@ -56,8 +58,12 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not (-2 <= self.frequency_penalty <= 2):
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
+        if self.repetition_penalty is not None and not (0 < self.repetition_penalty < math.inf):
+            raise bad("repetition_penalty", "must be a finite number > 0")
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**63):
+            raise bad("seed", "must fit in a signed 64-bit integer")
+        if self.logit_bias is not None and not all(-100 <= v <= 100 for v in self.logit_bias.values()):
+            raise bad("logit_bias", "values must be numbers in [-100, 100]")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise bad("max_tokens", "must be >= 0")
         if self.min_tokens < 0:

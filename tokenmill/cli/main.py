@@ -10,6 +10,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by every subcommand that builds an engine (names as in vLLM)."""
     parser.add_argument("model", nargs="?", default=None,
                         help="local HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", dest="model_flag", metavar="MODEL", default=None, help="same as the positional MODEL")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
@@ -51,8 +52,10 @@ def sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM
 
+    params = sampling_params(args)  # validate before the model loads
+    if not all(args.prompt):
+        raise ValueError("prompt must not be empty")
     llm = LLM(**engine_kwargs(args))
-    params = sampling_params(args)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
@@ -65,8 +68,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM
 
+    params = sampling_params(args)  # validate before the model loads
     llm = LLM(**engine_kwargs(args))
-    params = sampling_params(args)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -92,7 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompt", nargs="+")
-    gen.add_argument("--model", dest="model", default=None)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     add_engine_args_no_positional(gen)
     add_sampling_args(gen)
@@ -118,7 +120,7 @@ def add_engine_args_no_positional(parser: argparse.ArgumentParser) -> None:
     tmp = argparse.ArgumentParser(add_help=False)
     add_engine_args(tmp)
     for action in tmp._actions:
-        if action.dest in ("model", "help"):
+        if action.dest == "help" or (action.dest == "model" and not action.option_strings):
             continue
         parser._add_action(action)
 
@@ -126,6 +128,8 @@ def add_engine_args_no_positional(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if hasattr(args, "model_flag"):  # `--model X` and a positional X mean the same
+        args.model = args.model_flag or getattr(args, "model", None)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -23,6 +23,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="plan memory: weights, activation reserve, KV-cache capacity")
     p.add_argument("model", nargs="?", default=None,
                    help="local HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", metavar="MODEL", default=None, help="same as the positional MODEL")
     p.add_argument("--memory", type=float, default=None, help="memory in GiB (default: this machine's RAM)")
     p.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of --memory tokenmill may use")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])

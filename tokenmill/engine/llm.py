@@ -71,8 +71,8 @@ class LLM:
 
         Raises ValueError (before anything is queued) when a prompt or its parameters are invalid.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if not isinstance(prompts, list) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: text, dict, or a list of token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -46,6 +46,18 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded, config.cache.block_size, config.cache.num_kv_blocks, config.cache.kv_cache_memory_gib
         )
+        if self.runner.num_kv_tokens < max_model_len:
+            # One request must always fit in the pool, or it would wait (or be preempted) forever.
+            if config.scheduler.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len {max_model_len} exceeds the KV cache capacity of {self.runner.num_kv_tokens} "
+                    "tokens; raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len"
+                )
+            logger.warning("max_model_len lowered from %d to the KV cache capacity, %d tokens",
+                           max_model_len, self.runner.num_kv_tokens)
+            max_model_len = self.runner.num_kv_tokens
+            self.scheduler_config = replace(self.scheduler_config, max_model_len=max_model_len)
+            self.config = replace(self.config, scheduler=self.scheduler_config)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -79,6 +91,10 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError(
+                f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+            )
         token_ids = [int(t) for t in prompt]
         if not token_ids:
             raise ValueError("prompt must not be empty")
@@ -122,7 +138,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             generator = None
             if params.seed is not None:
-                generator = torch.Generator().manual_seed(params.seed + i)
+                generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
             children.append(
                 Request(child_id, token_ids, params, self.loaded.eos_token_ids, max_tokens,
                         arrival_time=arrival_time, cache_salt=cache_salt, generator=generator)

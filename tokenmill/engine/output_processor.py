@@ -95,6 +95,7 @@ class OutputProcessor:
                 parent.first_scheduled_time = request.first_scheduled_time
                 if request.wants_prompt_logprobs:  # complete once the first token exists
                     parent.prompt_logprobs = list(request.prompt_logprobs)
+                    self._decode_logprob_tokens([e for e in parent.prompt_logprobs if e is not None])
             new_ids = request.output_token_ids[seq.num_tokens_emitted :]
             seq.num_tokens_emitted = request.num_output_tokens
             stop_str = seq.detokenizer.update(new_ids)

@@ -97,6 +97,11 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    # Not supported yet; accepted only in their "off" form so clients get a clear 400 otherwise.
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True

@@ -27,12 +27,24 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
         raise APIError(f"messages could not be rendered with the chat template: {exc}", param="messages") from None
 
 
+def _reject_unsupported(body: ChatCompletionRequest) -> None:
+    """Structured output and tool calling are not implemented yet: refuse them rather than ignore them."""
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise APIError("response_format other than {'type': 'text'} is not supported yet", param="response_format")
+    if body.tools or body.functions:
+        field = "tools" if body.tools else "functions"
+        raise APIError(f"{field}: tool calling is not supported yet", param=field)
+    if body.tool_choice not in (None, "none", "auto"):
+        raise APIError("tool_choice is not supported yet", param="tool_choice")
+
+
 def _engine_request(body: ChatCompletionRequest, state: ServerState, request_id: str) -> EngineRequest:
     use_completion_name = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if use_completion_name else body.max_tokens
     max_tokens_param = "max_completion_tokens" if use_completion_name else "max_tokens"
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    _reject_unsupported(body)
     params = build_sampling_params(
         body, vocab_size=state.vocab_size, max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
