@@ -117,13 +117,11 @@ def read_model_shape(model: str | None) -> ModelShape:
         return _shape_from_config(config, path, "gguf", num_params, nbytes, None)
     if not path.is_dir():
         raise ValueError(f"model {model!r} is not a local model directory or .gguf file")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model: {path} has no config.json")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model: {path} has no *.safetensors files")
     from transformers import AutoConfig
 
+    from tokenmill.models.loader import checkpoint_files
+
+    files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(str(path))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     headers = [_safetensors_header(f) for f in files]

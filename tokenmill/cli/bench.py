@@ -107,12 +107,7 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     run = run_offline(llm, workload, use_tqdm=not args.disable_tqdm)
     print(format_result_block(run.metrics, "Offline Benchmark Result", latencies=("ttft", "tpot", "e2el")))
     print("(offline: all requests of a round queued at once; TTFT includes queueing; no per-token ITL)")
-    if args.result_file is not None:
-        record = {"dataset_name": dataset.name, "num_prompts": dataset.num_prompts, "engine_args": engine_kwargs(args),
-                  **run.metrics.summary(), **per_request_arrays(run.results)}
-        args.result_file.parent.mkdir(parents=True, exist_ok=True)
-        args.result_file.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {args.result_file}")
+    _write_result(args, dataset, {**run.metrics.summary(), **per_request_arrays(run.results)})
     return 0
 
 
@@ -130,13 +125,19 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     runs, skipped, notes = compare_engines(lambda: LLM(**engine_kwargs(args)), args.model, requests, peers,
                                            args.peer_batch_size, args.num_threads)
     print(format_compare_table(runs, skipped, notes))
-    if args.result_file is not None:
-        record = {"dataset_name": dataset.name, "num_prompts": dataset.num_prompts, "engine_args": engine_kwargs(args),
-                  **compare_record(runs, skipped, notes)}
-        args.result_file.parent.mkdir(parents=True, exist_ok=True)
-        args.result_file.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {args.result_file}")
+    _write_result(args, dataset, compare_record(runs, skipped, notes))
     return 0
+
+
+def _write_result(args: argparse.Namespace, dataset, fields: dict) -> None:
+    """Write ``--result-file`` (if given): the dataset and engine settings plus ``fields``, as JSON."""
+    if args.result_file is None:
+        return
+    record = {"dataset_name": dataset.name, "num_prompts": dataset.num_prompts, "engine_args": engine_kwargs(args),
+              **fields}
+    args.result_file.parent.mkdir(parents=True, exist_ok=True)
+    args.result_file.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.result_file}")
 
 
 if __name__ == "__main__":

@@ -144,12 +144,22 @@ def _eos_token_ids(generation_config: dict[str, Any], tokenizer: PreTrainedToken
     return {int(i) for i in ids}
 
 
-def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None) -> LoadedModel:
+def checkpoint_files(path: Path) -> list[Path]:
+    """The sorted ``*.safetensors`` files of a Hugging Face model directory.
+
+    Raises:
+        ValueError: no config.json, or no safetensors file in ``path``.
+    """
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json; expected a Hugging Face model directory or a .gguf file")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no *.safetensors files (only safetensors checkpoints are supported)")
+    return files
+
+
+def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None) -> LoadedModel:
+    files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(str(path))
     get_model_class(config)  # fail on unsupported architectures before touching weights
     check_sliding_window(config, max_model_len)
