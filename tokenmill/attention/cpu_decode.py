@@ -7,61 +7,28 @@ compared against the torch reference in torch_paged.py by tests. If no C compile
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
+import functools
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from tokenmill.csrc_build import load_c_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-_lib: ctypes.CDLL | None = None
-_tried = False
+# -ffast-math is fine here: attention does not promise a summation order.
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return Path(root) / "kernels"
-
-
-def _build() -> ctypes.CDLL | None:
-    source = _SOURCE.read_bytes()
-    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{digest}.so"
-    if not target.exists():
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            logger.warning("no C compiler found: CPU decode attention uses the slower torch reference path")
-            return None
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            result = subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
-            if result.returncode != 0:
-                logger.warning("building the CPU decode kernel failed, using the torch path:\n%s", result.stderr)
-                return None
-            os.replace(out, target)  # atomic: concurrent builders never see a partial file
-    lib = ctypes.CDLL(str(target))
+def _setup(lib: ctypes.CDLL) -> None:
     argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     for name in ("paged_decode_f32", "paged_decode_bf16"):
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
-    return lib
 
 
+@functools.cache
 def _get_lib() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS", "0") != "1":
-            _lib = _build()
-    return _lib
+    return load_c_library(_SOURCE, "paged_decode", _setup, _FLAGS)
 
 
 def available() -> bool:

@@ -5,7 +5,9 @@ import torch
 from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.per_token import per_token_paged_attention
 from tokenmill.attention.torch_paged import paged_attention, write_kv
+from tokenmill.attention.triton_attention import triton_paged_attention, triton_write_kv
 
 # One layer's cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -15,7 +17,13 @@ class Attention(nn.Module):
     """Paged multi-head / grouped-query attention over a flat token batch.
 
     forward(q [T, H*D], k [T, KVH*D], v [T, KVH*D], kv_cache, metadata) -> [T, H*D].
+    With ``batch_invariant`` set (deterministic mode) every token attends as its own decode query.
+    With ``use_triton`` set (by the CUDA runner) K/V writes and attention run in the Triton kernels,
+    which read only the device-side fields of the metadata.
     """
+
+    batch_invariant = False
+    use_triton = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -38,6 +46,13 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
+        if self.use_triton:
+            triton_write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+            out = triton_paged_attention(q, k_cache, v_cache, metadata, self.scale)
+            return out.reshape(num_tokens, self.num_heads * self.head_dim)
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        if self.batch_invariant:
+            out = per_token_paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        else:
+            out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

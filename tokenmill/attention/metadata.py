@@ -6,6 +6,7 @@ shared by all layers. Pure bookkeeping: no model weights here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +44,13 @@ class AttentionMetadata:
         decode_seq_lens: [Bd] int64, keys per decode query.
         decode_key_mask: [Bd, 1, 1, max_decode_blocks * block_size] bool, True where a key is valid.
         prefills: one PrefillSpan per multi-token query.
+    Per-token views, built only for the batch-invariant (deterministic) path, where every query
+    token is computed exactly like a decode query of its own (None otherwise):
+        token_block_table: [T, max_blocks] int64, the block table row of each token's request.
+        token_seq_lens: [T] int64, keys each token attends to (its position + 1).
+    Device metadata for the Triton backend (``tokenmill.runner.input_buffers``) skips the
+    reference views: ``prefills`` is empty, ``prefill_count`` holds the number of multi-token
+    queries, and the ``decode_*`` views other than ``decode_token_idx`` are empty.
     """
 
     block_size: int
@@ -55,31 +63,37 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor
     decode_key_mask: torch.Tensor
     prefills: tuple[PrefillSpan, ...]
+    token_block_table: torch.Tensor | None = None
+    token_seq_lens: torch.Tensor | None = None
+    prefill_count: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
 
+    @property
+    def num_prefills(self) -> int:
+        """Requests with a multi-token query this step (a host int: no device sync)."""
+        return len(self.prefills) if self.prefill_count is None else self.prefill_count
 
-def build_attention_metadata(
-    query_lens: np.ndarray,
-    num_computed_tokens: np.ndarray,
-    block_table: np.ndarray,
-    block_size: int,
-) -> tuple[AttentionMetadata, np.ndarray]:
-    """Build the step's metadata and positions.
 
-    Args:
-        query_lens: [B] int, tokens scheduled per request this step (num_scheduled_tokens).
-        num_computed_tokens: [B] int, tokens already in the KV cache per request.
-        block_table: [B, max_blocks] int, each request's block ids (0-padded).
-        block_size: tokens per block.
-    Returns:
-        (metadata, positions) where positions is [T] int64, each token's position in its sequence.
+class StepLayout(NamedTuple):
+    """Where each token of a flat step batch sits (numpy int64; B requests, T tokens).
+
+    query_start_loc [B + 1], seq_lens [B], positions [T], slot_mapping [T], req_of_token [T].
     """
-    query_lens = np.asarray(query_lens, dtype=np.int64)
-    num_computed_tokens = np.asarray(num_computed_tokens, dtype=np.int64)
-    block_table = np.asarray(block_table, dtype=np.int64)
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    req_of_token: np.ndarray
+
+
+def step_layout(
+    query_lens: np.ndarray, num_computed_tokens: np.ndarray, block_table: np.ndarray, block_size: int
+) -> StepLayout:
+    """Vectorised positions and slots of a step (arguments as in :func:`build_attention_metadata`)."""
     num_reqs = len(query_lens)
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
@@ -92,6 +106,33 @@ def build_attention_metadata(
         query_start_loc[:-1] - num_computed_tokens, query_lens
     )
     slot_mapping = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
+    return StepLayout(query_start_loc, seq_lens, positions, slot_mapping.astype(np.int64), req_of_token)
+
+
+def build_attention_metadata(
+    query_lens: np.ndarray,
+    num_computed_tokens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    per_token: bool = False,
+) -> tuple[AttentionMetadata, np.ndarray]:
+    """Build the step's metadata and positions.
+
+    Args:
+        query_lens: [B] int, tokens scheduled per request this step (num_scheduled_tokens).
+        num_computed_tokens: [B] int, tokens already in the KV cache per request.
+        block_table: [B, max_blocks] int, each request's block ids (0-padded).
+        block_size: tokens per block.
+        per_token: also build ``token_block_table`` / ``token_seq_lens`` (deterministic mode).
+    Returns:
+        (metadata, positions) where positions is [T] int64, each token's position in its sequence.
+    """
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    num_computed_tokens = np.asarray(num_computed_tokens, dtype=np.int64)
+    block_table = np.asarray(block_table, dtype=np.int64)
+    query_start_loc, seq_lens, positions, slot_mapping, req_of_token = step_layout(
+        query_lens, num_computed_tokens, block_table, block_size
+    )
 
     is_decode = query_lens == 1
     decode_reqs = np.nonzero(is_decode)[0]
@@ -131,11 +172,13 @@ def build_attention_metadata(
         query_start_loc=torch.from_numpy(query_start_loc),
         seq_lens=torch.from_numpy(seq_lens),
         block_table=torch.from_numpy(block_table),
-        slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)),
+        slot_mapping=torch.from_numpy(slot_mapping),
         decode_token_idx=torch.from_numpy(decode_token_idx.astype(np.int64)),
         decode_block_table=torch.from_numpy(np.ascontiguousarray(decode_block_table)),
         decode_seq_lens=torch.from_numpy(np.ascontiguousarray(decode_seq_lens, dtype=np.int64)),
         decode_key_mask=torch.from_numpy(np.ascontiguousarray(decode_key_mask)),
         prefills=tuple(prefills),
+        token_block_table=torch.from_numpy(block_table[req_of_token]) if per_token else None,
+        token_seq_lens=torch.from_numpy(positions + 1) if per_token else None,
     )
     return metadata, positions

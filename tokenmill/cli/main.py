@@ -22,6 +22,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch-invariant mode: a request's output is bit-identical whatever else runs with it")
+    parser.add_argument("--kv-offload-memory", type=float, default=0.0,
+                        help="host-RAM KV tier below the pool, in GiB (0: off); evicted prefix blocks go there")
+    parser.add_argument("--kv-offload-disk-path", default=None,
+                        help="directory of the disk KV tier (off by default); reused after a restart of the same model")
+    parser.add_argument("--kv-offload-disk-size", type=float, default=16.0, help="most GiB the disk KV tier keeps")
+    parser.add_argument("--kv-offload-disk-drive-size", type=float, default=None,
+                        help="GiB of the drive under the disk tier, for the DWPD estimate (default: the tier size)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="CUDA: fraction of device memory for weights + activations + KV cache")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -30,7 +43,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed, num_threads=args.num_threads,
+        seed=args.seed, num_threads=args.num_threads, deterministic=args.deterministic,
+        kv_offload_memory=args.kv_offload_memory, kv_offload_disk_path=args.kv_offload_disk_path,
+        kv_offload_disk_size=args.kv_offload_disk_size, kv_offload_disk_drive_size=args.kv_offload_disk_drive_size,
+        device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
     )
 
 
@@ -62,6 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(list(args.prompt), params)
     for prompt, output in zip(args.prompt, outputs):
         print(f"### {prompt}\n{output.outputs[0].text}\n")
+    llm.close()  # saves cached KV to the disk tier, if one is configured
     return 0
 
 
@@ -85,6 +102,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         reply = llm.chat(messages, params)[0].outputs[0].text
         print(reply)
         messages.append({"role": "assistant", "content": reply})
+    llm.close()
     return 0
 
 

@@ -20,6 +20,17 @@ class LLM:
         kv_cache_memory: KV pool budget in GiB (ignored if num_kv_blocks is set).
         Others as in vLLM (max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
         enable_prefix_caching, enable_chunked_prefill).
+        deterministic: batch-invariant mode; each request's tokens and log-probabilities are
+            bit-identical whatever else is batched with it (docs/deterministic.md).
+        kv_offload_memory: host-RAM KV tier below the pool, in GiB (0: off).
+        kv_offload_disk_path: directory of the disk KV tier (None: off); call ``close()`` (or use
+            ``with LLM(...) as llm``) so cached blocks are written there for the next run.
+        kv_offload_disk_size: most GiB the disk tier keeps.
+        kv_offload_disk_drive_size: drive size in GiB for the DWPD estimate (default: the tier size).
+        device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
+        gpu_memory_utilization: on CUDA, the fraction of device memory for weights, activations
+            and KV cache; the KV pool gets what a profiling forward pass leaves.
+        enforce_eager: on CUDA, never capture or replay CUDA graphs.
     """
 
     def __init__(
@@ -36,17 +47,33 @@ class LLM:
         enable_chunked_prefill: bool = True,
         seed: int = 0,
         num_threads: int | None = None,
+        deterministic: bool = False,
+        kv_offload_memory: float = 0.0,
+        kv_offload_disk_path: str | None = None,
+        kv_offload_disk_size: float = 16.0,
+        kv_offload_disk_drive_size: float | None = None,
+        device: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
             dtype=dtype,
             seed=seed,
             num_threads=num_threads,
+            deterministic=deterministic,
+            device=device,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
             cache=CacheConfig(
                 block_size=block_size,
                 num_kv_blocks=num_kv_blocks,
                 kv_cache_memory_gib=kv_cache_memory,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_offload_memory_gib=kv_offload_memory,
+                kv_offload_disk_path=None if kv_offload_disk_path is None else str(kv_offload_disk_path),
+                kv_offload_disk_size_gib=kv_offload_disk_size,
+                kv_offload_disk_drive_size_gib=kv_offload_disk_drive_size,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -60,6 +87,16 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.get_tokenizer()
+
+    def close(self) -> None:
+        """Save cached KV blocks to the disk tier (if any) and release it; see ``LLMEngine.close``."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

@@ -15,9 +15,11 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.stats_logger import StatsLogger
 from tokenmill.kv_cache import KVCacheManager
+from tokenmill.kv_offload import build_kv_store
 from tokenmill.models.loader import load_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
+from tokenmill.runner.device import resolve_device
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
@@ -35,7 +37,12 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        self.loaded = load_model(config.model, config.dtype)
+        self.device = resolve_device(config.device)
+        if config.deterministic and self.device.type != "cpu":  # refuse before loading any weights
+            from tokenmill.runner.deterministic import check_deterministic_supported
+
+            check_deterministic_supported(torch.float32, self.device)
+        self.loaded = load_model(config.model, config.dtype, device=self.device)
         self.tokenizer = self.loaded.tokenizer
         model_max = self.loaded.max_position_embeddings
         max_model_len = config.scheduler.max_model_len or model_max
@@ -43,23 +50,36 @@ class LLMEngine:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}")
         self.scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         self.config = replace(config, scheduler=self.scheduler_config)
-        self.runner = ModelRunner(
-            self.loaded, config.cache.block_size, config.cache.num_kv_blocks, config.cache.kv_cache_memory_gib
-        )
+        if self.device.type == "cpu":
+            self.runner = ModelRunner(
+                self.loaded, config.cache.block_size, config.cache.num_kv_blocks, config.cache.kv_cache_memory_gib,
+                deterministic=config.deterministic,
+            )
+        else:
+            from tokenmill.runner.cuda_runner import CudaModelRunner
+
+            self.runner = CudaModelRunner(
+                self.loaded, config.cache, self.scheduler_config, config.gpu_memory_utilization,
+                enforce_eager=config.enforce_eager,
+            )
         if self.runner.num_kv_tokens < max_model_len:
             # One request must always fit in the pool, or it would wait (or be preempted) forever.
             if config.scheduler.max_model_len is not None:
                 raise ValueError(
                     f"max_model_len {max_model_len} exceeds the KV cache capacity of {self.runner.num_kv_tokens} "
-                    "tokens; raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len"
+                    "tokens; raise --kv-cache-memory (CPU) / --gpu-memory-utilization (CUDA) / --num-kv-blocks "
+                    "or lower --max-model-len"
                 )
             logger.warning("max_model_len lowered from %d to the KV cache capacity, %d tokens",
                            max_model_len, self.runner.num_kv_tokens)
             max_model_len = self.runner.num_kv_tokens
             self.scheduler_config = replace(self.scheduler_config, max_model_len=max_model_len)
             self.config = replace(self.config, scheduler=self.scheduler_config)
+        # Host-RAM / disk tiers below the pool (None when off); torch-side, so built here, not in kv_cache/.
+        self.kv_store = build_kv_store(config.cache, self.runner.kv_cache, self.loaded, max_model_len)
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            lower_tiers=self.kv_store,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -138,7 +158,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             generator = None
             if params.seed is not None:
-                generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
+                generator = torch.Generator(device=self.runner.device).manual_seed((params.seed + i) % 2**64)
             children.append(
                 Request(child_id, token_ids, params, self.loaded.eos_token_ids, max_tokens,
                         arrival_time=arrival_time, cache_salt=cache_salt, generator=generator)
@@ -170,17 +190,30 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns a RequestOutput for every request with news."""
         scheduler_output = self.scheduler.schedule()
+        if self.kv_store is not None:  # copies to / from the lower KV tiers, before the forward
+            self.kv_store.transfer(scheduler_output.blocks_to_offload, scheduler_output.blocks_to_load)
         if scheduler_output.is_empty:
+            if self.kv_store is not None:  # nothing runnable: wait for prefix blocks coming back from disk
+                self.kv_store.wait_for_loads(timeout=0.5)
             return []
         runner_output = self.runner.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         num_generated = sum(t is not None for t in runner_output.sampled_token_ids)
         self.stats_logger.record_step(scheduler_output.total_num_scheduled_tokens - num_generated, num_generated)
-        self.stats_logger.maybe_log(self.scheduler, self.kv_cache_manager)
+        self.stats_logger.maybe_log(self.scheduler, self.kv_cache_manager, self.kv_store)
         outputs, to_stop = self.output_processor.process(updated)
         if to_stop:
             self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def close(self, save_cached: bool = True) -> None:
+        """Release the KV tiers: with a disk tier, write every cached block held only in the pool or
+        in RAM to disk (``save_cached``; skip it after a crash, when block data may be stale),
+        flush and sync the disk writer and release its directory lock. Idempotent."""
+        if self.kv_store is None:
+            return
+        offload = self.kv_cache_manager.offload
+        self.kv_store.close(offload.cached_blocks() if save_cached and offload is not None else None)
 
     def check_integrity(self) -> None:
         """Assert the KV pool's invariants (free + cached + in use == total, nothing leaked)."""

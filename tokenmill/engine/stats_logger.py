@@ -22,7 +22,7 @@ class StatsLogger:
         self._prompt_tokens += num_prompt_tokens
         self._generation_tokens += num_generation_tokens
 
-    def maybe_log(self, scheduler, kv_cache_manager) -> None:
+    def maybe_log(self, scheduler, kv_cache_manager, kv_store=None) -> None:
         now = time.monotonic()
         elapsed = now - self._last_log
         if elapsed < self.interval_s:
@@ -31,11 +31,22 @@ class StatsLogger:
         hits = kv_cache_manager.prefix_cache_hits - self._last_hits
         logger.info(
             "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d, waiting: %d, "
-            "KV cache usage: %.1f%%, prefix cache hit rate: %.1f%% (%d/%d tokens)",
+            "KV cache usage: %.1f%%, prefix cache hit rate: %.1f%% (%d/%d tokens)%s",
             self._prompt_tokens / elapsed, self._generation_tokens / elapsed, scheduler.num_running,
             scheduler.num_waiting, 100 * kv_cache_manager.usage(), 100 * hits / queries if queries else 0.0,
-            hits, queries,
+            hits, queries, offload_summary(kv_store) if kv_store is not None else "",
         )
         self._last_log = now
         self._prompt_tokens = self._generation_tokens = 0
         self._last_queries, self._last_hits = kv_cache_manager.prefix_cache_queries, kv_cache_manager.prefix_cache_hits
+
+
+def offload_summary(kv_store) -> str:
+    """Cumulative per-tier counters of the lower KV tiers, for the stats line."""
+    parts = [
+        f"{name} {stats['hits']} hit blocks, {stats['bytes_written'] / 2**20:.1f} MiB written, "
+        f"{stats['bytes_read'] / 2**20:.1f} MiB read"
+        for name, stats in kv_store.tier_stats().items()
+    ]
+    dwpd = kv_store.dwpd()
+    return ", KV offload: " + "; ".join(parts) + (f"; disk DWPD {dwpd:.3g}" if dwpd is not None else "")

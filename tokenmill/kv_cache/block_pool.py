@@ -5,6 +5,8 @@ indexed by hash until they are reused (evicted), least recently freed first.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 
 class KVCacheBlock:
     """Metadata of one KV block: id, reference count, prefix-cache hash, free-list links."""
@@ -86,6 +88,8 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
         self.evicted_block_hashes: list[int] = []  # for tests and lower tiers; cleared by the consumer
+        # Called with (block_id, block_hash) when a cached block is reused (the lower KV tiers' hook).
+        self.on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -116,6 +120,8 @@ class BlockPool:
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
             self.evicted_block_hashes.append(block.block_hash)
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
         block.block_hash = None
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tokenmill.kv_cache.block_hash import extend_block_hashes
 from tokenmill.kv_cache.block_pool import BlockPool, KVCacheBlock
+from tokenmill.kv_cache.offload_planner import LowerTiers, OffloadPlanner
 from tokenmill.request import Request
 
 
@@ -17,12 +18,19 @@ class KVCacheManager:
         num_blocks: pool size.
         block_size: tokens per block.
         enable_caching: automatic prefix caching on/off.
+        lower_tiers: KV tiers below the pool (host RAM, disk), or None. Prefix hits then continue
+            into them and evicted cached blocks are written back to them (see OffloadPlanner).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, lower_tiers: LowerTiers | None = None
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.offload: OffloadPlanner | None = None
+        if lower_tiers is not None and enable_caching:
+            self.offload = OffloadPlanner(self.block_pool, lower_tiers)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of each request already indexed
         # Prefix-cache statistics, in tokens.
@@ -47,7 +55,9 @@ class KVCacheManager:
 
         Returns (blocks, num_computed_tokens). At least the last token is always left to compute
         so there are logits to sample from. Requests asking for prompt log-probabilities skip the
-        cache (they need logits at every prompt position).
+        cache (they need logits at every prompt position). With lower tiers, the hit continues into
+        them; while some of its blocks are still on disk this returns ([], 0) and
+        :meth:`is_loading` is True.
         """
         if not self.enable_caching or request.wants_prompt_logprobs:
             return [], 0
@@ -59,9 +69,22 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.offload is not None:  # called even with nothing left to find: it also ends a wait on loads
+            more = self.offload.extend_hits(request.request_id, request.block_hashes[len(hits) : max_hit_blocks], hits)
+            if more is None:
+                return [], 0
+            hits += more
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def is_loading(self, request: Request) -> bool:
+        """Whether the request waits for prefix blocks being read back from disk."""
+        return self.offload is not None and self.offload.is_loading(request.request_id)
+
+    def take_kv_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's (blocks_to_offload, blocks_to_load) as (block_id, block_hash) lists."""
+        return self.offload.take_transfers() if self.offload is not None else ([], [])
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
@@ -108,6 +131,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
+        if self.offload is not None:
+            self.offload.forget(request.request_id)
 
     def check_integrity(self) -> None:
         """Assert pool invariants and that every request's blocks are referenced."""

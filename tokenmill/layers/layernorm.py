@@ -4,14 +4,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.layers.batch_invariant import bi_rms_norm
+from tokenmill.layers.triton_elementwise import triton_rms_norm
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension.
 
     forward(x [..., hidden_size]) -> [..., hidden_size] in x's dtype. The statistics are computed
     in float32; the result is cast back to x's dtype *before* the weight multiply (HF order), so
-    bf16 outputs match transformers bit for bit.
+    bf16 outputs match transformers bit for bit. With ``batch_invariant`` set (deterministic mode)
+    it runs in the batch-invariant kernel (same formula, fixed reduction order). With ``use_triton``
+    set (CUDA runner) it is one fused Triton kernel (same formula and rounding).
     """
+
+    batch_invariant = False
+    use_triton = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -19,6 +27,11 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            shape = x.shape
+            return bi_rms_norm(x.reshape(-1, shape[-1]), self.weight, self.variance_epsilon).view(shape)
+        if self.use_triton:
+            return triton_rms_norm(x, self.weight, self.variance_epsilon)
         x32 = x.float()  # no copy when x is already float32
         variance = x32.pow(2).mean(-1, keepdim=True)  # (..., 1)
         x32 = x32 * torch.rsqrt(variance + self.variance_epsilon)

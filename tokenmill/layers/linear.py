@@ -11,12 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.batch_invariant import bi_linear
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b). forward(x [T, in_features]) -> [T, out_features].
 
     Parameters are allocated with ``torch.empty``: a model is always filled by ``load_weights``.
+    With ``batch_invariant`` set (deterministic mode) the product runs in the batch-invariant kernel.
     """
+
+    batch_invariant = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -26,6 +31,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return bi_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -17,6 +17,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from tokenmill.layers.triton_elementwise import triton_rotary
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
@@ -75,14 +77,18 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rotate-half RoPE on a flat batch.
+def apply_rotary_emb(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, use_triton: bool = False
+) -> torch.Tensor:
+    """Rotate-half RoPE on a flat batch (``use_triton``: one fused Triton kernel, same rounding).
 
     x: [T, num_heads * head_dim] or [T, num_heads, head_dim]; cos/sin: [T, 1, head_dim // 2].
     Returns a new contiguous [T, num_heads, head_dim] tensor:
     ``[x1 * cos - x2 * sin, x2 * cos + x1 * sin]`` with x1/x2 the two halves of each head, i.e.
     transformers' ``x * cos + rotate_half(x) * sin`` with the same rounding.
     """
+    if use_triton:
+        return triton_rotary(x, cos, sin, head_dim)
     x = x.view(x.shape[0], -1, head_dim)  # (T, H, D)
     x1, x2 = x.chunk(2, dim=-1)  # (T, H, D/2) each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -57,7 +57,12 @@ _STACKED = {
 
 
 class LlamaAttention(nn.Module):
-    """forward(hidden [T, hidden], cos/sin [T, 1, D/2], kv_cache, metadata) -> [T, hidden]."""
+    """forward(hidden [T, hidden], cos/sin [T, 1, D/2], kv_cache, metadata) -> [T, hidden].
+
+    ``use_triton`` (set by the CUDA runner): RoPE in the fused Triton kernel.
+    """
+
+    use_triton = False
 
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
         super().__init__()
@@ -91,10 +96,12 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # (T, H, D)
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # (T, KVH, D)
-            q = apply_rotary_emb(q, cos, sin, self.head_dim)  # (T, H, D)
-            k = apply_rotary_emb(k, cos, sin, self.head_dim)  # (T, KVH, D)
+            q = apply_rotary_emb(q, cos, sin, self.head_dim, self.use_triton)  # (T, H, D)
+            k = apply_rotary_emb(k, cos, sin, self.head_dim, self.use_triton)  # (T, KVH, D)
         else:  # rotate q and k in one pass: they are adjacent in the fused projection
-            qk = apply_rotary_emb(qkv[:, : self.q_size + self.kv_size], cos, sin, self.head_dim)  # (T, H + KVH, D)
+            qk = apply_rotary_emb(  # (T, H + KVH, D)
+                qkv[:, : self.q_size + self.kv_size], cos, sin, self.head_dim, self.use_triton
+            )
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q.reshape(num_tokens, self.q_size), k.reshape(num_tokens, self.kv_size), v, kv_cache, attn_metadata)
         return self.o_proj(out)  # (T, hidden)

@@ -1,8 +1,8 @@
 """load_model: turns a local path (HF safetensors directory or .gguf file) or None (the embedded default) into a LoadedModel.
 
 Never downloads: anything that is not an existing local path is rejected with a ValueError.
-The model is built with uninitialised storage directly in the target dtype, then filled by
-``load_weights``; it ends on CPU in eval mode.
+The model is built with uninitialised storage directly in the target dtype (and, for CUDA,
+directly on the device), then filled by ``load_weights``; it ends on the requested device in eval mode.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
-from tokenmill.models import gguf_loader
 from tokenmill.models.default_model import default_model_path
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.registry import get_model_class
@@ -40,6 +39,7 @@ class LoadedModel:
     model_path: str
     dtype: torch.dtype
     load_seconds: float = field(default=0.0)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def num_layers(self) -> int:
@@ -62,17 +62,18 @@ class LoadedModel:
         return int(self.hf_config.max_position_embeddings)
 
 
-def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: torch.device | None = None) -> torch.dtype:
     """Map the user's dtype string to a torch dtype.
 
-    "auto" keeps float32 checkpoints in float32 and runs everything else (bf16, fp16, GGUF
-    quantized, unknown) in bfloat16.
+    "auto" keeps float32 checkpoints in float32 on CPU and runs everything else (bf16, fp16, GGUF
+    quantized, unknown, and any checkpoint on a CUDA device) in bfloat16.
 
     Raises:
         ValueError: dtype not one of "auto", "float32", "bfloat16".
     """
     if dtype == "auto":
-        return torch.float32 if checkpoint_dtype == torch.float32 else torch.bfloat16
+        on_cpu = device is None or device.type == "cpu"
+        return torch.float32 if checkpoint_dtype == torch.float32 and on_cpu else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of 'auto', 'float32', 'bfloat16'; got {dtype!r}")
     return _DTYPES[dtype]
@@ -89,10 +90,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _build_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
+def _build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Parameters in ``dtype``, allocated on ``device`` (CPU-computed buffers are moved by ``_finish``)."""
     model_cls = get_model_class(config)
-    with _default_dtype(dtype):
+    placement = contextlib.nullcontext() if device.type == "cpu" else device
+    with _default_dtype(dtype), placement:
         return model_cls(config)
+
+
+def _finish(model: nn.Module, device: torch.device) -> nn.Module:
+    """Eval mode; on an accelerator, move the buffers built on CPU (RoPE cache) to the device."""
+    if device.type != "cpu":
+        model = model.to(device)
+    return model.eval()
 
 
 def check_sliding_window(config: PretrainedConfig, max_model_len: int | None = None) -> None:
@@ -158,30 +168,33 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None, device: torch.device) -> LoadedModel:
     files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(str(path))
     get_model_class(config)  # fail on unsupported architectures before touching weights
     check_sliding_window(config, max_model_len)
-    torch_dtype = resolve_dtype(dtype, _checkpoint_dtype(config, files))
-    model = _build_model(config, torch_dtype)
+    torch_dtype = resolve_dtype(dtype, _checkpoint_dtype(config, files), device)
+    model = _build_model(config, torch_dtype, device)
     model.load_weights(_iter_safetensors(files))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     gen_path = path / "generation_config.json"
     generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     return LoadedModel(
-        model=model.eval(),
+        model=_finish(model, device),
         hf_config=config,
         tokenizer=tokenizer,
         generation_config=generation_config,
         eos_token_ids=_eos_token_ids(generation_config, tokenizer),
         model_path=str(path),
         dtype=torch_dtype,
+        device=device,
     )
 
 
-def _load_gguf(path: Path, dtype: str, max_model_len: int | None) -> LoadedModel:
-    torch_dtype = resolve_dtype(dtype, None)
+def _load_gguf(path: Path, dtype: str, max_model_len: int | None, device: torch.device) -> LoadedModel:
+    from tokenmill.models import gguf_loader  # needs the `gguf` package, only for GGUF files
+
+    torch_dtype = resolve_dtype(dtype, None, device)
     # transformers rebuilds the tokenizer by re-reading the file's metadata (seconds of Python);
     # overlap that with dequantization, which spends its time in numpy/torch kernels.
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -189,22 +202,25 @@ def _load_gguf(path: Path, dtype: str, max_model_len: int | None) -> LoadedModel
         reader = gguf_loader.open_gguf(path)
         config = gguf_loader.gguf_to_hf_config(reader)
         check_sliding_window(config, max_model_len)
-        model = _build_model(config, torch_dtype)
+        model = _build_model(config, torch_dtype, device)
         model.load_weights(gguf_loader.iter_gguf_weights(reader, config))
         del reader
         tokenizer = tokenizer_future.result()
     return LoadedModel(
-        model=model.eval(),
+        model=_finish(model, device),
         hf_config=config,
         tokenizer=tokenizer,
         generation_config={},
         eos_token_ids=_eos_token_ids({}, tokenizer),
         model_path=str(path),
         dtype=torch_dtype,
+        device=device,
     )
 
 
-def load_model(model: str | None, dtype: str = "auto", max_model_len: int | None = None) -> LoadedModel:
+def load_model(
+    model: str | None, dtype: str = "auto", max_model_len: int | None = None, device: torch.device | str = "cpu"
+) -> LoadedModel:
     """Load a model from a local path; ``None`` means the embedded SmolLM2-135M-Instruct GGUF.
 
     Args:
@@ -215,6 +231,7 @@ def load_model(model: str | None, dtype: str = "auto", max_model_len: int | None
             checkpoints), "float32" or "bfloat16".
         max_model_len: the longest sequence that will be served; only used to decide whether a
             sliding window can be ignored (default: max_position_embeddings).
+        device: where the weights live ("cpu", or a CUDA device, where "auto" means bfloat16).
     Raises:
         ValueError: a bad dtype, a path that does not exist (tokenmill never downloads), a
             directory without config.json/safetensors, an unsupported architecture.
@@ -224,15 +241,16 @@ def load_model(model: str | None, dtype: str = "auto", max_model_len: int | None
     start = time.perf_counter()
     if dtype not in ("auto", *_DTYPES):
         raise ValueError(f"dtype must be one of 'auto', 'float32', 'bfloat16'; got {dtype!r}")
+    device = torch.device(device)
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
         gguf_files = sorted(path.glob("*.gguf"))
         if len(gguf_files) == 1:  # a directory holding just one GGUF file means that file
             path = gguf_files[0]
     if path.is_dir():
-        loaded = _load_hf_dir(path, dtype, max_model_len)
+        loaded = _load_hf_dir(path, dtype, max_model_len, device)
     elif path.is_file() and path.suffix == ".gguf":
-        loaded = _load_gguf(path, dtype, max_model_len)
+        loaded = _load_gguf(path, dtype, max_model_len, device)
     elif path.is_file():
         raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a .gguf file or a model directory")
     else:

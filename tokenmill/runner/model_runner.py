@@ -28,11 +28,34 @@ class ModelRunner:
         block_size: tokens per KV block.
         num_kv_blocks: explicit pool size, or None to size from ``kv_cache_memory_gib``.
         kv_cache_memory_gib: KV pool budget in GiB.
+        deterministic: run every layer on its batch-invariant kernel (tokenmill.runner.deterministic).
+        device: where the KV tensors and the step's work live (the model must already be there).
+        num_padding_blocks: extra KV blocks after the pool that are never handed out (the CUDA
+            runner's padding block); ``num_kv_blocks`` excludes them.
+
+    Raises:
+        ValueError: deterministic mode asked for with a dtype or machine it cannot support.
     """
 
-    def __init__(self, loaded, block_size: int, num_kv_blocks: int | None, kv_cache_memory_gib: float) -> None:
+    def __init__(
+        self,
+        loaded,
+        block_size: int,
+        num_kv_blocks: int | None,
+        kv_cache_memory_gib: float,
+        deterministic: bool = False,
+        device: torch.device | str = "cpu",
+        num_padding_blocks: int = 0,
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
+        self.device = torch.device(device)
+        self.deterministic = deterministic
+        if deterministic:
+            from tokenmill.runner.deterministic import check_deterministic_supported, enable_batch_invariant
+
+            check_deterministic_supported(loaded.dtype, self.device)
+            enable_batch_invariant(self.model)
         self.block_size = block_size
         self.vocab_size = loaded.vocab_size
         self.kv_dtype = loaded.dtype
@@ -42,9 +65,10 @@ class ModelRunner:
         if num_kv_blocks is None:
             num_kv_blocks = num_blocks_for_budget(int(kv_cache_memory_gib * GIB), block_size, self.bytes_per_token)
         self.num_kv_blocks = num_kv_blocks
-        # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+        # (layers, 2, num_blocks + padding blocks, block_size, kv_heads, head_dim)
         self.kv_cache = torch.zeros(
-            loaded.num_layers, 2, num_kv_blocks, block_size, loaded.num_kv_heads, loaded.head_dim, dtype=self.kv_dtype
+            loaded.num_layers, 2, num_kv_blocks + num_padding_blocks, block_size, loaded.num_kv_heads,
+            loaded.head_dim, dtype=self.kv_dtype, device=self.device,
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(loaded.num_layers)]
         logger.info(
@@ -61,6 +85,29 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Shapes: T = total scheduled tokens, B = scheduled requests."""
+        requests, query_lens, num_computed, input_ids, block_table = self._gather_inputs(scheduler_output)
+        metadata, positions = build_attention_metadata(
+            query_lens, num_computed, block_table, self.block_size, per_token=self.deterministic
+        )
+        hidden = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, metadata)
+
+        # Requests whose scheduled tokens reach the end of their sequence get a new token.
+        ends = num_computed + query_lens
+        sample_rows = [i for i, r in enumerate(requests) if ends[i] >= r.num_tokens]
+        last_token_idx = metadata.query_start_loc[1:] - 1  # (B,)
+        sampled: list[int | None] = [None] * len(requests)
+        logprobs_out: list[PositionLogprobs | None] | None = None
+        if sample_rows:
+            rows_t = torch.tensor(sample_rows, dtype=torch.int64)
+            sampled, logprobs_out = self._sample(requests, sample_rows, hidden[last_token_idx[rows_t]])
+        prompt_logprobs = self._prompt_logprobs(
+            requests, num_computed, query_lens, metadata.query_start_loc, hidden, input_ids
+        )
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out, prompt_logprobs=prompt_logprobs)
+
+    def _gather_inputs(self, scheduler_output: SchedulerOutput):
+        """Host-side inputs of a step (numpy): (requests, query_lens [B], num_computed [B],
+        input_ids [T], block_table [B, max_blocks of this step], 0-padded)."""
         requests = scheduler_output.scheduled_requests
         num_reqs = len(requests)
         query_lens = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
@@ -77,53 +124,55 @@ class ModelRunner:
             offset += int(query_lens[i])
             block_ids = scheduler_output.block_ids[i]
             block_table[i, : len(block_ids)] = block_ids
+        return requests, query_lens, num_computed, input_ids, block_table
 
-        metadata, positions = build_attention_metadata(query_lens, num_computed, block_table, self.block_size)
-        hidden = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, metadata)
+    def _to_host(self, tensors: list[torch.Tensor]) -> list[list]:
+        """Python lists of ``tensors`` (the CUDA runner overrides this with one synchronisation)."""
+        return [t.tolist() for t in tensors]
 
-        # Requests whose scheduled tokens reach the end of their sequence get a new token.
-        ends = num_computed + query_lens
-        sample_rows = [i for i, r in enumerate(requests) if ends[i] >= r.num_tokens]
-        last_token_idx = metadata.query_start_loc[1:] - 1  # (B,)
+    def _sample(self, requests, sample_rows: list[int], hidden_rows: torch.Tensor):
+        """Logits and sampling for ``sample_rows`` (S request indices) from their hidden states
+        ``hidden_rows`` [S, hidden]. Returns (sampled token per request or None, logprobs or None)."""
+        num_reqs = len(requests)
         sampled: list[int | None] = [None] * num_reqs
         logprobs_out: list[PositionLogprobs | None] | None = None
-        if sample_rows:
-            rows_t = torch.tensor(sample_rows, dtype=torch.int64)
-            logits = self.model.compute_logits(hidden[last_token_idx[rows_t]])  # (S, V) float32
-            rows = [
-                SamplingRow(
-                    params=requests[i].sampling_params,
-                    prompt_token_ids=requests[i].prompt_token_ids,
-                    output_token_ids=requests[i].output_token_ids,
-                    generator=requests[i].generator,
-                    stop_token_ids=requests[i].eos_token_ids | set(requests[i].sampling_params.stop_token_ids or ()),
-                )
-                for i in sample_rows
-            ]
-            result = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size))
-            token_ids = result.sampled_token_ids.tolist()
+        logits = self.model.compute_logits(hidden_rows)  # (S, V) float32
+        rows = [
+            SamplingRow(
+                params=requests[i].sampling_params,
+                prompt_token_ids=requests[i].prompt_token_ids,
+                output_token_ids=requests[i].output_token_ids,
+                generator=requests[i].generator,
+                stop_token_ids=requests[i].eos_token_ids | set(requests[i].sampling_params.stop_token_ids or ()),
+            )
+            for i in sample_rows
+        ]
+        result = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, device=self.device))
+        if result.logprobs is None:
+            (token_ids,) = self._to_host([result.sampled_token_ids])
+        else:
+            token_ids, lp, ranks, top_ids, top_lps = self._to_host([
+                result.sampled_token_ids, result.logprobs, result.sampled_ranks, result.top_logprob_ids,
+                result.top_logprobs,
+            ])
+        for j, i in enumerate(sample_rows):
+            sampled[i] = token_ids[j]
+        if result.logprobs is not None:
+            logprobs_out = [None] * num_reqs
             for j, i in enumerate(sample_rows):
-                sampled[i] = token_ids[j]
-            if result.logprobs is not None:
-                logprobs_out = [None] * num_reqs
-                lp = result.logprobs.tolist()
-                ranks = result.sampled_ranks.tolist()
-                top_ids = result.top_logprob_ids.tolist()
-                top_lps = result.top_logprobs.tolist()
-                for j, i in enumerate(sample_rows):
-                    k = requests[i].sampling_params.logprobs
-                    if k is None:
-                        continue
-                    entry = {token_ids[j]: Logprob(lp[j], ranks[j])}
-                    for rank, (tid, tlp) in enumerate(zip(top_ids[j][:k], top_lps[j][:k]), start=1):
-                        entry.setdefault(tid, Logprob(tlp, rank))
-                    logprobs_out[i] = entry
+                k = requests[i].sampling_params.logprobs
+                if k is None:
+                    continue
+                entry = {token_ids[j]: Logprob(lp[j], ranks[j])}
+                for rank, (tid, tlp) in enumerate(zip(top_ids[j][:k], top_lps[j][:k]), start=1):
+                    entry.setdefault(tid, Logprob(tlp, rank))
+                logprobs_out[i] = entry
+        return sampled, logprobs_out
 
-        prompt_logprobs = self._prompt_logprobs(requests, num_computed, query_lens, metadata, hidden, input_ids)
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out, prompt_logprobs=prompt_logprobs)
-
-    def _prompt_logprobs(self, requests, num_computed, query_lens, metadata, hidden, input_ids):
+    def _prompt_logprobs(self, requests, num_computed, query_lens, query_start_loc, hidden, input_ids):
         """Score prompt tokens for requests that asked for prompt log-probabilities.
+
+        ``query_start_loc`` [B + 1] on the host; ``hidden`` [T, hidden] on the runner's device.
 
         Hidden state at position p predicts token p + 1; entries are returned for prompt positions
         start+1 .. end (capped at the prompt), with the first prompt position's entry being None.
@@ -140,19 +189,21 @@ class ModelRunner:
             entries: list[PositionLogprobs | None] = [None] if start == 0 else []
             num_scored = end - start - (1 if end == request.num_prompt_tokens else 0)
             if num_scored > 0:
-                tok0 = int(metadata.query_start_loc[i])
+                tok0 = int(query_start_loc[i])
                 logits = self.model.compute_logits(hidden[tok0 : tok0 + num_scored])  # (n, V)
                 logprobs = torch.log_softmax(logits, dim=-1)
-                targets = torch.tensor(request.prompt_token_ids[start + 1 : start + 1 + num_scored])
+                target_list = request.prompt_token_ids[start + 1 : start + 1 + num_scored]
+                targets = torch.tensor(target_list, device=hidden.device)
                 target_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
                 ranks = (logprobs > target_lp[:, None]).sum(dim=1) + 1
-                top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+                top_lp, top_ids = logprobs.topk(k, dim=-1)  # (n, k); k may be 0
+                target_ids, target_lps, target_ranks, top_id_rows, top_lp_rows = self._to_host(
+                    [targets, target_lp, ranks, top_ids, top_lp]
+                )
                 for j in range(num_scored):
-                    tid = int(targets[j])
-                    entry = {tid: Logprob(float(target_lp[j]), int(ranks[j]))}
-                    if k > 0:
-                        for rank, (t, v) in enumerate(zip(top_ids[j].tolist(), top_lp[j].tolist()), start=1):
-                            entry.setdefault(t, Logprob(v, rank))
+                    entry = {target_ids[j]: Logprob(target_lps[j], target_ranks[j])}
+                    for rank, (t, v) in enumerate(zip(top_id_rows[j], top_lp_rows[j]), start=1):
+                        entry.setdefault(t, Logprob(v, rank))
                     entries.append(entry)
             # Position index in request.prompt_logprobs where these entries start.
             out[request.request_id] = (0 if start == 0 else start + 1, entries)

@@ -13,12 +13,17 @@ class SchedulerOutput:
 
     ``scheduled_requests[i]`` computes ``num_scheduled_tokens[i]`` tokens starting at its
     ``num_computed_tokens`` with KV blocks ``block_ids[i]``. The runner treats requests as read-only.
+    With lower KV tiers, before the forward (even when nothing is scheduled) the blocks in
+    ``blocks_to_offload`` are copied out to them, then those in ``blocks_to_load`` are filled from
+    them; both are (block_id, block_hash) lists.
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

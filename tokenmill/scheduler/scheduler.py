@@ -91,11 +91,15 @@ class Scheduler:
                 continue
             break
 
+        loading: list[Request] = []  # prefix blocks on their way back from disk: others go first
         while self.waiting and budget > 0 and not out.preempted_req_ids:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
+            if kv.is_loading(request):
+                loading.append(self.waiting.popleft())
+                continue
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -112,6 +116,8 @@ class Scheduler:
             self.running.append(request)
             self._add_scheduled(out, request, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(loading))
+        out.blocks_to_offload, out.blocks_to_load = kv.take_kv_transfers()
         return out
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:

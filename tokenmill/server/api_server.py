@@ -47,6 +47,7 @@ def kv_cache_snapshot(engine) -> dict:
         "prefix_cache_queries": kv.prefix_cache_queries,
         "prefix_cache_hits": kv.prefix_cache_hits,
         "integrity": integrity,
+        "kv_offload": engine.kv_store.snapshot() if engine.kv_store is not None else None,
     }
 
 

@@ -24,6 +24,8 @@ from tokenmill.server.metrics import EngineStats, RequestMetricsTracker
 
 logger = logging.getLogger(__name__)
 
+KV_SAVE_TIMEOUT_S = 300.0  # how long shutdown waits for cached KV blocks to be written to the disk tier
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread is not serving (still loading, crashed, or shut down)."""
@@ -124,6 +126,7 @@ class AsyncEngine:
         self._load_ended = threading.Event()  # set once loading succeeded or failed
         self.error: BaseException | None = None
         self.stats = EngineStats()
+        self._closing = threading.Event()  # set once the engine thread is saving / releasing the KV tiers
         self._streams: dict[str, asyncio.Queue] = {}  # engine thread only: request id -> its outputs
 
     # ---- event-loop side ------------------------------------------------------------------
@@ -190,6 +193,9 @@ class AsyncEngine:
             pass
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive() and self._closing.is_set():
+                logger.info("waiting for the KV offload tiers to reach disk")
+                self._thread.join(KV_SAVE_TIMEOUT_S)
 
     def _send(self, command: object) -> None:
         with self._lock:
@@ -212,14 +218,25 @@ class AsyncEngine:
         self._update_stats()
         self.ready.set()
         self._load_ended.set()
+        crashed = False
         try:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
             logger.exception("engine thread crashed")
             self.error = exc
+            crashed = True
             self._fail_pending(EngineDeadError(f"engine crashed: {type(exc).__name__}: {exc}"))
         else:
             self._fail_pending(EngineDeadError("the server is shutting down"))
+        self._close_engine(save_cached=not crashed)
+
+    def _close_engine(self, save_cached: bool) -> None:
+        """Release the engine's KV tiers (saving cached blocks to the disk tier after a clean stop)."""
+        self._closing.set()
+        try:
+            self.llm.engine.close(save_cached=save_cached)
+        except Exception:  # noqa: BLE001 - shutdown must go on
+            logger.exception("closing the KV offload tiers failed")
 
     def _serve(self) -> None:
         engine = self.llm.engine
@@ -323,6 +340,8 @@ class AsyncEngine:
             num_preemptions_total=engine.scheduler.num_preemptions_total,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            kv_offload=engine.kv_store.tier_stats() if engine.kv_store is not None else {},
+            kv_offload_disk_dwpd=engine.kv_store.dwpd() if engine.kv_store is not None else None,
         )
 
 

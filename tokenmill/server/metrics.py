@@ -8,7 +8,7 @@ publishes after every step.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -32,7 +32,9 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     num_preemptions_total: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # tokens found there
+    prefix_cache_hits: int = 0  # tokens found there (in any KV tier)
+    kv_offload: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> TierStats.as_dict()
+    kv_offload_disk_dwpd: float | None = None  # drive writes per day of the disk tier
 
 
 class _EngineStatsCollector(Collector):
@@ -61,6 +63,30 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(f"tokenmill:{name}", doc, labels=labels)
             counter.add_metric([self._model_name], value)
             yield counter
+        yield from self._kv_offload(stats)
+
+    def _kv_offload(self, stats: EngineStats) -> Iterator[Metric]:
+        """Per-tier counters of the lower KV tiers (label ``tier``: "ram", "disk") and the disk DWPD."""
+        if not stats.kv_offload:
+            return
+        labels = ["model_name", "tier"]
+        for name, key, doc in (
+            ("kv_offload_bytes_written", "bytes_written", "Bytes written to a lower KV tier."),
+            ("kv_offload_bytes_read", "bytes_read", "Bytes read back from a lower KV tier."),
+            ("kv_offload_hits", "hits", "KV blocks a lower tier served back to the primary pool (blocks, not tokens)."),
+        ):
+            counter = CounterMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            for tier, tier_stats in sorted(stats.kv_offload.items()):
+                counter.add_metric([self._model_name, tier], tier_stats[key])
+            yield counter
+        if stats.kv_offload_disk_dwpd is not None:
+            gauge = GaugeMetricFamily(
+                "tokenmill:kv_offload_disk_dwpd",
+                "Drive writes per day of the disk KV tier at the average rate since start (bytes/day / drive size).",
+                labels=["model_name"],
+            )
+            gauge.add_metric([self._model_name], stats.kv_offload_disk_dwpd)
+            yield gauge
 
 
 class ServerMetrics:

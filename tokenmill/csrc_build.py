@@ -1,0 +1,81 @@
+"""Build a C source file into a shared library on first use and load it with ctypes.
+
+Owns the kernel cache directory and the two environment switches (TOKENMILL_CACHE_DIR,
+TOKENMILL_DISABLE_CPU_KERNELS); knows nothing about what the kernels compute. Callers fall back to
+torch when this returns None.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# No -ffast-math here: kernels whose results must not depend on the compiler's choice of summation
+# order use these as they are; a kernel that tolerates reassociation passes its own flags.
+DEFAULT_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+
+def kernels_disabled() -> bool:
+    """True when TOKENMILL_DISABLE_CPU_KERNELS=1: every compiled CPU kernel reports itself unavailable."""
+    return os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS", "0") == "1"
+
+
+def kernel_cache_dir() -> Path:
+    """Where built libraries live: $TOKENMILL_CACHE_DIR/kernels, default ~/.cache/tokenmill/kernels."""
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    return Path(root) / "kernels"
+
+
+def load_c_library(
+    source: Path,
+    stem: str,
+    setup: Callable[[ctypes.CDLL], None],
+    flags: Sequence[str] = DEFAULT_FLAGS,
+) -> ctypes.CDLL | None:
+    """Compile ``source`` (if not cached) with ``$CC``/cc/gcc and ``flags``, load it, and run ``setup`` on it.
+
+    The library is cached as ``<cache dir>/<stem>-<hash of source bytes and flags>.so`` and written by an
+    atomic rename, so concurrent builders never load a partial file and an edited source is rebuilt.
+    ``setup`` declares argtypes/restype of the exported functions.
+
+    Returns None (after logging a warning) when TOKENMILL_DISABLE_CPU_KERNELS=1 (no warning then), when
+    no compiler is found, or when compiling or loading fails.
+    """
+    if kernels_disabled():
+        return None
+    code = source.read_bytes()
+    digest = hashlib.sha256(code + " ".join(flags).encode()).hexdigest()[:16]
+    target = kernel_cache_dir() / f"{stem}-{digest}.so"
+    if not target.exists():
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            logger.warning("no C compiler found: the %s CPU kernel is not built, torch is used instead", stem)
+            return None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [compiler, *flags, str(source), "-o", str(out), "-lm"]
+            try:
+                result = subprocess.run(cmd, capture_output=True, text=True)
+            except OSError as exc:
+                logger.warning("running %s failed: the %s CPU kernel is not built: %s", compiler, stem, exc)
+                return None
+            if result.returncode != 0:
+                logger.warning("building the %s CPU kernel failed, torch is used instead:\n%s", stem, result.stderr)
+                return None
+            os.replace(out, target)  # atomic: concurrent builders never see a partial file
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        logger.warning("loading %s failed, torch is used instead: %s", target, exc)
+        return None
+    setup(lib)
+    return lib

@@ -1,0 +1,441 @@
+"""DiskTier: the disk KV tier, log-structured segment files under ``<root>/<fingerprint[:16]>/``.
+
+- Writes are buffered in memory and written by one writer thread in large sequential batches
+  (records appended to the current segment, a new segment once it is full); ``put`` never
+  blocks on I/O. A block still in the buffer is served from it.
+- Reads run on one loader thread; every read verifies the record's checksum, fingerprint and
+  hash. A bad record is dropped from the index with a warning and reported as a miss.
+- The index (block_hash -> segment, offset) lives in memory and is rebuilt at startup from the
+  segment headers; a torn or truncated tail is detected there and ignored.
+- Capacity is enforced by deleting whole segments, least recently used first; a segment's
+  recency is that of its most recently read or written record.
+- A lock file (flock) keeps two processes out of one directory. Any OSError while creating,
+  locking or writing (unwritable path, ENOSPC, EFBIG) disables the tier with one logged error;
+  the engine keeps serving without it.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tokenmill.kv_offload.disk_format import HEADER_SIZE, check_record, encode_record, scan_segment
+from tokenmill.kv_offload.stats import TierStats
+
+logger = logging.getLogger(__name__)
+
+MIB = 1024**2
+SEGMENT_GLOB = "segment-*.kvseg"
+LOCK_NAME = "lock"
+DEFAULT_SEGMENT_BYTES = 64 * MIB
+
+
+@dataclass(eq=False)
+class _Segment:
+    seg_id: int
+    path: Path
+    size: int = 0  # bytes of the file counted against capacity
+    recency: int = 0  # logical clock of its most recent read or write
+    hashes: list[int] = field(default_factory=list)
+    dropped: bool = False  # deleted (or found missing): its records are out of the index
+
+
+class DiskTier:
+    """Block store on local disk, keyed by (model fingerprint, block hash).
+
+    Args:
+        root: the ``--kv-offload-disk-path`` directory; blocks live in ``root/fingerprint[:16]/``.
+        fingerprint: hex sha256 of the model (``model_fingerprint``); each record carries it too.
+        block_bytes: payload size of one block.
+        capacity_bytes: most bytes of segment files kept.
+        segment_bytes: target segment size (default: capacity / 8, at most 64 MiB, at least one record).
+        batch_bytes: the writer writes once this much is buffered (or after ``max_delay_s``).
+        max_pending_bytes: buffer bound; blocks offered while it is full are dropped (counted),
+            so a slow disk never stalls the engine.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        root: str | Path,
+        fingerprint: str,
+        block_bytes: int,
+        capacity_bytes: int,
+        segment_bytes: int | None = None,
+        batch_bytes: int = 8 * MIB,
+        max_pending_bytes: int = 256 * MIB,
+        max_delay_s: float = 0.5,
+    ) -> None:
+        self.root = Path(root)
+        self.fingerprint = bytes.fromhex(fingerprint)
+        self.directory = self.root / fingerprint[:16]
+        self.block_bytes = block_bytes
+        self.record_bytes = HEADER_SIZE + block_bytes
+        self.capacity_bytes = capacity_bytes
+        self.segment_bytes = segment_bytes or max(self.record_bytes, min(DEFAULT_SEGMENT_BYTES, capacity_bytes // 8))
+        self.batch_bytes = batch_bytes
+        self.max_pending_bytes = max(max_pending_bytes, self.record_bytes)
+        self.max_delay_s = max_delay_s
+        self.stats = TierStats(capacity_blocks=capacity_bytes // self.record_bytes)
+        self.dropped_blocks = 0  # offered while the write buffer was full
+        self.enabled = False
+        self.error: str | None = None
+        self._cond = threading.Condition()  # guards everything below
+        self._index: dict[int, tuple[_Segment, int]] = {}  # block_hash -> (segment, record offset)
+        self._segments: dict[int, _Segment] = {}
+        self._pending: OrderedDict[int, bytes] = OrderedDict()  # written by the writer, oldest first
+        self._pending_bytes = 0
+        self._pending_since: float | None = None
+        self._writing = False
+        self._flush_requests = 0
+        self._stopping = False
+        self._closed = False
+        self._clock = 0
+        self._used = 0
+        self._current: _Segment | None = None  # the segment being appended (writer thread)
+        self._file = None
+        self._lock_fd: int | None = None
+        self._loads: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        if capacity_bytes < self.record_bytes:
+            self._disable(f"kv_offload_disk_size of {capacity_bytes} bytes holds no block of {self.record_bytes} bytes")
+            return
+        try:
+            self._open()
+        except OSError as exc:
+            self._disable(f"cannot use {self.directory}: {exc}")
+            return
+        self.enabled = True
+        for target, name in ((self._write_loop, "tokenmill-kv-disk-writer"),
+                             (self._load_loop, "tokenmill-kv-disk-loader")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    # ---- startup --------------------------------------------------------------------------
+    def _open(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OSError(errno.EBUSY, f"directory in use by another tokenmill process (pid {owner})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        paths = sorted(self.directory.glob(SEGMENT_GLOB), key=lambda p: _segment_id(p) or 0)
+        num_blocks = 0
+        for path in paths:
+            seg_id = _segment_id(path)
+            if seg_id is None:
+                continue
+            records, _, problem = scan_segment(path, self.fingerprint, self.block_bytes)
+            if problem is not None:
+                logger.warning("KV offload disk tier: %s: %s; ignoring the rest of the segment", path, problem)
+            self._clock += 1
+            seg = _Segment(seg_id, path, size=path.stat().st_size, recency=self._clock)
+            for record in records:
+                self._index[record.block_hash] = (seg, record.offset)
+                seg.hashes.append(record.block_hash)
+            num_blocks += len(records)
+            self._segments[seg_id] = seg
+            self._used += seg.size
+        self._make_room(0)
+        self.stats.blocks_stored = len(self._index)
+        logger.info("KV offload disk tier at %s: %d blocks in %d segments (%.1f MiB of %.1f MiB)",
+                    self.directory, len(self._index), len(self._segments), self._used / MIB, self.capacity_bytes / MIB)
+
+    # ---- engine-thread side ---------------------------------------------------------------
+    def __contains__(self, block_hash: int) -> bool:
+        with self._cond:
+            return block_hash in self._index or block_hash in self._pending
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._index) + sum(1 for h in self._pending if h not in self._index)
+
+    def put(self, block_hash: int, payload: bytes, wait: bool = False) -> bool:
+        """Queue one block for writing. Returns False if it is already stored, the tier is off, or
+        the buffer is full (``wait=False``; the block is dropped) — never blocks unless ``wait``."""
+        assert len(payload) == self.block_bytes
+        with self._cond:
+            if not self.enabled or block_hash in self._index or block_hash in self._pending:
+                return False
+            while wait and self.enabled and self._pending_bytes + len(payload) > self.max_pending_bytes:
+                self._cond.wait()
+            if not self.enabled:
+                return False
+            if self._pending_bytes + len(payload) > self.max_pending_bytes:
+                self.dropped_blocks += 1
+                return False
+            if not self._pending:
+                self._pending_since = time.monotonic()
+                self._cond.notify_all()  # the writer starts its max_delay_s clock
+            self._pending[block_hash] = payload
+            self._pending_bytes += len(payload)
+            if self._pending_bytes >= self.batch_bytes:
+                self._cond.notify_all()
+            return True
+
+    def load(self, block_hashes: list[int], on_done: Callable[[int, memoryview | bytes | None], None]) -> None:
+        """Read blocks on the loader thread; ``on_done(block_hash, payload or None)`` for each, from
+        that thread. None means a miss (gone, or bad and now dropped)."""
+        self._loads.put((list(block_hashes), on_done))
+
+    def flush(self) -> None:
+        """Block until everything buffered so far is written (or the tier is disabled)."""
+        with self._cond:
+            self._flush_requests += 1
+            self._cond.notify_all()
+            while self.enabled and (self._pending or self._writing):
+                self._cond.wait()
+            self._flush_requests -= 1
+
+    def close(self) -> None:
+        """Flush, stop the threads, sync the current segment and release the directory lock."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.enabled:
+            self.flush()
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._loads.put(None)
+        for thread in self._threads:
+            thread.join(timeout=60)
+        self._close_current(sync=True)
+        if self._lock_fd is not None:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+            except OSError:
+                pass
+            self._lock_fd = None
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            return {
+                **self.stats.as_dict(), "enabled": self.enabled, "error": self.error, "path": str(self.directory),
+                "capacity_bytes": self.capacity_bytes, "used_bytes": self._used, "num_segments": len(self._segments),
+                "pending_bytes": self._pending_bytes, "dropped_blocks": self.dropped_blocks,
+            }
+
+    # ---- writer thread --------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if not self.enabled or (self._stopping and not self._pending):
+                        return
+                    if self._pending and (
+                        self._pending_bytes >= self.batch_bytes or self._flush_requests or self._stopping
+                        or time.monotonic() - self._pending_since >= self.max_delay_s
+                    ):
+                        break
+                    self._cond.wait(self.max_delay_s if self._pending else None)
+                batch = list(self._pending.items())
+                self._writing = True
+            try:
+                self._write_batch(batch)
+            except OSError as exc:
+                self._disable(f"writing to {self.directory} failed: {exc}")
+            except Exception as exc:  # noqa: BLE001 - the tier must switch off, not kill serving
+                logger.exception("KV offload disk writer crashed")
+                self._disable(f"the disk writer crashed: {exc!r}")
+            with self._cond:
+                for block_hash, payload in batch:
+                    if self._pending.pop(block_hash, None) is not None:
+                        self._pending_bytes -= len(payload)
+                self._pending_since = time.monotonic() if self._pending else None
+                self._writing = False
+                self._cond.notify_all()
+
+    def _write_batch(self, batch: list[tuple[int, bytes]]) -> None:
+        records = [(h, encode_record(self.fingerprint, h, payload)) for h, payload in batch]
+        i = 0
+        while i < len(records):
+            current = self._current
+            if current is not None and (current.dropped or (
+                    current.size > 0 and current.size + len(records[i][1]) > self.segment_bytes)):
+                self._close_current(sync=False)
+                current = None
+            seg_size = current.size if current is not None else 0
+            j, size = i, 0
+            # The records that fit in this segment (at least one, so a record larger than a segment still goes).
+            while j < len(records) and (
+                    seg_size + size == 0 or seg_size + size + len(records[j][1]) <= self.segment_bytes):
+                size += len(records[j][1])
+                j += 1
+            with self._cond:
+                fits = self._make_room(size)
+            if not fits and current is not None and current.size > 0:
+                self._close_current(sync=False)  # the open segment becomes the next one to delete
+                continue
+            if self._current is None:
+                self._new_segment()
+            seg = self._current
+            _write_all(self._file, b"".join(record for _, record in records[i:j]))
+            with self._cond:
+                offset = seg.size
+                for h, record in records[i:j]:
+                    if not seg.dropped:
+                        self._index[h] = (seg, offset)
+                        seg.hashes.append(h)
+                    offset += len(record)
+                seg.size = offset
+                if not seg.dropped:
+                    self._used += size
+                self._clock += 1
+                seg.recency = self._clock
+                self.stats.bytes_written += size
+                self.stats.blocks_stored = len(self._index)
+            i = j
+
+    def _new_segment(self) -> None:
+        with self._cond:
+            seg_id = max(self._segments, default=0) + 1
+            seg = _Segment(seg_id, self.directory / f"segment-{seg_id:08d}.kvseg")
+            self._file = open(seg.path, "xb", buffering=0)
+            self._segments[seg_id] = seg
+            self._current = seg
+
+    def _close_current(self, sync: bool) -> None:
+        if self._file is not None:
+            try:
+                if sync:
+                    os.fsync(self._file.fileno())
+                self._file.close()
+            except OSError as exc:
+                logger.warning("KV offload disk tier: closing %s: %s", self._current.path if self._current else "?",
+                               exc)
+        self._file = None
+        self._current = None
+
+    def _make_room(self, num_bytes: int) -> bool:
+        """Delete least recently used segments (never the open one) until ``num_bytes`` more fit.
+        Caller holds the lock. Returns whether they fit."""
+        while self._used + num_bytes > self.capacity_bytes:
+            victims = [s for s in self._segments.values() if s is not self._current]
+            if not victims:
+                return False
+            self._drop_segment(min(victims, key=lambda s: s.recency), delete_file=True)
+        return True
+
+    def _drop_segment(self, seg: _Segment, delete_file: bool) -> None:
+        """Forget a segment (and delete its file). Caller holds the lock."""
+        if seg.dropped:
+            return
+        seg.dropped = True
+        if delete_file:
+            try:
+                seg.path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("KV offload disk tier: cannot delete %s: %s", seg.path, exc)
+        num_dropped = 0
+        for h in seg.hashes:
+            entry = self._index.get(h)
+            if entry is not None and entry[0] is seg:
+                del self._index[h]
+                num_dropped += 1
+        self._segments.pop(seg.seg_id, None)
+        self._used -= seg.size
+        self.stats.evictions += num_dropped
+        self.stats.blocks_stored = len(self._index)
+
+    # ---- loader thread --------------------------------------------------------------------
+    def _load_loop(self) -> None:
+        while True:
+            item = self._loads.get()
+            if item is None:
+                return
+            block_hashes, on_done = item
+            for block_hash in block_hashes:
+                try:
+                    payload = self._read(block_hash)
+                except Exception:  # noqa: BLE001 - a failed read is a miss, never a crash
+                    logger.exception("KV offload disk tier: reading block %016x failed", block_hash)
+                    payload = None
+                on_done(block_hash, payload)
+
+    def _read(self, block_hash: int) -> memoryview | bytes | None:
+        with self._cond:
+            if not self.enabled:
+                return None
+            pending = self._pending.get(block_hash)
+            if pending is not None:
+                self.stats.bytes_read += len(pending)
+                return pending
+            entry = self._index.get(block_hash)
+            if entry is None:
+                return None
+            seg, offset = entry
+        record = bytearray(self.record_bytes)
+        try:
+            with open(seg.path, "rb") as f:
+                f.seek(offset)
+                num_read = f.readinto(record)
+            problem = check_record(memoryview(record)[:num_read], self.fingerprint, block_hash, self.block_bytes)
+        except OSError as exc:
+            problem = f"cannot read the segment: {exc}"
+        if problem is None:
+            with self._cond:
+                self._clock += 1
+                seg.recency = self._clock
+                self.stats.bytes_read += len(record)
+            return memoryview(record)[HEADER_SIZE:]
+        with self._cond:
+            if seg.dropped:  # deleted for room meanwhile: a plain miss
+                return None
+            if not seg.path.exists():
+                self._drop_segment(seg, delete_file=False)
+            elif self._index.get(block_hash) == (seg, offset):
+                del self._index[block_hash]
+                self.stats.blocks_stored = len(self._index)
+        logger.warning("KV offload disk tier: block %016x in %s is unusable (%s); dropped, it will be recomputed",
+                       block_hash, seg.path, problem)
+        return None
+
+    # ---- failure --------------------------------------------------------------------------
+    def _disable(self, message: str) -> None:
+        with self._cond:
+            if self.error is not None:
+                return
+            self.enabled = False
+            self.error = message
+            self._index.clear()
+            self._pending.clear()
+            self._pending_bytes = 0
+            self.stats.blocks_stored = 0
+            self._cond.notify_all()
+        logger.error("KV offload disk tier disabled: %s; serving continues without it", message)
+
+
+def _segment_id(path: Path) -> int | None:
+    try:
+        return int(path.name[len("segment-") : -len(".kvseg")])
+    except ValueError:
+        return None
+
+
+def _write_all(f, data: bytes) -> None:
+    """Write every byte with the unbuffered file ``f`` (a raw write may be partial)."""
+    view = memoryview(data)
+    while view:
+        num_written = f.write(view)
+        if not num_written:
+            raise OSError(errno.EIO, "write returned no progress")
+        view = view[num_written:]

@@ -1,0 +1,36 @@
+"""Per-tier counters of the lower KV tiers and the disk endurance estimate. Pure Python."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass
+class TierStats:
+    """Cumulative counters of one tier (mutated by the tier that owns it; ints, so readers on other
+    threads see whole values).
+
+    ``hits`` counts blocks this tier served back to the primary pool; ``evictions`` counts blocks
+    it dropped or handed down for lack of room.
+    """
+
+    capacity_blocks: int = 0
+    blocks_stored: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def drive_writes_per_day(bytes_written: int, elapsed_s: float, drive_bytes: int) -> float:
+    """Drive writes per day at the average rate since start: bytes per day ÷ drive size.
+
+    A drive rated for N DWPD over its warranty wears out on schedule when this stays ≤ N.
+    """
+    if drive_bytes <= 0:
+        return 0.0
+    return bytes_written / max(elapsed_s, 1.0) * SECONDS_PER_DAY / drive_bytes

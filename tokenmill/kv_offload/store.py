@@ -1,0 +1,262 @@
+"""TieredKVStore: the KV tiers below the primary pool (host RAM, then disk) behind one facade.
+
+Engine thread only (the disk tier runs its own writer and loader threads). It implements the KV
+cache manager's ``LowerTiers`` (lookup, load_async) and does each step's copies against the
+runner's KV tensor (``transfer``), so the scheduler and the KV cache manager stay torch-free.
+
+Flow (write-back): a cached block evicted from the primary pool is copied to RAM before the step's
+forward can overwrite it; RAM evicts least recently used blocks to the disk writer (unless the
+disk already holds them). A prefix hit in RAM is copied back into the pool before the forward; a
+hit on disk is first read by the disk loader into a staging area while the request waits.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import time
+from collections import OrderedDict
+
+import torch
+
+from tokenmill.kv_cache.offload_planner import DISK_TIER, RAM_TIER
+from tokenmill.kv_offload.disk_tier import DiskTier
+from tokenmill.kv_offload.ram_tier import RamTier
+from tokenmill.kv_offload.stats import drive_writes_per_day
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+
+
+class TieredKVStore:
+    """Host-RAM and disk tiers under one primary KV pool.
+
+    Args:
+        kv_cache: the primary pool, ``(layers, 2, num_blocks, block_size, kv_heads, head_dim)``.
+        ram_blocks: RAM tier capacity in blocks (0: no RAM tier).
+        disk: the disk tier, or None.
+        max_staged_blocks: most blocks read back from disk and not yet taken by a request.
+        drive_bytes: size of the drive under the disk tier, for the DWPD estimate.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, ram_blocks: int, disk: DiskTier | None, max_staged_blocks: int,
+                 drive_bytes: int = 0) -> None:
+        self.kv_cache = kv_cache
+        num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.block_bytes = math.prod(self.block_shape) * kv_cache.element_size()
+        self.ram: RamTier | None = None
+        if ram_blocks:
+            self.ram = RamTier(ram_blocks, self.block_shape, kv_cache.dtype, pin_memory=kv_cache.is_cuda)
+        self.disk = disk
+        self.max_staged_blocks = max(1, max_staged_blocks)
+        self.drive_bytes = drive_bytes
+        self._staged: OrderedDict[int, torch.Tensor] = OrderedDict()  # read back from disk, oldest first
+        self._loading: set[int] = set()  # block hashes the disk loader is reading
+        self._arrived: queue.SimpleQueue = queue.SimpleQueue()  # (block_hash, payload | None) from the loader
+        self._start = time.monotonic()
+        self._closed = False
+
+    @property
+    def _disk_on(self) -> bool:
+        return self.disk is not None and self.disk.enabled
+
+    # ---- LowerTiers (called while the scheduler plans; changes nothing stored) ------------------
+    def lookup(self, block_hashes: list[int]) -> list[str]:
+        """RAM_TIER / DISK_TIER for each leading hash held below the primary pool, up to the first miss."""
+        tiers = []
+        for h in block_hashes:
+            if h in self._staged or (self.ram is not None and h in self.ram):
+                tiers.append(RAM_TIER)
+            elif h in self._loading or (self._disk_on and h in self.disk):
+                tiers.append(DISK_TIER)
+            else:
+                break
+        return tiers
+
+    def load_async(self, block_hashes: list[int]) -> None:
+        """Start reading blocks from disk (those not already read or being read)."""
+        new = [h for h in block_hashes if h not in self._loading and h not in self._staged]
+        if new and self.disk is not None:
+            self._loading.update(new)
+            self.disk.load(new, self._on_loaded)
+
+    def _on_loaded(self, block_hash: int, payload) -> None:  # disk loader thread
+        self._arrived.put((block_hash, payload))
+
+    def has_pending_loads(self) -> bool:
+        return bool(self._loading)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until at least one disk read in flight finishes (or ``timeout`` seconds pass)."""
+        if not self._loading:
+            return
+        try:
+            self._stage(*self._arrived.get(timeout=timeout))
+        except queue.Empty:
+            return
+        self._drain_arrived()
+
+    def _drain_arrived(self) -> None:
+        while True:
+            try:
+                item = self._arrived.get_nowait()
+            except queue.Empty:
+                return
+            self._stage(*item)
+
+    def _stage(self, block_hash: int, payload) -> None:
+        self._loading.discard(block_hash)
+        if payload is None:  # gone or bad: later lookups stop before it and the block is recomputed
+            return
+        buf = payload if isinstance(payload, memoryview) and not payload.readonly else bytearray(payload)
+        block = torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_cache.dtype).view(self.block_shape)
+        self._staged[block_hash] = block
+        self._staged.move_to_end(block_hash)
+        while len(self._staged) > self.max_staged_blocks:
+            self._staged.popitem(last=False)
+
+    # ---- the per-step copies ------------------------------------------------------------------
+    @torch.inference_mode()
+    def transfer(self, blocks_to_offload: list[tuple[int, int]], blocks_to_load: list[tuple[int, int]]) -> None:
+        """Before the step's forward: copy evicted blocks out, then fill loaded blocks in, then store
+        what was copied out (so storing cannot push out a block this step loads)."""
+        gathered = self._gather(blocks_to_offload) if blocks_to_offload else None
+        if blocks_to_load:
+            self._load(blocks_to_load)
+        if gathered is not None:
+            self._store(*gathered)
+        self._drain_arrived()
+
+    def _gather(self, blocks: list[tuple[int, int]]) -> tuple[list[int], torch.Tensor] | None:
+        block_ids, hashes, seen = [], [], set()
+        for block_id, h in blocks:
+            if h in seen:
+                continue
+            seen.add(h)
+            if self.ram is not None and h in self.ram:
+                self.ram.touch(h)
+                continue
+            if self.ram is None and (not self._disk_on or h in self.disk):
+                continue
+            block_ids.append(block_id)
+            hashes.append(h)
+        if not block_ids:
+            return None
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
+        # (layers, 2, k, block_size, kv_heads, head_dim) -> (k, layers, 2, block_size, kv_heads, head_dim)
+        return hashes, self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5)
+
+    def _load(self, blocks: list[tuple[int, int]]) -> None:
+        from_ram = [(b, h) for b, h in blocks if self.ram is not None and h in self.ram]
+        from_disk = [(b, h) for b, h in blocks if self.ram is None or h not in self.ram]
+        for part, tier in ((from_ram, self.ram), (from_disk, self.disk)):
+            if not part:
+                continue
+            if tier is self.ram:
+                data = self.ram.read([h for _, h in part])
+            else:
+                assert all(h in self._staged for _, h in part), "a block planned for loading is not in host memory"
+                data = torch.stack([self._staged[h] for _, h in part])
+            for _, h in part:
+                self._staged.pop(h, None)
+            tier.stats.hits += len(part)
+            ids = torch.tensor([b for b, _ in part], dtype=torch.int64, device=self.kv_cache.device)
+            # (k, layers, 2, block_size, kv_heads, head_dim) -> (layers, 2, k, block_size, kv_heads, head_dim)
+            self.kv_cache.index_copy_(2, ids, data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.device))
+
+    def _store(self, hashes: list[int], data: torch.Tensor) -> None:
+        evicted = self.ram.write(hashes, data) if self.ram is not None else list(zip(hashes, data))
+        if self._disk_on:
+            for h, block in evicted:
+                if h not in self.disk:
+                    self.disk.put(h, _block_bytes(block))
+
+    # ---- reporting and shutdown -----------------------------------------------------------------
+    def dwpd(self) -> float | None:
+        """Disk drive-writes-per-day at the average write rate since start (None without a disk tier)."""
+        if self.disk is None:
+            return None
+        return drive_writes_per_day(self.disk.stats.bytes_written, time.monotonic() - self._start, self.drive_bytes)
+
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        """Counters per enabled tier ("ram", "disk"): bytes_written, bytes_read, hits (blocks), ..."""
+        out = {}
+        for tier in (self.ram, self.disk):
+            if tier is not None:
+                out[tier.name] = tier.stats.as_dict()
+        return out
+
+    def snapshot(self) -> dict:
+        """Everything for /debug/kv_cache."""
+        return {
+            "ram": self.ram.stats.as_dict() if self.ram is not None else None,
+            "disk": {**self.disk.snapshot(), "dwpd": self.dwpd()} if self.disk is not None else None,
+            "staged_blocks": len(self._staged),
+            "loading_blocks": len(self._loading),
+        }
+
+    def close(self, cached_blocks: list[tuple[int, int]] | None = None) -> None:
+        """Shut down. With ``cached_blocks`` (the primary pool's (block_id, block_hash), least recent
+        first; their data must be valid), first write every block held only in the primary pool or
+        in RAM to disk, so that a restarted engine finds them; then flush the disk tier, sync it and
+        release its directory lock. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.disk is None:
+            return
+        if self._disk_on and cached_blocks is not None:
+            t0 = time.perf_counter()
+            num_saved = 0
+            if self.ram is not None:
+                for h in self.ram.hashes():
+                    if h not in self.disk:
+                        num_saved += self.disk.put(h, _block_bytes(self.ram.block(h)), wait=True)
+            todo = [(b, h) for b, h in cached_blocks if h not in self.disk]
+            for start in range(0, len(todo), 64):
+                chunk = todo[start : start + 64]
+                ids = torch.tensor([b for b, _ in chunk], dtype=torch.int64, device=self.kv_cache.device)
+                data = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5)
+                for (_, h), block in zip(chunk, data):
+                    num_saved += self.disk.put(h, _block_bytes(block), wait=True)
+            self.disk.flush()
+            logger.info("KV offload: saved %d blocks to disk at shutdown in %.2fs", num_saved, time.perf_counter() - t0)
+        self.disk.close()
+
+
+def _block_bytes(block: torch.Tensor) -> bytes:
+    """One block's raw bytes, ``(layers, 2, block_size, kv_heads, head_dim)`` in the KV dtype."""
+    return block.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def build_kv_store(cache, kv_cache: torch.Tensor, loaded, max_model_len: int) -> TieredKVStore | None:
+    """The store for a ``CacheConfig`` (None when no lower tier is configured).
+
+    Raises:
+        ValueError: ``kv_offload_memory`` too small for one block.
+    """
+    if not cache.kv_offload_enabled:
+        return None
+    num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * kv_cache.element_size()
+    ram_blocks = int(cache.kv_offload_memory_gib * GIB) // block_bytes
+    if cache.kv_offload_memory_gib > 0 and ram_blocks < 1:
+        raise ValueError(
+            f"kv_offload_memory of {cache.kv_offload_memory_gib} GiB holds no KV block of {block_bytes} bytes"
+        )
+    disk = None
+    if cache.kv_offload_disk_path:
+        from tokenmill.kv_offload.fingerprint import model_fingerprint
+
+        t0 = time.perf_counter()
+        fingerprint = model_fingerprint(loaded.model, loaded.hf_config, loaded.dtype, block_size, kv_cache.dtype)
+        logger.info("KV offload: model fingerprint %s (%.2fs)", fingerprint[:16], time.perf_counter() - t0)
+        disk = DiskTier(cache.kv_offload_disk_path, fingerprint, block_bytes, int(cache.kv_offload_disk_size_gib * GIB))
+    drive_gib = cache.kv_offload_disk_drive_size_gib or cache.kv_offload_disk_size_gib
+    max_staged = min(num_blocks, 4 * -(-max_model_len // block_size))
+    store = TieredKVStore(kv_cache, ram_blocks, disk, max_staged, int(drive_gib * GIB))
+    logger.info("KV offload tiers: RAM %d blocks (%.2f GiB), disk %s", ram_blocks, ram_blocks * block_bytes / GIB,
+                f"{cache.kv_offload_disk_size_gib} GiB at {cache.kv_offload_disk_path}" if disk is not None else "off")
+    return store

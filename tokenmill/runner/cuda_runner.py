@@ -1,0 +1,209 @@
+"""CudaModelRunner: the ModelRunner for a CUDA device (Triton attention, CUDA graphs, profiled KV sizing).
+
+Differences from the CPU ModelRunner it extends: step inputs go through preallocated pinned
+buffers with one non-blocking copy (``input_buffers``); attention runs in the Triton kernels on
+device-side metadata, and RMSNorm, SiLU-and-multiply and RoPE in fused Triton kernels
+(``layers/triton_elementwise.py``); decode-only steps run at padded batch sizes over static buffers
+(``padded_decode``) and replay a CUDA graph per size (``cuda_graph``) unless ``enforce_eager``;
+the KV pool is sized by a profiling forward (``gpu_memory``); sampled tokens come back in one
+transfer. It also runs on CPU (no graphs, no profiling) so tests can drive the same code paths,
+with ``attention_backend="torch"`` or with Triton under ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenmill.attention import build_attention_metadata, triton_attention
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.outputs import PositionLogprobs
+from tokenmill.runner.cuda_graph import DecodeGraphs
+from tokenmill.runner.gpu_memory import GRAPH_MEMORY_RESERVE, kv_cache_budget_bytes, profile_memory
+from tokenmill.runner.input_buffers import StepBuffers, fetch_to_host
+from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.padded_decode import DecodeBuffers, choose_bucket, graph_batch_sizes, run_padded_decode
+from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Largest padded decode batch; bigger decode-only steps run through the general path.
+MAX_GRAPH_BATCH_SIZE = 512
+ATTENTION_BACKENDS = ("triton", "torch")
+
+
+def enable_triton_kernels(model: torch.nn.Module) -> int:
+    """Switch every layer of ``model`` that has a Triton path (its class declares ``use_triton``:
+    Attention, RMSNorm, SiluAndMul, the RoPE of LlamaAttention) onto it; returns how many."""
+    count = 0
+    for module in model.modules():
+        if hasattr(type(module), "use_triton"):
+            module.use_triton = True
+            count += 1
+    return count
+
+
+class CudaModelRunner(ModelRunner):
+    """Runs the model on a CUDA device (see the module docstring).
+
+    Args:
+        loaded: a ``LoadedModel`` whose weights are already on ``loaded.device``.
+        cache: block_size, and num_kv_blocks (None: sized from ``gpu_memory_utilization`` on
+            CUDA, from ``kv_cache_memory_gib`` on CPU).
+        scheduler: max_num_seqs, max_num_batched_tokens and a resolved max_model_len (buffer sizes).
+        gpu_memory_utilization: fraction of device memory for weights + activations + KV cache.
+        enforce_eager: never capture CUDA graphs (decode steps still run padded, so tokens match).
+        attention_backend: "triton" (always on CUDA) or "torch" (CPU tests: the reference backend).
+
+    Raises:
+        ValueError: triton missing, an unknown backend, or no memory left for the KV cache.
+    """
+
+    def __init__(
+        self,
+        loaded,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        attention_backend: str = "triton",
+    ) -> None:
+        device = loaded.device
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+        if device.type == "cuda" and attention_backend != "triton":
+            raise ValueError("on CUDA the attention backend is triton")
+        if attention_backend == "triton":
+            if not triton_attention.available():
+                raise ValueError("the CUDA runner needs the `triton` package (pip install triton)")
+            enable_triton_kernels(loaded.model)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        assert scheduler.max_model_len is not None, "max_model_len must be resolved before the runner is built"
+        block_size = cache.block_size
+        self.max_blocks_per_seq = -(-scheduler.max_model_len // block_size)
+        self.step_buffers = None
+        if attention_backend == "triton":
+            self.step_buffers = StepBuffers(
+                scheduler.max_num_batched_tokens, scheduler.max_num_seqs, self.max_blocks_per_seq, block_size, device
+            )
+        num_kv_blocks = cache.num_kv_blocks
+        if num_kv_blocks is None and device.type == "cuda":
+            num_kv_blocks = self._profile_num_blocks(
+                loaded, block_size, scheduler, gpu_memory_utilization, enforce_eager
+            )
+        # (None on CPU: sized from kv_cache_memory_gib.) The extra block after the pool is the
+        # padding block of padded decode rows.
+        super().__init__(loaded, block_size, num_kv_blocks, cache.kv_cache_memory_gib, device=device,
+                         num_padding_blocks=1)
+        self.padding_block_id = self.num_kv_blocks
+        max_decode = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens, MAX_GRAPH_BATCH_SIZE)
+        self.decode_batch_sizes = graph_batch_sizes(max_decode)
+        self.decode_buffers = DecodeBuffers(
+            self.decode_batch_sizes[-1], self.max_blocks_per_seq, block_size, self.padding_block_id, device,
+            reference_views=attention_backend == "torch",
+        )
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not enforce_eager:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(self.model, self.kv_caches, self.decode_buffers, self.decode_batch_sizes)
+        # Steps run so far on each path (tests and benchmarks read these).
+        self.num_padded_decode_steps = 0
+        self.num_general_steps = 0
+        logger.info("decode steps padded to batch sizes %s, CUDA graphs %s", self.decode_batch_sizes,
+                    "on" if self.graphs is not None else "off")
+
+    # ---- memory ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _profile_num_blocks(
+        self, loaded, block_size: int, scheduler: SchedulerConfig, utilization: float, enforce_eager: bool
+    ) -> int:
+        """KV blocks that fit after a dummy step at the largest shape (the padding block included)."""
+        assert self.step_buffers is not None
+        chunk = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
+        num_reqs = min(-(-scheduler.max_num_batched_tokens // chunk), scheduler.max_num_seqs)
+        query_lens = np.full(num_reqs, chunk, dtype=np.int64)
+        query_lens[-1] = min(chunk, scheduler.max_num_batched_tokens - chunk * (num_reqs - 1))
+        blocks_per_req = -(-chunk // block_size)
+        block_table = np.arange(num_reqs * blocks_per_req, dtype=np.int64).reshape(num_reqs, blocks_per_req)
+        temp_cache = torch.zeros(loaded.num_layers, 2, num_reqs * blocks_per_req, block_size, loaded.num_kv_heads,
+                                 loaded.head_dim, dtype=loaded.dtype, device=loaded.device)
+        temp_caches = [(temp_cache[i, 0], temp_cache[i, 1]) for i in range(loaded.num_layers)]
+        num_rows = scheduler.max_num_seqs
+        worst_case = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1,
+                                    logprobs=MAX_LOGPROBS).with_defaults({})
+        rows = [SamplingRow(worst_case, prompt_token_ids=[0] * 16, output_token_ids=[0] * 16)] * num_rows
+        sampler = Sampler(loaded.vocab_size)
+
+        def dummy_step() -> None:
+            staged = self.step_buffers.stage(
+                np.zeros(int(query_lens.sum()), dtype=np.int64), query_lens, np.zeros(num_reqs, dtype=np.int64),
+                block_table, np.arange(num_reqs, dtype=np.int64),
+            )
+            hidden = loaded.model(staged.input_ids, staged.positions, temp_caches, staged.metadata)
+            logits = loaded.model.compute_logits(hidden[:1].expand(num_rows, -1))  # (max_num_seqs, V)
+            sampler(logits, SamplingMetadata.build(rows, loaded.vocab_size, device=loaded.device))
+
+        profile = profile_memory(dummy_step, loaded.device)
+        del temp_caches, temp_cache
+        torch.cuda.empty_cache()
+        reserve = 0 if enforce_eager else GRAPH_MEMORY_RESERVE
+        budget = kv_cache_budget_bytes(profile, utilization, reserve)
+        bytes_per_token = kv_bytes_per_token(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim,
+                                             loaded.dtype.itemsize)
+        num_blocks = num_blocks_for_budget(budget, block_size, bytes_per_token) - 1  # minus the padding block
+        if num_blocks < 1:
+            raise ValueError(f"gpu_memory_utilization={utilization} leaves no KV block after the padding block")
+        logger.info(
+            "GPU memory: %.2f GiB total x %.2f; weights %.2f GiB, peak with activations %.2f GiB, outside torch "
+            "%.2f GiB, graph reserve %.2f GiB -> KV cache %.2f GiB", profile.total / GIB, utilization,
+            profile.weights / GIB, profile.peak / GIB, profile.non_torch / GIB, reserve / GIB, budget / GIB,
+        )
+        return num_blocks
+
+    # ---- the step ----------------------------------------------------------------------
+    def _to_host(self, tensors: list[torch.Tensor]) -> list[list]:
+        return fetch_to_host(tensors)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Decode-only steps of B <= the largest bucket rows replay (or run eagerly)
+        the padded decode at the smallest bucket >= B; every other step runs eagerly."""
+        requests, query_lens, num_computed, input_ids, block_table = self._gather_inputs(scheduler_output)
+        num_reqs = len(requests)
+        ends = num_computed + query_lens
+        sample_rows = [i for i, r in enumerate(requests) if ends[i] >= r.num_tokens]
+        sample_idx = np.asarray(sample_rows, dtype=np.int64)
+        bucket = choose_bucket(num_reqs, self.decode_batch_sizes) if bool((query_lens == 1).all()) else None
+        if bucket is not None:
+            self.num_padded_decode_steps += 1
+            self.decode_buffers.load(input_ids, num_computed, block_table, bucket, sample_idx)
+            if self.graphs is not None:
+                hidden = self.graphs.replay(bucket)  # (bucket, hidden)
+            else:
+                hidden = run_padded_decode(self.model, self.kv_caches, self.decode_buffers, bucket)
+            hidden_idx = self.decode_buffers.sample_idx[: len(sample_rows)]
+            query_start_loc = np.arange(num_reqs + 1)
+        elif self.step_buffers is not None:
+            self.num_general_steps += 1
+            staged = self.step_buffers.stage(input_ids, query_lens, num_computed, block_table, sample_idx)
+            hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, staged.metadata)  # (T, hidden)
+            hidden_idx = staged.sample_idx
+            query_start_loc = np.concatenate(([0], np.cumsum(query_lens)))
+        else:  # reference attention backend (CPU tests)
+            self.num_general_steps += 1
+            metadata, positions = build_attention_metadata(query_lens, num_computed, block_table, self.block_size)
+            hidden = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, metadata)
+            hidden_idx = (metadata.query_start_loc[1:] - 1)[torch.from_numpy(sample_idx)]
+            query_start_loc = metadata.query_start_loc.numpy()
+
+        sampled: list[int | None] = [None] * num_reqs
+        logprobs_out: list[PositionLogprobs | None] | None = None
+        if sample_rows:
+            sampled, logprobs_out = self._sample(requests, sample_rows, hidden.index_select(0, hidden_idx))
+        prompt_logprobs = self._prompt_logprobs(requests, num_computed, query_lens, query_start_loc, hidden, input_ids)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out, prompt_logprobs=prompt_logprobs)

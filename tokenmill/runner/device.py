@@ -1,0 +1,25 @@
+"""Which torch device an engine runs on: resolves the ``device`` setting ("auto", "cpu", "cuda", "cuda:N")."""
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(device: str) -> torch.device:
+    """Map the ``device`` setting to a torch device; "auto" picks CUDA when one is available.
+
+    A CUDA device always comes back with its index (plain "cuda" means the current device).
+
+    Raises:
+        ValueError: "cuda" (or "cuda:N") asked for on a machine without a usable CUDA device.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+        if resolved.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA devices exist")
+    return resolved
