@@ -50,8 +50,10 @@ stage equality 120 $PY benchmarks/gpu/greedy_equality.py --json "$WORK/equality.
 stage benchmark 150 $PY benchmarks/gpu/decode_benchmark.py --json "$WORK/benchmark.json"
 
 echo; echo "== summary ($(( $(date +%s) - START ))s) =="
+overall=0
 for name in kernels cuda_tests equality benchmark; do
     read -r rc secs <<<"${STATUS[$name]}"
+    [ "$rc" = 0 ] || overall=1
     verdict=$([ "$rc" = 0 ] && echo PASS || { [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo TIMEOUT || echo FAIL; })
     echo "  $name: $verdict (exit $rc, ${secs}s)"
     echo "$name $rc $secs" >>"$WORK/status.txt"
@@ -73,3 +75,4 @@ if out:
     print(f"wrote {out}/h200_summary.json")
 EOF
 rm -rf "$WORK"
+exit $overall

@@ -57,6 +57,8 @@ class TieredKVStore:
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()  # (block_hash, payload | None) from the loader
         self._start = time.monotonic()
         self._closed = False
+        self.transfer_seconds = 0.0  # engine-thread time spent in per-step copies
+        self.load_wait_seconds = 0.0  # engine-thread time spent waiting for disk reads (nothing else to run)
 
     @property
     def _disk_on(self) -> bool:
@@ -92,10 +94,13 @@ class TieredKVStore:
         """Block until at least one disk read in flight finishes (or ``timeout`` seconds pass)."""
         if not self._loading:
             return
+        t0 = time.perf_counter()
         try:
             self._stage(*self._arrived.get(timeout=timeout))
         except queue.Empty:
             return
+        finally:
+            self.load_wait_seconds += time.perf_counter() - t0
         self._drain_arrived()
 
     def _drain_arrived(self) -> None:
@@ -122,12 +127,14 @@ class TieredKVStore:
     def transfer(self, blocks_to_offload: list[tuple[int, int]], blocks_to_load: list[tuple[int, int]]) -> None:
         """Before the step's forward: copy evicted blocks out, then fill loaded blocks in, then store
         what was copied out (so storing cannot push out a block this step loads)."""
+        t0 = time.perf_counter()
         gathered = self._gather(blocks_to_offload) if blocks_to_offload else None
         if blocks_to_load:
             self._load(blocks_to_load)
         if gathered is not None:
             self._store(*gathered)
         self._drain_arrived()
+        self.transfer_seconds += time.perf_counter() - t0
 
     def _gather(self, blocks: list[tuple[int, int]]) -> tuple[list[int], torch.Tensor] | None:
         block_ids, hashes, seen = [], [], set()
@@ -195,6 +202,8 @@ class TieredKVStore:
             "disk": {**self.disk.snapshot(), "dwpd": self.dwpd()} if self.disk is not None else None,
             "staged_blocks": len(self._staged),
             "loading_blocks": len(self._loading),
+            "transfer_seconds": self.transfer_seconds,
+            "load_wait_seconds": self.load_wait_seconds,
         }
 
     def close(self, cached_blocks: list[tuple[int, int]] | None = None) -> None:
