@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from tests.scheduler_helpers import runner_output, make_request
+from tests.scheduler_helpers import make_request, runner_output
 from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SchedulerConfig

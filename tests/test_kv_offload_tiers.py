@@ -7,8 +7,8 @@ import json
 import logging
 import subprocess
 import sys
-import threading
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ import torch
 from tokenmill.config import CacheConfig
 from tokenmill.kv_cache.offload_planner import DISK_TIER, RAM_TIER
 from tokenmill.kv_offload import DiskTier, RamTier, TieredKVStore
-from tokenmill.kv_offload.disk_format import HEADER_SIZE, scan_segment
+from tokenmill.kv_offload.disk_format import HEADER_SIZE
 from tokenmill.kv_offload.fingerprint import model_fingerprint
 from tokenmill.kv_offload.stats import drive_writes_per_day
 

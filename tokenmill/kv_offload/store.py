@@ -157,21 +157,21 @@ class TieredKVStore:
 
     def _load(self, blocks: list[tuple[int, int]]) -> None:
         from_ram = [(b, h) for b, h in blocks if self.ram is not None and h in self.ram]
-        from_disk = [(b, h) for b, h in blocks if self.ram is None or h not in self.ram]
-        for part, tier in ((from_ram, self.ram), (from_disk, self.disk)):
-            if not part:
-                continue
-            if tier is self.ram:
-                data = self.ram.read([h for _, h in part])
-            else:
-                assert all(h in self._staged for _, h in part), "a block planned for loading is not in host memory"
-                data = torch.stack([self._staged[h] for _, h in part])
-            for _, h in part:
-                self._staged.pop(h, None)
-            tier.stats.hits += len(part)
-            ids = torch.tensor([b for b, _ in part], dtype=torch.int64, device=self.kv_cache.device)
-            # (k, layers, 2, block_size, kv_heads, head_dim) -> (layers, 2, k, block_size, kv_heads, head_dim)
-            self.kv_cache.index_copy_(2, ids, data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.device))
+        from_disk = [(b, h) for b, h in blocks if self.ram is None or h not in self.ram]  # staged disk reads
+        if from_ram:
+            self._copy_in([b for b, _ in from_ram], self.ram.read([h for _, h in from_ram]))
+            self.ram.stats.hits += len(from_ram)
+        if from_disk:
+            assert all(h in self._staged for _, h in from_disk), "a block planned for loading is not in host memory"
+            self._copy_in([b for b, _ in from_disk], torch.stack([self._staged[h] for _, h in from_disk]))
+            self.disk.stats.hits += len(from_disk)
+        for _, h in blocks:
+            self._staged.pop(h, None)
+
+    def _copy_in(self, block_ids: list[int], data: torch.Tensor) -> None:
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
+        # (k, layers, 2, block_size, kv_heads, head_dim) -> (layers, 2, k, block_size, kv_heads, head_dim)
+        self.kv_cache.index_copy_(2, ids, data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.device))
 
     def _store(self, hashes: list[int], data: torch.Tensor) -> None:
         evicted = self.ram.write(hashes, data) if self.ram is not None else list(zip(hashes, data))
