@@ -73,7 +73,7 @@ def test_eviction_is_lru_and_tail_blocks_go_first():
     new = kv.allocate_slots(a2, 5, hits)
     assert [x.block_id for x in new] == [2, 1]
     a_hashes = a.block_hashes
-    assert pool.evicted_block_hashes == [a_hashes[2], a_hashes[1]]
+    assert list(pool.evicted_block_hashes) == [a_hashes[2], a_hashes[1]]
     assert pool.get_cached_block(a_hashes[0]).block_id == 0
     kv.check_integrity()
 

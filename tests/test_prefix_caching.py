@@ -77,7 +77,7 @@ def test_exact_hits_and_eviction_order_through_the_scheduler():
     c = make_request("c", list(range(300, 320)), max_tokens=1)
     s.add_request(c)
     step(s)
-    evicted = kv.block_pool.evicted_block_hashes
+    evicted = list(kv.block_pool.evicted_block_hashes)
     assert evicted == [a.block_hashes[2]]  # a's unshared third block was freed first
     assert kv.prefix_cache_hits == 8 and kv.prefix_cache_queries == 13 + 11 + 20
     kv.check_integrity()

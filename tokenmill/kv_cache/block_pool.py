@@ -5,7 +5,10 @@ indexed by hash until they are reused (evicted), least recently freed first.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
+
+EVICTION_HISTORY = 4096  # evicted hashes kept for inspection (tests, /debug)
 
 
 class KVCacheBlock:
@@ -87,7 +90,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
-        self.evicted_block_hashes: list[int] = []  # for tests and lower tiers; cleared by the consumer
+        # The most recent evictions, oldest first (bounded: a long-running server evicts forever).
+        self.evicted_block_hashes: deque[int] = deque(maxlen=EVICTION_HISTORY)
         # Called with (block_id, block_hash) when a cached block is reused (the lower KV tiers' hook).
         self.on_evict: Callable[[int, int], None] | None = None
 
