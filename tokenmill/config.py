@@ -121,6 +121,9 @@ class EngineConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("deterministic", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.device not in ("auto", "cpu", "cuda") and not (
             self.device.startswith("cuda:") and self.device[5:].isdigit()
         ):

@@ -30,10 +30,31 @@ def default_served_model_name(model: str | None) -> str:
     return Path(default_model_path()).name.split(".")[0]
 
 
+def check_engine_kwargs(kwargs: dict) -> None:
+    """Validate engine settings without loading the model: ranges, the device, deterministic mode.
+
+    Raises:
+        ValueError: naming the setting at fault.
+    """
+    from tokenmill.engine.llm import build_engine_config
+    from tokenmill.runner.device import resolve_device
+
+    config = build_engine_config(**kwargs)
+    device = resolve_device(config.device)
+    if config.deterministic:
+        import torch
+
+        from tokenmill.runner.deterministic import check_deterministic_supported
+
+        check_deterministic_supported(torch.bfloat16, device)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit code."""
     from tokenmill.server.api_server import run_server
     from tokenmill.server.state import ServerConfig
+
+    check_engine_kwargs(engine_kwargs(args))  # bad flags: a one-line error before the port is bound
 
     config = ServerConfig(
         served_model_name=args.served_model_name or default_served_model_name(args.model),

@@ -56,31 +56,16 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
     ) -> None:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            seed=seed,
-            num_threads=num_threads,
-            deterministic=deterministic,
-            device=device,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory_gib=kv_cache_memory,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_offload_memory_gib=kv_offload_memory,
-                kv_offload_disk_path=None if kv_offload_disk_path is None else str(kv_offload_disk_path),
-                kv_offload_disk_size_gib=kv_offload_disk_size,
-                kv_offload_disk_drive_size_gib=kv_offload_disk_drive_size,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-            ),
+        config = build_engine_config(
+            model=model, dtype=dtype, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+            seed=seed, num_threads=num_threads, deterministic=deterministic,
+            kv_offload_memory=kv_offload_memory, kv_offload_disk_path=kv_offload_disk_path,
+            kv_offload_disk_size=kv_offload_disk_size,
+            kv_offload_disk_drive_size=kv_offload_disk_drive_size, device=device,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -156,3 +141,58 @@ class LLM:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return tokenizer.encode(text, add_special_tokens=False)
+
+
+def build_engine_config(
+    model: str | None = None,
+    dtype: str = "auto",
+    max_num_seqs: int = 128,
+    max_num_batched_tokens: int = 1024,
+    max_model_len: int | None = None,
+    kv_cache_memory: float = 2.0,
+    num_kv_blocks: int | None = None,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
+    seed: int = 0,
+    num_threads: int | None = None,
+    deterministic: bool = False,
+    kv_offload_memory: float = 0.0,
+    kv_offload_disk_path: str | None = None,
+    kv_offload_disk_size: float = 16.0,
+    kv_offload_disk_drive_size: float | None = None,
+    device: str = "auto",
+    gpu_memory_utilization: float = 0.9,
+    enforce_eager: bool = False,
+) -> EngineConfig:
+    """The EngineConfig for ``LLM(**kwargs)`` (same keyword names), without loading anything.
+
+    Raises:
+        ValueError: a setting out of range, naming the field.
+    """
+    return EngineConfig(
+        model=model,
+        dtype=dtype,
+        seed=seed,
+        num_threads=num_threads,
+        deterministic=deterministic,
+        device=device,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager,
+        cache=CacheConfig(
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_gib=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_offload_memory_gib=kv_offload_memory,
+            kv_offload_disk_path=None if kv_offload_disk_path is None else str(kv_offload_disk_path),
+            kv_offload_disk_size_gib=kv_offload_disk_size,
+            kv_offload_disk_drive_size_gib=kv_offload_disk_drive_size,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ),
+    )

@@ -14,7 +14,10 @@ def resolve_device(device: str) -> torch.device:
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")

@@ -161,7 +161,8 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
 
 
 def _ignore_signal(signum: int, frame) -> None:
-    logger.info("signal %d after shutdown: ignored", signum)
+    # uvicorn re-raises the signal that stopped it once it has shut down; nothing is left to do.
+    logger.debug("signal %d re-raised after shutdown: ignored", signum)
 
 
 def run_server(config: ServerConfig) -> int:
