@@ -267,5 +267,7 @@ def build_kv_store(cache, kv_cache: torch.Tensor, loaded, max_model_len: int) ->
     max_staged = min(num_blocks, 4 * -(-max_model_len // block_size))
     store = TieredKVStore(kv_cache, ram_blocks, disk, max_staged, int(drive_gib * GIB))
     logger.info("KV offload tiers: RAM %d blocks (%.2f GiB), disk %s", ram_blocks, ram_blocks * block_bytes / GIB,
-                f"{cache.kv_offload_disk_size_gib} GiB at {cache.kv_offload_disk_path}" if disk is not None else "off")
+                "off" if disk is None
+                else f"{cache.kv_offload_disk_size_gib} GiB at {cache.kv_offload_disk_path}" if disk.enabled
+                else f"DISABLED ({disk.error})")
     return store
