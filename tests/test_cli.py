@@ -40,3 +40,16 @@ def test_bad_model_name_is_a_clear_error():
     result = tokenmill("generate", "hi", "--model", "meta-llama/Llama-3-8B")
     assert result.returncode == 2
     assert "never downloads" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-offload-disk-size", "4"],
+     "error: --kv-offload-disk-size sizes the disk KV tier, which is off: give --kv-offload-disk-path too"),
+    (["--kv-offload-memory", "1", "--no-enable-prefix-caching"],
+     "need prefix caching, which --no-enable-prefix-caching turns off"),
+    (["--max-num-seqs", "0"], "error: --max-num-seqs must be >= 1, got 0"),
+])
+def test_bad_engine_flags_are_named_as_flags(flags, message):
+    result = tokenmill("serve", "--port", "1", *flags)  # validated before the model loads or the port binds
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr

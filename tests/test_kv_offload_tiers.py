@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.config import CacheConfig
+from tokenmill.config import CacheConfig, ConfigError
 from tokenmill.kv_cache.offload_planner import DISK_TIER, RAM_TIER
 from tokenmill.kv_offload import DiskTier, RamTier, TieredKVStore
 from tokenmill.kv_offload.disk_format import HEADER_SIZE
@@ -244,19 +244,37 @@ def test_model_fingerprint_covers_weights_dtype_block_size_and_kv_dtype():
     assert base != model_fingerprint(model, config, torch.float32, 16, torch.float32)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"kv_offload_memory_gib": -1.0}, "kv_offload_memory"),
-    ({"kv_offload_memory_gib": float("nan")}, "kv_offload_memory"),
-    ({"kv_offload_disk_path": "/tmp/x", "kv_offload_disk_size_gib": 0.0}, "kv_offload_disk_size"),
-    ({"kv_offload_disk_path": ""}, "kv_offload_disk_path"),
-    ({"kv_offload_disk_path": "/tmp/x", "kv_offload_disk_drive_size_gib": -2.0}, "kv_offload_disk_drive_size"),
-    ({"kv_offload_memory_gib": 1.0, "enable_prefix_caching": False}, "enable_prefix_caching"),
+@pytest.mark.parametrize("kwargs, keyword_message, flag_message", [
+    ({"kv_offload_memory_gib": -1.0}, "kv_offload_memory must be", "--kv-offload-memory must be"),
+    ({"kv_offload_memory_gib": float("nan")}, "kv_offload_memory must be", "--kv-offload-memory must be"),
+    ({"kv_offload_disk_path": "/tmp/x", "kv_offload_disk_size_gib": 0.0},
+     "kv_offload_disk_size must be", "--kv-offload-disk-size must be"),
+    ({"kv_offload_disk_path": ""}, "kv_offload_disk_path must not be empty", "--kv-offload-disk-path must not"),
+    ({"kv_offload_disk_path": "/tmp/x", "kv_offload_disk_drive_size_gib": -2.0},
+     "kv_offload_disk_drive_size must be", "--kv-offload-disk-drive-size must be"),
+    ({"kv_offload_memory_gib": 1.0, "enable_prefix_caching": False},
+     "which enable_prefix_caching=False turns off", "which --no-enable-prefix-caching turns off"),
+    ({"kv_offload_disk_size_gib": 4.0}, "kv_offload_disk_size sizes the disk KV tier, which is off: give "
+     "kv_offload_disk_path too", "--kv-offload-disk-size sizes the disk KV tier, which is off: give "
+     "--kv-offload-disk-path too"),
+    ({"kv_offload_disk_drive_size_gib": 4.0}, "kv_offload_disk_drive_size sizes the disk KV tier",
+     "--kv-offload-disk-drive-size sizes the disk KV tier"),
 ])
-def test_cache_config_rejects_bad_offload_settings_naming_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+def test_cache_config_rejects_bad_offload_settings_naming_the_setting(kwargs, keyword_message, flag_message):
+    with pytest.raises(ConfigError) as info:
         CacheConfig(**kwargs)
+    assert keyword_message in str(info.value)  # as LLM(...) keywords
+    assert flag_message in info.value.for_cli()  # as command-line flags
+
+
+def test_disk_tier_size_defaults_to_16_gib_only_when_the_tier_is_on():
+    assert CacheConfig(kv_offload_disk_path="/tmp/x").disk_tier_size_gib == 16.0
+    assert CacheConfig(kv_offload_disk_path="/tmp/x", kv_offload_disk_size_gib=2.5).disk_tier_size_gib == 2.5
 
 
 def test_drive_writes_per_day():
     assert drive_writes_per_day(2 << 30, 86400.0, 1 << 30) == pytest.approx(2.0)
     assert drive_writes_per_day(1 << 30, 3600.0, 1 << 30) == pytest.approx(24.0)
+    # A startup burst is averaged over at least an hour, not projected from its first seconds.
+    assert drive_writes_per_day(1 << 30, 10.0, 1 << 30) == pytest.approx(24.0)
+    assert drive_writes_per_day(1 << 30, 7200.0, 1 << 30) == pytest.approx(12.0)

@@ -5,7 +5,40 @@ Derived values are properties, never written back after construction.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
+
+DEFAULT_KV_OFFLOAD_DISK_SIZE_GIB = 16.0
+
+# Command-line spellings that are not simply "--" + the keyword with dashes.
+_FLAG_SPELLING = {
+    "enable_prefix_caching": "--no-enable-prefix-caching",
+    "enable_chunked_prefill": "--no-enable-chunked-prefill",
+}
+# Keyword spellings for settings that are named in messages by the value that causes the problem.
+_KEYWORD_SPELLING = {
+    "enable_prefix_caching": "enable_prefix_caching=False",
+    "enable_chunked_prefill": "enable_chunked_prefill=False",
+}
+
+
+class ConfigError(ValueError):
+    """An engine setting out of range, or inconsistent with another setting.
+
+    The message names settings between backticks (`kv_offload_memory`), by their ``LLM(...)``
+    keyword. ``str(error)`` spells them as those keywords; ``for_cli()`` spells them as the
+    command-line flags (``--kv-offload-memory``), so each interface names what its user typed.
+    """
+
+    _NAME = re.compile(r"`(\w+)`")
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(self._NAME.sub(lambda m: _KEYWORD_SPELLING.get(m[1], m[1]), template))
+
+    def for_cli(self) -> str:
+        """The message with each setting spelled as its command-line flag."""
+        return self._NAME.sub(lambda m: _FLAG_SPELLING.get(m[1], "--" + m[1].replace("_", "-")), self.template)
 
 
 @dataclass(frozen=True)
@@ -20,9 +53,13 @@ class CacheConfig:
         enable_prefix_caching: index full blocks by chained hash and reuse them.
         kv_offload_memory_gib: host-RAM KV tier below the pool, in GiB (0: off).
         kv_offload_disk_path: directory of the disk KV tier (None: off); it survives restarts.
-        kv_offload_disk_size_gib: most GiB the disk tier keeps.
+        kv_offload_disk_size_gib: most GiB the disk tier keeps (None: 16 GiB); needs
+            ``kv_offload_disk_path``.
         kv_offload_disk_drive_size_gib: size of the drive under it, for the drive-writes-per-day
-            estimate (None: ``kv_offload_disk_size_gib``).
+            estimate (None: the tier's size); needs ``kv_offload_disk_path``.
+
+    Raises:
+        ConfigError: a setting out of range, or a disk-tier size without a disk-tier path.
     """
 
     block_size: int = 16
@@ -31,8 +68,15 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_offload_memory_gib: float = 0.0
     kv_offload_disk_path: str | None = None
-    kv_offload_disk_size_gib: float = 16.0
+    kv_offload_disk_size_gib: float | None = None
     kv_offload_disk_drive_size_gib: float | None = None
+
+    @property
+    def disk_tier_size_gib(self) -> float:
+        """GiB the disk tier keeps: ``kv_offload_disk_size_gib`` or the 16 GiB default."""
+        if self.kv_offload_disk_size_gib is None:
+            return DEFAULT_KV_OFFLOAD_DISK_SIZE_GIB
+        return self.kv_offload_disk_size_gib
 
     @property
     def kv_offload_enabled(self) -> bool:
@@ -41,26 +85,29 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+            raise ConfigError(f"`block_size` must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gib <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+            raise ConfigError(f"`num_kv_blocks` must be >= 1, got {self.num_kv_blocks}")
+        if not 0 < self.kv_cache_memory_gib < math.inf:
+            raise ConfigError(f"`kv_cache_memory` must be a finite number > 0 GiB, got {self.kv_cache_memory_gib}")
         if not 0 <= self.kv_offload_memory_gib < math.inf:
-            raise ValueError(f"kv_offload_memory must be a finite number >= 0 GiB, got {self.kv_offload_memory_gib}")
+            raise ConfigError(
+                f"`kv_offload_memory` must be a finite number >= 0 GiB, got {self.kv_offload_memory_gib}"
+            )
         if self.kv_offload_disk_path is not None and not self.kv_offload_disk_path:
-            raise ValueError("kv_offload_disk_path must not be empty")
-        if not 0 < self.kv_offload_disk_size_gib < math.inf:
-            raise ValueError(
-                f"kv_offload_disk_size must be a finite number > 0 GiB, got {self.kv_offload_disk_size_gib}"
-            )
-        if self.kv_offload_disk_drive_size_gib is not None and not 0 < self.kv_offload_disk_drive_size_gib < math.inf:
-            raise ValueError(
-                f"kv_offload_disk_drive_size must be a finite number > 0 GiB, got {self.kv_offload_disk_drive_size_gib}"
-            )
+            raise ConfigError("`kv_offload_disk_path` must not be empty")
+        for name, value in (("kv_offload_disk_size", self.kv_offload_disk_size_gib),
+                            ("kv_offload_disk_drive_size", self.kv_offload_disk_drive_size_gib)):
+            if value is None:
+                continue
+            if not 0 < value < math.inf:
+                raise ConfigError(f"`{name}` must be a finite number > 0 GiB, got {value}")
+            if self.kv_offload_disk_path is None:
+                raise ConfigError(f"`{name}` sizes the disk KV tier, which is off: give `kv_offload_disk_path` too")
         if self.kv_offload_enabled and not self.enable_prefix_caching:
-            raise ValueError(
-                "kv_offload_memory / kv_offload_disk_path need enable_prefix_caching (tiers are keyed by block hash)"
+            raise ConfigError(
+                "the KV offload tiers (`kv_offload_memory`, `kv_offload_disk_path`) are keyed by block hash and "
+                "need prefix caching, which `enable_prefix_caching` turns off"
             )
 
 
@@ -84,15 +131,15 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"`{name}` must be >= 1, got {getattr(self, name)}")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
             and self.max_num_batched_tokens < self.max_model_len
         ):
-            raise ValueError(
-                "max_num_batched_tokens must be >= max_model_len when chunked prefill is off "
-                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            raise ConfigError(
+                "`max_num_batched_tokens` must be >= `max_model_len` when `enable_chunked_prefill` turns "
+                f"chunked prefill off ({self.max_num_batched_tokens} < {self.max_model_len})"
             )
 
 
@@ -123,10 +170,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("deterministic", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise ConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         if self.device not in ("auto", "cpu", "cuda") and not (
             self.device.startswith("cuda:") and self.device[5:].isdigit()
         ):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+            raise ConfigError(f"`device` must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ConfigError(f"`gpu_memory_utilization` must be in (0, 1], got {self.gpu_memory_utilization}")

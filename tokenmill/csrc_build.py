@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 # order use these as they are; a kernel that tolerates reassociation passes its own flags.
 DEFAULT_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
+# Headers shared by the kernels (bf16.h); on every kernel's include path and in every cache key.
+SHARED_INCLUDE_DIR = Path(__file__).parent / "csrc"
+
 
 def kernels_disabled() -> bool:
     """True when TOKENMILL_DISABLE_CPU_KERNELS=1: every compiled CPU kernel reports itself unavailable."""
@@ -42,8 +45,11 @@ def load_c_library(
 ) -> ctypes.CDLL | None:
     """Compile ``source`` (if not cached) with ``$CC``/cc/gcc and ``flags``, load it, and run ``setup`` on it.
 
-    The library is cached as ``<cache dir>/<stem>-<hash of source bytes and flags>.so`` and written by an
-    atomic rename, so concurrent builders never load a partial file and an edited source is rebuilt.
+    The shared headers in tokenmill/csrc (e.g. bf16.h) are always on the include path: ``-I`` for that
+    directory is added to the command line whatever ``flags`` the caller passes. The library is cached
+    as ``<cache dir>/<stem>-<hash>.so``, the hash covering the source bytes, the bytes of every ``*.h``
+    in tokenmill/csrc (sorted by name) and ``flags``, and is written by an atomic rename, so concurrent
+    builders never load a partial file and an edited source or shared header is rebuilt.
     ``setup`` declares argtypes/restype of the exported functions.
 
     Returns None (after logging a warning) when TOKENMILL_DISABLE_CPU_KERNELS=1 (no warning then), when
@@ -52,7 +58,8 @@ def load_c_library(
     if kernels_disabled():
         return None
     code = source.read_bytes()
-    digest = hashlib.sha256(code + " ".join(flags).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(SHARED_INCLUDE_DIR.glob("*.h")))
+    digest = hashlib.sha256(code + headers + " ".join(flags).encode()).hexdigest()[:16]
     target = kernel_cache_dir() / f"{stem}-{digest}.so"
     if not target.exists():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -62,7 +69,7 @@ def load_c_library(
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [compiler, *flags, str(source), "-o", str(out), "-lm"]
+            cmd = [compiler, *flags, "-I", str(SHARED_INCLUDE_DIR), str(source), "-o", str(out), "-lm"]
             try:
                 result = subprocess.run(cmd, capture_output=True, text=True)
             except OSError as exc:

@@ -28,7 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="host-RAM KV tier below the pool, in GiB (0: off); evicted prefix blocks go there")
     parser.add_argument("--kv-offload-disk-path", default=None,
                         help="directory of the disk KV tier (off by default); reused after a restart of the same model")
-    parser.add_argument("--kv-offload-disk-size", type=float, default=16.0, help="most GiB the disk KV tier keeps")
+    parser.add_argument("--kv-offload-disk-size", type=float, default=None,
+                        help="most GiB the disk KV tier keeps (default: 16)")
     parser.add_argument("--kv-offload-disk-drive-size", type=float, default=None,
                         help="GiB of the drive under the disk tier, for the DWPD estimate (default: the tier size)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
@@ -152,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from tokenmill.config import ConfigError
+
+        print(f"error: {exc.for_cli() if isinstance(exc, ConfigError) else exc}", file=sys.stderr)
         return 2
 
 

@@ -25,7 +25,7 @@ class LLM:
         kv_offload_memory: host-RAM KV tier below the pool, in GiB (0: off).
         kv_offload_disk_path: directory of the disk KV tier (None: off); call ``close()`` (or use
             ``with LLM(...) as llm``) so cached blocks are written there for the next run.
-        kv_offload_disk_size: most GiB the disk tier keeps.
+        kv_offload_disk_size: most GiB the disk tier keeps (None: 16); needs kv_offload_disk_path.
         kv_offload_disk_drive_size: drive size in GiB for the DWPD estimate (default: the tier size).
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         gpu_memory_utilization: on CUDA, the fraction of device memory for weights, activations
@@ -50,7 +50,7 @@ class LLM:
         deterministic: bool = False,
         kv_offload_memory: float = 0.0,
         kv_offload_disk_path: str | None = None,
-        kv_offload_disk_size: float = 16.0,
+        kv_offload_disk_size: float | None = None,
         kv_offload_disk_drive_size: float | None = None,
         device: str = "auto",
         gpu_memory_utilization: float = 0.9,
@@ -159,7 +159,7 @@ def build_engine_config(
     deterministic: bool = False,
     kv_offload_memory: float = 0.0,
     kv_offload_disk_path: str | None = None,
-    kv_offload_disk_size: float = 16.0,
+    kv_offload_disk_size: float | None = None,
     kv_offload_disk_drive_size: float | None = None,
     device: str = "auto",
     gpu_memory_utilization: float = 0.9,

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.stats_logger import StatsLogger
 from tokenmill.kv_cache import KVCacheManager
@@ -47,7 +47,7 @@ class LLMEngine:
         model_max = self.loaded.max_position_embeddings
         max_model_len = config.scheduler.max_model_len or model_max
         if max_model_len > model_max:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}")
+            raise ConfigError(f"`max_model_len` {max_model_len} exceeds the model's max_position_embeddings {model_max}")
         self.scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         self.config = replace(config, scheduler=self.scheduler_config)
         if self.device.type == "cpu":
@@ -65,10 +65,10 @@ class LLMEngine:
         if self.runner.num_kv_tokens < max_model_len:
             # One request must always fit in the pool, or it would wait (or be preempted) forever.
             if config.scheduler.max_model_len is not None:
-                raise ValueError(
-                    f"max_model_len {max_model_len} exceeds the KV cache capacity of {self.runner.num_kv_tokens} "
-                    "tokens; raise --kv-cache-memory (CPU) / --gpu-memory-utilization (CUDA) / --num-kv-blocks "
-                    "or lower --max-model-len"
+                raise ConfigError(
+                    f"`max_model_len` {max_model_len} exceeds the KV cache capacity of {self.runner.num_kv_tokens} "
+                    "tokens; raise `kv_cache_memory` (CPU) / `gpu_memory_utilization` (CUDA) / `num_kv_blocks` "
+                    "or lower `max_model_len`"
                 )
             logger.warning("max_model_len lowered from %d to the KV cache capacity, %d tokens",
                            max_model_len, self.runner.num_kv_tokens)

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 SECONDS_PER_DAY = 86400.0
+# The rate is averaged over at least this long, so the burst of writes that fills an empty tier in
+# the first minutes after a start is not projected over a whole day.
+MIN_RATE_WINDOW_S = 3600.0
 
 
 @dataclass
@@ -29,8 +32,10 @@ class TierStats:
 def drive_writes_per_day(bytes_written: int, elapsed_s: float, drive_bytes: int) -> float:
     """Drive writes per day at the average rate since start: bytes per day ÷ drive size.
 
-    A drive rated for N DWPD over its warranty wears out on schedule when this stays ≤ N.
+    The rate is ``bytes_written`` over ``max(elapsed_s, MIN_RATE_WINDOW_S)`` seconds: during the first
+    hour it is a lower bound that grows to the true average, instead of a startup burst extrapolated
+    to a day. A drive rated for N DWPD over its warranty wears out on schedule when this stays ≤ N.
     """
     if drive_bytes <= 0:
         return 0.0
-    return bytes_written / max(elapsed_s, 1.0) * SECONDS_PER_DAY / drive_bytes
+    return bytes_written / max(elapsed_s, MIN_RATE_WINDOW_S) * SECONDS_PER_DAY / drive_bytes

@@ -262,12 +262,12 @@ def build_kv_store(cache, kv_cache: torch.Tensor, loaded, max_model_len: int) ->
         t0 = time.perf_counter()
         fingerprint = model_fingerprint(loaded.model, loaded.hf_config, loaded.dtype, block_size, kv_cache.dtype)
         logger.info("KV offload: model fingerprint %s (%.2fs)", fingerprint[:16], time.perf_counter() - t0)
-        disk = DiskTier(cache.kv_offload_disk_path, fingerprint, block_bytes, int(cache.kv_offload_disk_size_gib * GIB))
-    drive_gib = cache.kv_offload_disk_drive_size_gib or cache.kv_offload_disk_size_gib
+        disk = DiskTier(cache.kv_offload_disk_path, fingerprint, block_bytes, int(cache.disk_tier_size_gib * GIB))
+    drive_gib = cache.kv_offload_disk_drive_size_gib or cache.disk_tier_size_gib
     max_staged = min(num_blocks, 4 * -(-max_model_len // block_size))
     store = TieredKVStore(kv_cache, ram_blocks, disk, max_staged, int(drive_gib * GIB))
     logger.info("KV offload tiers: RAM %d blocks (%.2f GiB), disk %s", ram_blocks, ram_blocks * block_bytes / GIB,
                 "off" if disk is None
-                else f"{cache.kv_offload_disk_size_gib} GiB at {cache.kv_offload_disk_path}" if disk.enabled
+                else f"{cache.disk_tier_size_gib} GiB at {cache.kv_offload_disk_path}" if disk.enabled
                 else f"DISABLED ({disk.error})")
     return store

@@ -14,14 +14,16 @@ class SiluAndMul(nn.Module):
 
     forward(x [T, 2 * intermediate]) -> [T, intermediate]. With ``batch_invariant`` set
     (deterministic mode) it runs in the batch-invariant kernel; with ``use_triton`` (CUDA runner)
-    in one fused Triton kernel.
+    in one fused Triton kernel; with ``use_cpu_kernel`` (the CPU runner's default mode) in the same C
+    kernel as deterministic mode.
     """
 
     batch_invariant = False
+    use_cpu_kernel = False
     use_triton = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
+        if self.batch_invariant or self.use_cpu_kernel:
             return bi_silu_and_mul(x)
         if self.use_triton:
             return triton_silu_and_mul(x)

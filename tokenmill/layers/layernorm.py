@@ -15,10 +15,13 @@ class RMSNorm(nn.Module):
     in float32; the result is cast back to x's dtype *before* the weight multiply (HF order), so
     bf16 outputs match transformers bit for bit. With ``batch_invariant`` set (deterministic mode)
     it runs in the batch-invariant kernel (same formula, fixed reduction order). With ``use_triton``
-    set (CUDA runner) it is one fused Triton kernel (same formula and rounding).
+    set (CUDA runner) it is one fused Triton kernel (same formula and rounding). With
+    ``use_cpu_kernel`` set (the CPU runner's default mode) it runs in that same C kernel, one pass
+    instead of six torch ops.
     """
 
     batch_invariant = False
+    use_cpu_kernel = False
     use_triton = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -27,7 +30,7 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
+        if self.batch_invariant or self.use_cpu_kernel:
             shape = x.shape
             return bi_rms_norm(x.reshape(-1, shape[-1]), self.weight, self.variance_epsilon).view(shape)
         if self.use_triton:

@@ -18,10 +18,14 @@ class Linear(nn.Module):
     """y = x W^T (+ b). forward(x [T, in_features]) -> [T, out_features].
 
     Parameters are allocated with ``torch.empty``: a model is always filled by ``load_weights``.
-    With ``batch_invariant`` set (deterministic mode) the product runs in the batch-invariant kernel.
+    With ``batch_invariant`` set (deterministic mode) the product always runs in the batch-invariant
+    C kernel. With ``cpu_gemm_max_rows`` > 0 (the CPU runner's default mode, see
+    ``tokenmill.runner.cpu_kernels``) it runs there when x has at most that many rows: decode-sized
+    products, where that kernel streams the weights once and beats ``F.linear``.
     """
 
     batch_invariant = False
+    cpu_gemm_max_rows = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -31,7 +35,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
+        if self.batch_invariant or (x.dim() == 2 and x.shape[0] <= self.cpu_gemm_max_rows):
             return bi_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

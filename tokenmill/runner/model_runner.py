@@ -32,6 +32,9 @@ class ModelRunner:
         device: where the KV tensors and the step's work live (the model must already be there).
         num_padding_blocks: extra KV blocks after the pool that are never handed out (the CUDA
             runner's padding block); ``num_kv_blocks`` excludes them.
+        cpu_kernels: on a CPU device outside deterministic mode, run small linears, RMSNorm and
+            SiLU×up in the compiled C kernels (``tokenmill.runner.cpu_kernels``); the CUDA runner
+            passes False so its Triton paths stay in use even when it runs on CPU in tests.
 
     Raises:
         ValueError: deterministic mode asked for with a dtype or machine it cannot support.
@@ -46,6 +49,7 @@ class ModelRunner:
         deterministic: bool = False,
         device: torch.device | str = "cpu",
         num_padding_blocks: int = 0,
+        cpu_kernels: bool = True,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -56,6 +60,11 @@ class ModelRunner:
 
             check_deterministic_supported(loaded.dtype, self.device)
             enable_batch_invariant(self.model)
+        elif self.device.type == "cpu" and cpu_kernels:
+            from tokenmill.runner.cpu_kernels import enable_cpu_elementwise, enable_cpu_gemm
+
+            enable_cpu_gemm(self.model, loaded.dtype)
+            enable_cpu_elementwise(self.model, loaded.dtype)
         self.block_size = block_size
         self.vocab_size = loaded.vocab_size
         self.kv_dtype = loaded.dtype

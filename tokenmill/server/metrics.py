@@ -82,7 +82,8 @@ class _EngineStatsCollector(Collector):
         if stats.kv_offload_disk_dwpd is not None:
             gauge = GaugeMetricFamily(
                 "tokenmill:kv_offload_disk_dwpd",
-                "Drive writes per day of the disk KV tier at the average rate since start (bytes/day / drive size).",
+                "Drive writes per day of the disk KV tier: bytes/day / drive size, the rate averaged since start "
+                "(over at least one hour).",
                 labels=["model_name"],
             )
             gauge.add_metric([self._model_name], stats.kv_offload_disk_dwpd)

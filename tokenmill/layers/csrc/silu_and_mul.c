@@ -12,20 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    uint32_t u = v.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 /* exp(x) polynomial constants: exp(r) ~ 1 + r + r^2/2! + ... + r^6/6! for |r| <= ln2/2. */
 #define EXP_C2 0.5f
@@ -65,14 +52,14 @@ static inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-/* Round 16 floats to bf16 (nearest even; NaN kept quiet) and store the masked lanes. */
+/* Round 16 floats to bf16 and store the masked lanes: the same rounding as f32_to_bf16 (bf16.h),
+ * NaN becomes the canonical quiet NaN 0x7fc0. */
 static inline void store_bf16(uint16_t* p, __m512 v, __mmask16 m) {
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(64));
-    rounded = _mm512_mask_mov_epi32(rounded, nan, quiet);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(rounded));
 }
 

@@ -1,0 +1,147 @@
+"""NaN and infinity through the compiled bf16 kernels (tokenmill/csrc/bf16.h).
+
+Each kernel must give NaN exactly where the torch reference does, and every NaN it writes must be
+the canonical quiet NaN 0x7fc0, as c10's round_to_nearest_even writes it. torch's own bf16 NaN bits
+are not checked: its vectorised float -> bf16 conversion writes 0xffff.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention import cpu_decode
+from tokenmill.csrc_build import load_c_library
+from tokenmill.layers import batch_invariant as bi
+from tokenmill.layers import silu_and_mul_kernel as sk
+from tokenmill.layers.layernorm import RMSNorm
+
+NAN, INF = float("nan"), float("inf")
+CANONICAL_NAN = 0x7FC0
+
+
+def assert_nan_like(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """NaN exactly where ref has NaN (and the same infinities), every NaN written as 0x7fc0."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype == torch.bfloat16
+    assert bool(ref.isnan().any()), "the inputs should produce at least one NaN"
+    assert torch.equal(out.isnan(), ref.isnan()), f"NaN at {out.isnan().nonzero().tolist()}, want {ref.isnan().nonzero().tolist()}"
+    assert torch.equal(out.isposinf(), ref.isposinf()) and torch.equal(out.isneginf(), ref.isneginf())
+    nan_bits = set(out[out.isnan()].view(torch.int16).tolist())
+    assert nan_bits == {CANONICAL_NAN}, f"NaN bits {[hex(b & 0xFFFF) for b in nan_bits]}"
+
+
+# ---------------------------------------------------------------- SiLU and multiply
+
+
+def silu_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    # No -inf gate: the kernel clamps exp's argument, so silu(-inf) is -inf there but NaN in torch.
+    gate = torch.tensor([NAN, -NAN, INF, 1.0, 0.0, 2.0, NAN, 3.0, -1.5, 0.5] * 2, dtype=torch.bfloat16)
+    up = torch.tensor([1.0, 1.0, 0.0, INF, INF, -INF, -NAN, NAN, 2.0, -INF] * 2, dtype=torch.bfloat16)
+    return gate, up
+
+
+def check_silu() -> None:
+    gate, up = silu_inputs()  # 20 columns: one full 16-lane step and a masked tail
+    x = torch.stack([torch.cat([gate, up]), torch.cat([gate.flip(0), up.flip(0)])])
+    ref = torch.stack([F.silu(gate) * up, F.silu(gate.flip(0)) * up.flip(0)])
+    assert_nan_like(sk.bi_silu_and_mul(x), ref)
+
+
+@pytest.mark.skipif(not sk.available(), reason="SiLU CPU kernel unavailable (no C compiler?)")
+def test_silu_and_mul_nan():
+    check_silu()
+
+
+@pytest.mark.skipif(not sk.available(), reason="SiLU CPU kernel unavailable (no C compiler?)")
+def test_silu_and_mul_portable_build_nan(monkeypatch):
+    """The scalar path (bf16.h's f32_to_bf16), built here with AVX-512 switched off."""
+    lib = load_c_library(sk._SOURCE, "silu_and_mul", sk._setup, (*sk._FLAGS, "-mno-avx512f"))
+    if lib is None:
+        pytest.skip("this compiler cannot build without AVX-512 (not x86?)")
+    monkeypatch.setattr(sk, "_lib", lib)
+    monkeypatch.setattr(sk, "_tried", True)
+    check_silu()
+
+
+# ---------------------------------------------------------------- batch-invariant linear and RMSNorm
+
+
+def linear_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=g).bfloat16()
+    w = (torch.randn(20, 64, generator=g) / 8).bfloat16()  # N = 20: a full and a partial column tile
+    b = torch.randn(20, generator=g).bfloat16()
+    x[0, 3], x[1, 5], x[2, 7], x[3, 1] = NAN, -NAN, INF, -INF
+    w[4, 3], w[5, 9] = INF, NAN
+    b[7], b[8], b[9] = NAN, INF, -INF
+    return x, w, b
+
+
+def rms_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 48, generator=g).bfloat16()
+    w = (1 + 0.5 * torch.randn(48, generator=g)).bfloat16()
+    x[0, 2], x[1, 3], x[2, 4], x[3, 5] = NAN, INF, -INF, -NAN
+    w[10], w[11] = NAN, INF
+    return x, w
+
+
+def check_batch_invariant(lib) -> None:
+    x, w, b = linear_inputs()
+    for bias in (None, b):
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float()).bfloat16()
+        assert_nan_like(bi._linear(lib, x, w, bias), ref)
+    x, w = rms_inputs()
+    norm = RMSNorm(48, eps=1e-6).to(torch.bfloat16)
+    norm.weight.data = w.clone()
+    assert_nan_like(bi._rms_norm(lib, x, w, 1e-6), norm(x))
+
+
+@pytest.mark.skipif(not bi.available(), reason="batch-invariant CPU kernels unavailable (no C compiler?)")
+def test_batch_invariant_nan():
+    check_batch_invariant(bi._built())
+
+
+@pytest.mark.skipif(not bi.available(), reason="batch-invariant CPU kernels unavailable (no C compiler?)")
+def test_batch_invariant_portable_build_nan():
+    lib = bi._load((*bi._FLAGS, "-mno-avx512f"))
+    if lib is None:
+        pytest.skip("this compiler cannot build without AVX-512 (not x86?)")
+    check_batch_invariant(lib)
+
+
+# ---------------------------------------------------------------- paged decode attention
+
+
+@pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler for the CPU decode kernel")
+@pytest.mark.parametrize("d", [64, 24])  # the AVX-512 path (head_dim % 16 == 0) and the portable one
+def test_paged_decode_nan(d):
+    h, kvh, bs, seqs = 4, 2, 4, [5, 8, 3]
+    g = torch.Generator().manual_seed(0)
+    nblocks = [-(-n // bs) for n in seqs]
+    tables = [list(range(sum(nblocks[:i]), sum(nblocks[: i + 1]))) for i in range(len(seqs))]
+    # Every cache slot belongs to a sequence: a NaN left in padding would poison torch's reference.
+    k_cache = torch.randn(sum(nblocks), bs, kvh, d, generator=g).bfloat16()
+    v_cache = torch.randn(sum(nblocks), bs, kvh, d, generator=g).bfloat16()
+    q = torch.randn(len(seqs), h, d, generator=g).bfloat16()
+
+    def at(s: int, t: int) -> tuple[int, int]:
+        return tables[s][t // bs], t % bs
+
+    q[0, 0, 1] = NAN  # sequence 0: NaN query, head 0
+    k_cache[at(1, 2)][0, 7] = -NAN  # sequence 1: NaN key, kv head 0
+    v_cache[at(2, 1)][1, 3] = NAN  # sequence 2: NaN value, kv head 1
+    v_cache[at(2, 0)][0, 5] = INF  # +inf value
+    v_cache[at(2, 2)][0, 6], v_cache[at(2, 1)][0, 6] = INF, -INF  # inf - inf: NaN
+
+    max_blocks = max(nblocks)
+    block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    out = cpu_decode.paged_decode_attention(q, k_cache, v_cache, block_table, torch.tensor(seqs), d**-0.5)
+
+    refs = []
+    for s, n in enumerate(seqs):
+        k = torch.cat([k_cache[b] for b in tables[s]])[:n].float().repeat_interleave(h // kvh, dim=1)
+        v = torch.cat([v_cache[b] for b in tables[s]])[:n].float().repeat_interleave(h // kvh, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[s].float(), k) * d**-0.5
+        refs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v).bfloat16())
+    assert_nan_like(out, torch.stack(refs))
