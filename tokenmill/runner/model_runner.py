@@ -60,7 +60,7 @@ class ModelRunner:
 
             check_deterministic_supported(loaded.dtype, self.device)
             enable_batch_invariant(self.model)
-        elif self.device.type == "cpu" and cpu_kernels:
+        elif self.device.type == "cpu" and cpu_kernels and self.model is not None:
             from tokenmill.runner.cpu_kernels import enable_cpu_elementwise, enable_cpu_gemm
 
             enable_cpu_gemm(self.model, loaded.dtype)
