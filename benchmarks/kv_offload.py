@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.kv_offload.stats import drive_writes_per_day
 from tokenmill.memory_plan import read_model_shape, run_dtype
 from tokenmill.runner.kv_cache_sizing import kv_bytes_per_token
 
@@ -93,7 +94,9 @@ def run_conversations(llm: LLM, args) -> dict:
         "cached_tokens": cached,
         "preemptions": engine.scheduler.num_preemptions_total,
         "tiers": tiers,
-        "disk_dwpd": store.dwpd() if store is not None else None,
+        # This run's own write rate (the server gauge averages over at least an hour).
+        "disk_dwpd": None if store is None or store.disk is None else drive_writes_per_day(
+            store.disk.stats.bytes_written, duration, store.drive_bytes, min_window_s=0),
     }
 
 

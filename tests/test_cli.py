@@ -53,3 +53,27 @@ def test_bad_engine_flags_are_named_as_flags(flags, message):
     result = tokenmill("serve", "--port", "1", *flags)  # validated before the model loads or the port binds
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_setting_refused_while_serve_loads_the_model_is_one_line_naming_the_flag(tiny):
+    # Only known once the model is loaded (its max_position_embeddings is the default max_model_len).
+    result = tokenmill("serve", tiny, "--port", "0", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8")
+    assert result.returncode == 2, result.stderr
+    assert "error: --max-num-batched-tokens must be >= --max-model-len when --no-enable-chunked-prefill" in result.stderr
+    assert "--max-model-len defaults to the model's max_position_embeddings" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-cache-memory", "1e6"], "cannot be allocated"),  # more than the machine has
+    (["--kv-cache-memory", "1e-9"], "holds no KV block"),
+])
+def test_kv_pool_that_cannot_exist_is_a_clear_error(tiny, flags, message):
+    result = tokenmill("generate", "hi", "--model", tiny, "--max-tokens", "1", *flags)
+    assert result.returncode == 2
+    assert message in result.stderr and "--kv-cache-memory" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_port_out_of_range_is_refused():
+    result = tokenmill("serve", "--port", "70000")
+    assert result.returncode == 2 and "must be in [0, 65535]" in result.stderr

@@ -144,4 +144,4 @@ def test_cli_json_and_text(tiny_llama, capsys):
     assert f"tokenmill serve {tiny_llama} --dtype float32" in text and "--num-kv-blocks" in text
     assert "note: tokenmill serve stores KV in the model dtype" in text
     assert main(["plan", tiny_llama, "--memory", "0.1"]) == 2  # ValueError -> exit code 2, message on stderr
-    assert "error: memory" in capsys.readouterr().err
+    assert "error: --memory 0.1 GiB x --memory-utilization 0.9 leaves no room" in capsys.readouterr().err

@@ -5,6 +5,7 @@ Derived values are properties, never written back after construction.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 
@@ -15,30 +16,54 @@ _FLAG_SPELLING = {
     "enable_prefix_caching": "--no-enable-prefix-caching",
     "enable_chunked_prefill": "--no-enable-chunked-prefill",
 }
-# Keyword spellings for settings that are named in messages by the value that causes the problem.
-_KEYWORD_SPELLING = {
-    "enable_prefix_caching": "enable_prefix_caching=False",
-    "enable_chunked_prefill": "enable_chunked_prefill=False",
-}
 
 
 class ConfigError(ValueError):
     """An engine setting out of range, or inconsistent with another setting.
 
     The message names settings between backticks (`kv_offload_memory`), by their ``LLM(...)``
-    keyword. ``str(error)`` spells them as those keywords; ``for_cli()`` spells them as the
+    keyword; `!name` names a switch turned off (``name=False``, on the command line its ``--no-``
+    flag). ``str(error)`` spells them as those keywords; ``for_cli()`` spells them as the
     command-line flags (``--kv-offload-memory``), so each interface names what its user typed.
     """
 
-    _NAME = re.compile(r"`(\w+)`")
+    _NAME = re.compile(r"`(!?)(\w+)`")
 
     def __init__(self, template: str) -> None:
         self.template = template
-        super().__init__(self._NAME.sub(lambda m: _KEYWORD_SPELLING.get(m[1], m[1]), template))
+        super().__init__(self._NAME.sub(lambda m: m[2] + ("=False" if m[1] else ""), template))
 
     def for_cli(self) -> str:
         """The message with each setting spelled as its command-line flag."""
-        return self._NAME.sub(lambda m: _FLAG_SPELLING.get(m[1], "--" + m[1].replace("_", "-")), self.template)
+        return self._NAME.sub(lambda m: _FLAG_SPELLING.get(m[2], "--" + m[2].replace("_", "-")), self.template)
+
+
+def check_int(name: str, value: object, minimum: int = 1, maximum: int | None = None, optional: bool = False) -> None:
+    """Raise ConfigError unless ``value`` is an integer (not a bool) in [minimum, maximum] (or None if optional)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"`{name}` must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"`{name}` must be {bound}, got {value}")
+
+
+def check_number(name: str, value: object, minimum: float, inclusive: bool, optional: bool = False) -> None:
+    """Raise ConfigError unless ``value`` is a finite real number (not a bool) above ``minimum``
+    (or equal to it when ``inclusive``), or None if optional."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"`{name}` must be a number, got {value!r}")
+    if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+        raise ConfigError(f"`{name}` must be a finite number {'>=' if inclusive else '>'} {minimum}, got {value}")
+
+
+def check_bool(name: str, value: object) -> None:
+    """Raise ConfigError unless ``value`` is True or False."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"`{name}` must be True or False, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -84,30 +109,26 @@ class CacheConfig:
         return self.kv_offload_memory_gib > 0 or self.kv_offload_disk_path is not None
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ConfigError(f"`block_size` must be >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ConfigError(f"`num_kv_blocks` must be >= 1, got {self.num_kv_blocks}")
-        if not 0 < self.kv_cache_memory_gib < math.inf:
-            raise ConfigError(f"`kv_cache_memory` must be a finite number > 0 GiB, got {self.kv_cache_memory_gib}")
-        if not 0 <= self.kv_offload_memory_gib < math.inf:
-            raise ConfigError(
-                f"`kv_offload_memory` must be a finite number >= 0 GiB, got {self.kv_offload_memory_gib}"
-            )
+        check_int("block_size", self.block_size)
+        check_int("num_kv_blocks", self.num_kv_blocks, optional=True)
+        check_number("kv_cache_memory", self.kv_cache_memory_gib, 0, inclusive=False)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_number("kv_offload_memory", self.kv_offload_memory_gib, 0, inclusive=True)
+        if self.kv_offload_disk_path is not None and not isinstance(self.kv_offload_disk_path, str):
+            raise ConfigError(f"`kv_offload_disk_path` must be a path, got {self.kv_offload_disk_path!r}")
         if self.kv_offload_disk_path is not None and not self.kv_offload_disk_path:
             raise ConfigError("`kv_offload_disk_path` must not be empty")
         for name, value in (("kv_offload_disk_size", self.kv_offload_disk_size_gib),
                             ("kv_offload_disk_drive_size", self.kv_offload_disk_drive_size_gib)):
             if value is None:
                 continue
-            if not 0 < value < math.inf:
-                raise ConfigError(f"`{name}` must be a finite number > 0 GiB, got {value}")
+            check_number(name, value, 0, inclusive=False)
             if self.kv_offload_disk_path is None:
                 raise ConfigError(f"`{name}` sizes the disk KV tier, which is off: give `kv_offload_disk_path` too")
         if self.kv_offload_enabled and not self.enable_prefix_caching:
             raise ConfigError(
                 "the KV offload tiers (`kv_offload_memory`, `kv_offload_disk_path`) are keyed by block hash and "
-                "need prefix caching, which `enable_prefix_caching` turns off"
+                "need prefix caching, which `!enable_prefix_caching` turns off"
             )
 
 
@@ -129,16 +150,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"`{name}` must be >= 1, got {getattr(self, name)}")
+        check_int("max_num_seqs", self.max_num_seqs)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_int("max_model_len", self.max_model_len, optional=True)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
             and self.max_num_batched_tokens < self.max_model_len
         ):
             raise ConfigError(
-                "`max_num_batched_tokens` must be >= `max_model_len` when `enable_chunked_prefill` turns "
+                "`max_num_batched_tokens` must be >= `max_model_len` when `!enable_chunked_prefill` turns "
                 f"chunked prefill off ({self.max_num_batched_tokens} < {self.max_model_len})"
             )
 
@@ -168,12 +190,16 @@ class EngineConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("deterministic", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+        check_bool("deterministic", self.deterministic)
+        check_bool("enforce_eager", self.enforce_eager)
+        check_int("seed", self.seed, minimum=0, maximum=2**63 - 1)
+        check_int("num_threads", self.num_threads, optional=True)
+        if not isinstance(self.device, str):
+            raise ConfigError(f"`device` must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device not in ("auto", "cpu", "cuda") and not (
             self.device.startswith("cuda:") and self.device[5:].isdigit()
         ):
             raise ConfigError(f"`device` must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, inclusive=False)
+        if self.gpu_memory_utilization > 1:
             raise ConfigError(f"`gpu_memory_utilization` must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -25,6 +25,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.config import ConfigError, check_int, check_number
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
 
 MIB = 1024**2
@@ -153,20 +154,17 @@ class PlanConfig:
     kv_cache_memory: float | None = None
 
     def __post_init__(self) -> None:
-        if self.memory <= 0:
-            raise ValueError(f"memory must be > 0 GiB, got {self.memory}")
-        if not 0 < self.memory_utilization <= 1:
-            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        check_number("memory", self.memory, 0, inclusive=False)
+        check_number("memory_utilization", self.memory_utilization, 0, inclusive=False)
+        if self.memory_utilization > 1:
+            raise ConfigError(f"`memory_utilization` must be in (0, 1], got {self.memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of 'auto', 'float32', 'bfloat16'; got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}; got {self.kv_cache_dtype!r}")
         for name in ("max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+            check_int(name, getattr(self, name), optional=name == "max_model_len")
+        check_number("kv_cache_memory", self.kv_cache_memory, 0, inclusive=False, optional=True)
 
 
 @dataclass(frozen=True)
@@ -267,17 +265,14 @@ def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
     usable = int(config.memory * config.memory_utilization * GIB)
     per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, DTYPE_BYTES[kv_dtype])
     if config.kv_cache_memory is not None:
-        budget, field = int(config.kv_cache_memory * GIB), "kv_cache_memory"
+        budget = int(config.kv_cache_memory * GIB)
     else:
-        budget, field = usable - weights - RUNTIME_OVERHEAD_BYTES - activations, "memory"
+        budget = usable - weights - RUNTIME_OVERHEAD_BYTES - activations
         if budget < config.block_size * per_token:
             need = (weights + RUNTIME_OVERHEAD_BYTES + activations + config.block_size * per_token) / GIB
-            raise ValueError(f"{field}: {config.memory} GiB x {config.memory_utilization} leaves no room for one KV "
-                             f"block; weights + reserve + one block need {need:.3f} GiB")
-    try:
-        blocks = num_blocks_for_budget(budget, config.block_size, per_token)
-    except ValueError as exc:
-        raise ValueError(f"{field}: {exc}") from None
+            raise ConfigError(f"`memory` {config.memory} GiB x `memory_utilization` {config.memory_utilization} "
+                              f"leaves no room for one KV block; weights + reserve + one block need {need:.3f} GiB")
+    blocks = num_blocks_for_budget(budget, config.block_size, per_token)  # "memory" left room for one above
     return MemoryPlan(
         model=shape, config=config, dtype=dtype, kv_cache_dtype=kv_dtype, max_model_len=max_model_len,
         weight_bytes=weights, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES, activation_bytes=activations,

@@ -7,16 +7,38 @@ from pathlib import Path
 from tokenmill.cli.main import add_engine_args, engine_kwargs
 
 
+def port_number(text: str) -> int:
+    """argparse type for --port: an integer in [0, 65535] (0: any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """argparse type for a duration: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
 def register(subparsers) -> None:
     """Add the ``serve`` subcommand (all engine flags plus the server's own)."""
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients use (default: the model path, or the embedded model's name)")
-    parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
+    parser.add_argument("--timeout-graceful-shutdown", type=seconds, default=30.0,
                         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     parser.set_defaults(func=cmd_serve)
 

@@ -48,7 +48,15 @@ class LLMEngine:
         max_model_len = config.scheduler.max_model_len or model_max
         if max_model_len > model_max:
             raise ConfigError(f"`max_model_len` {max_model_len} exceeds the model's max_position_embeddings {model_max}")
-        self.scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
+        try:
+            self.scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
+        except ConfigError as exc:
+            if config.scheduler.max_model_len is not None:
+                raise
+            raise ConfigError(
+                f"{exc.template}; `max_model_len` defaults to the model's max_position_embeddings ({model_max}): "
+                "lower it or raise `max_num_batched_tokens`"
+            ) from None
         self.config = replace(config, scheduler=self.scheduler_config)
         if self.device.type == "cpu":
             self.runner = ModelRunner(

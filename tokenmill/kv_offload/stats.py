@@ -29,13 +29,17 @@ class TierStats:
         return asdict(self)
 
 
-def drive_writes_per_day(bytes_written: int, elapsed_s: float, drive_bytes: int) -> float:
+def drive_writes_per_day(
+    bytes_written: int, elapsed_s: float, drive_bytes: int, min_window_s: float = MIN_RATE_WINDOW_S
+) -> float:
     """Drive writes per day at the average rate since start: bytes per day ÷ drive size.
 
-    The rate is ``bytes_written`` over ``max(elapsed_s, MIN_RATE_WINDOW_S)`` seconds: during the first
-    hour it is a lower bound that grows to the true average, instead of a startup burst extrapolated
-    to a day. A drive rated for N DWPD over its warranty wears out on schedule when this stays ≤ N.
+    The rate is ``bytes_written`` over ``max(elapsed_s, min_window_s)`` seconds: by default, during
+    the first hour it is a lower bound that grows to the true average, instead of a startup burst
+    extrapolated to a day (a benchmark of a fixed workload passes ``min_window_s=0`` for its rate). A drive rated for N DWPD over its warranty wears out on schedule when this stays ≤ N.
     """
     if drive_bytes <= 0:
         return 0.0
-    return bytes_written / max(elapsed_s, MIN_RATE_WINDOW_S) * SECONDS_PER_DAY / drive_bytes
+    if elapsed_s <= 0 and min_window_s <= 0:
+        return 0.0
+    return bytes_written / max(elapsed_s, min_window_s) * SECONDS_PER_DAY / drive_bytes

@@ -19,7 +19,9 @@ from collections import OrderedDict
 
 import torch
 
+from tokenmill.config import ConfigError
 from tokenmill.kv_cache.offload_planner import DISK_TIER, RAM_TIER
+from tokenmill.kv_offload.disk_format import HEADER_SIZE
 from tokenmill.kv_offload.disk_tier import DiskTier
 from tokenmill.kv_offload.ram_tier import RamTier
 from tokenmill.kv_offload.stats import drive_writes_per_day
@@ -252,8 +254,13 @@ def build_kv_store(cache, kv_cache: torch.Tensor, loaded, max_model_len: int) ->
     block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * kv_cache.element_size()
     ram_blocks = int(cache.kv_offload_memory_gib * GIB) // block_bytes
     if cache.kv_offload_memory_gib > 0 and ram_blocks < 1:
-        raise ValueError(
-            f"kv_offload_memory of {cache.kv_offload_memory_gib} GiB holds no KV block of {block_bytes} bytes"
+        raise ConfigError(
+            f"`kv_offload_memory` of {cache.kv_offload_memory_gib} GiB holds no KV block of {block_bytes} bytes"
+        )
+    if cache.kv_offload_disk_path and int(cache.disk_tier_size_gib * GIB) < HEADER_SIZE + block_bytes:
+        raise ConfigError(
+            f"`kv_offload_disk_size` of {cache.disk_tier_size_gib} GiB holds no KV block of "
+            f"{HEADER_SIZE + block_bytes} bytes (with its record header)"
         )
     disk = None
     if cache.kv_offload_disk_path:

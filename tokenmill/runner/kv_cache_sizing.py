@@ -1,6 +1,8 @@
 """KV-cache sizing arithmetic shared by the model runner and `tokenmill plan`. Pure Python."""
 from __future__ import annotations
 
+from tokenmill.config import ConfigError
+
 GIB = 1024**3
 
 
@@ -10,11 +12,17 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
 
 
 def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
-    """How many whole KV blocks fit in ``budget_bytes``. Raises ValueError if not even one does."""
+    """How many whole KV blocks fit in ``budget_bytes``.
+
+    Raises:
+        ConfigError: not even one block fits (naming ``kv_cache_memory`` and ``block_size``).
+    """
     bytes_per_block = block_size * bytes_per_token
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory of {budget_bytes / GIB:.4f} GiB holds no block of {bytes_per_block} bytes; raise it"
+        raise ConfigError(
+            f"`kv_cache_memory` of {budget_bytes / GIB:.3g} GiB holds no KV block of {bytes_per_block} bytes "
+            f"(`block_size` {block_size} x {bytes_per_token} bytes per token): raise `kv_cache_memory` or "
+            "lower `block_size`"
         )
     return int(num_blocks)

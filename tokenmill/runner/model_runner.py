@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention import build_attention_metadata
+from tokenmill.config import ConfigError
 from tokenmill.outputs import Logprob, PositionLogprobs
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
 from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
@@ -75,10 +76,16 @@ class ModelRunner:
             num_kv_blocks = num_blocks_for_budget(int(kv_cache_memory_gib * GIB), block_size, self.bytes_per_token)
         self.num_kv_blocks = num_kv_blocks
         # (layers, 2, num_blocks + padding blocks, block_size, kv_heads, head_dim)
-        self.kv_cache = torch.zeros(
-            loaded.num_layers, 2, num_kv_blocks + num_padding_blocks, block_size, loaded.num_kv_heads,
-            loaded.head_dim, dtype=self.kv_dtype, device=self.device,
-        )
+        shape = (loaded.num_layers, 2, num_kv_blocks + num_padding_blocks, block_size, loaded.num_kv_heads,
+                 loaded.head_dim)
+        try:
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        except (RuntimeError, MemoryError) as exc:  # the allocator refused: the budget is larger than memory
+            pool_gib = num_kv_blocks * block_size * self.bytes_per_token / GIB
+            raise ConfigError(
+                f"the KV pool of {num_kv_blocks} blocks ({pool_gib:.3g} GiB) cannot be allocated "
+                f"({str(exc).splitlines()[0][:120]}); lower `kv_cache_memory` or `num_kv_blocks`"
+            ) from None
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(loaded.num_layers)]
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.3f GiB, %d bytes/token, %s)",

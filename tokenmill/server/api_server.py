@@ -9,6 +9,7 @@ import asyncio
 import hmac
 import logging
 import signal
+import sys
 from contextlib import asynccontextmanager
 from typing import Callable
 
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tokenmill
+from tokenmill.config import ConfigError
 from tokenmill.server.async_engine import EngineDeadError
 from tokenmill.server.errors import APIError, error_response, install_error_handlers
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -166,7 +168,8 @@ def _ignore_signal(signum: int, frame) -> None:
 
 
 def run_server(config: ServerConfig) -> int:
-    """Serve until SIGINT/SIGTERM; returns the process exit code (1 if the model failed to load)."""
+    """Serve until SIGINT/SIGTERM; returns the process exit code: 0, 2 if a setting was refused while
+    the model loaded (printed as one ``error:`` line naming the flag), 1 for any other load failure."""
     load_failures: list[BaseException] = []
 
     def on_load_failure(exc: BaseException) -> None:
@@ -184,4 +187,8 @@ def run_server(config: ServerConfig) -> int:
         signal.signal(signum, _ignore_signal)
     logger.info("serving %r on http://%s:%d", config.served_model_name, config.host, config.port)
     server.run()
+    if load_failures and isinstance(load_failures[0], ValueError):
+        exc = load_failures[0]
+        print(f"error: {exc.for_cli() if isinstance(exc, ConfigError) else exc}", file=sys.stderr)
+        return 2
     return 1 if load_failures else 0

@@ -208,7 +208,10 @@ class AsyncEngine:
         try:
             self.llm = LLM(**self._engine_kwargs)
         except BaseException as exc:  # noqa: BLE001 - reported through /health and on_load_failure
-            logger.exception("engine failed to load")
+            if isinstance(exc, ValueError):  # a bad setting: the message says which; no traceback
+                logger.error("engine failed to load: %s", exc)
+            else:
+                logger.exception("engine failed to load")
             self.error = exc
             self._fail_pending(EngineDeadError(f"engine failed to load: {exc}"))
             self._load_ended.set()
