@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.datasets import sample_sharegpt
+from tokenmill.bench.offline import generate_sampled
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import Linear
@@ -54,17 +55,6 @@ def batch1_decode(llm: LLM) -> float:
     t2 = time.perf_counter()
     # Same prompt, so the prefix cache serves it in both calls: the difference is 127 decode steps.
     return 127 / ((t2 - t1) - (t1 - t0))
-
-
-def sharegpt_run(llm: LLM, requests) -> dict:
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0, max_tokens=r.expected_output_len, ignore_eos=True) for r in requests]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    wall = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"output_tokens": out_tokens, "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
-            "wall_s": wall, "output_tok_s": out_tokens / wall}
 
 
 def main() -> None:
@@ -99,7 +89,7 @@ def main() -> None:
             # A fresh engine per run: no prefix-cache hits carried from the previous run.
             run_llm = LLM(dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=concurrency)
             set_kernels(run_llm, mode == "on", {})
-            row = sharegpt_run(run_llm, requests)
+            row = generate_sampled(run_llm, requests)
             if runs[mode] is None or row["output_tok_s"] > runs[mode]["output_tok_s"]:
                 runs[mode] = row
             del run_llm

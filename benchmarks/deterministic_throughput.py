@@ -16,8 +16,9 @@ import json
 import time
 from dataclasses import replace
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 from tokenmill.bench.datasets import sample_sharegpt
+from tokenmill.bench.offline import generate_sampled
 
 
 def run(mode_deterministic: bool, concurrency: int, requests, args) -> dict:
@@ -28,21 +29,13 @@ def run(mode_deterministic: bool, concurrency: int, requests, args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
     )
     load_s = time.perf_counter() - t0
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0, max_tokens=r.expected_output_len, ignore_eos=True) for r in requests]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    wall = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    run = generate_sampled(llm, requests)
     return {
         "mode": "deterministic" if mode_deterministic else "default",
         "concurrency": concurrency,
         "num_requests": len(requests),
-        "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
-        "output_tokens": out_tokens,
-        "wall_s": wall,
         "load_s": load_s,
-        "output_tok_s": out_tokens / wall,
+        **run,
     }
 
 

@@ -84,3 +84,22 @@ def run_offline(llm: Any, workload: list[Conversation], use_tqdm: bool = True) -
     flat = [r for conv in results for r in conv]
     duration = max(wall, 1e-9)
     return OfflineRun(flat, duration, calculate_metrics(flat, duration))
+
+
+def generate_sampled(llm: Any, requests: list) -> dict[str, float]:
+    """Generate sampled dataset requests (``SampledRequest``s) greedily with ``ignore_eos`` in one
+    ``llm.generate`` call, each to its ``expected_output_len``.
+
+    Returns {"prompt_tokens", "output_tokens", "wall_s" (seconds of the generate call),
+    "output_tok_s"}.
+    """
+    from tokenmill.sampling_params import SamplingParams
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0, max_tokens=r.expected_output_len, ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "output_tokens": out_tokens,
+            "wall_s": wall, "output_tok_s": out_tokens / wall}
