@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention import build_attention_metadata, triton_attention
-from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, ConfigError, SchedulerConfig
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.runner.cuda_graph import DecodeGraphs
 from tokenmill.runner.gpu_memory import GRAPH_MEMORY_RESERVE, kv_cache_budget_bytes, profile_memory
@@ -157,7 +157,7 @@ class CudaModelRunner(ModelRunner):
                                              loaded.dtype.itemsize)
         num_blocks = num_blocks_for_budget(budget, block_size, bytes_per_token) - 1  # minus the padding block
         if num_blocks < 1:
-            raise ValueError(f"gpu_memory_utilization={utilization} leaves no KV block after the padding block")
+            raise ConfigError(f"`gpu_memory_utilization` {utilization} leaves no KV block after the padding block")
         logger.info(
             "GPU memory: %.2f GiB total x %.2f; weights %.2f GiB, peak with activations %.2f GiB, outside torch "
             "%.2f GiB, graph reserve %.2f GiB -> KV cache %.2f GiB", profile.total / GIB, utilization,

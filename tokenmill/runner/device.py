@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.config import ConfigError
+
 
 def resolve_device(device: str) -> torch.device:
     """Map the ``device`` setting to a torch device; "auto" picks CUDA when one is available.
@@ -10,19 +12,21 @@ def resolve_device(device: str) -> torch.device:
     A CUDA device always comes back with its index (plain "cuda" means the current device).
 
     Raises:
-        ValueError: "cuda" (or "cuda:N") asked for on a machine without a usable CUDA device.
+        ConfigError: "cuda" (or "cuda:N") asked for on a machine without a usable CUDA device.
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved = torch.device(device)
     except RuntimeError:
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+        raise ConfigError(f"`device` must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+            raise ConfigError(f"`device` {device!r} asked for, but torch sees no CUDA device")
         if resolved.index is None:
             return torch.device("cuda", torch.cuda.current_device())
         if resolved.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA devices exist")
+            raise ConfigError(
+                f"`device` {device!r} asked for, but only {torch.cuda.device_count()} CUDA devices exist"
+            )
     return resolved

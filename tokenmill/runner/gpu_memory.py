@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.config import ConfigError
 from tokenmill.runner.kv_cache_sizing import GIB
 
 # Room kept free for the CUDA graphs' private memory pool (decode activations at the largest
@@ -39,16 +40,16 @@ def kv_cache_budget_bytes(profile: MemoryProfile, utilization: float, reserve: i
     """Bytes for the KV pool: ``utilization * total - peak - non_torch - reserve``.
 
     Raises:
-        ValueError: naming ``gpu_memory_utilization`` when nothing is left for the KV cache.
+        ConfigError: naming ``gpu_memory_utilization`` when nothing is left for the KV cache.
     """
     allowed = int(utilization * profile.total)
     budget = allowed - profile.peak - profile.non_torch - reserve
     if budget <= 0:
-        raise ValueError(
-            f"gpu_memory_utilization={utilization} allows {allowed / GIB:.2f} GiB, but weights + activations "
+        raise ConfigError(
+            f"`gpu_memory_utilization` {utilization} allows {allowed / GIB:.2f} GiB, but weights + activations "
             f"({profile.peak / GIB:.2f} GiB), memory outside torch ({profile.non_torch / GIB:.2f} GiB) and the "
-            f"graph reserve ({reserve / GIB:.2f} GiB) leave nothing for the KV cache; raise gpu_memory_utilization "
-            "or lower max_num_batched_tokens / max_num_seqs"
+            f"graph reserve ({reserve / GIB:.2f} GiB) leave nothing for the KV cache; raise `gpu_memory_utilization` "
+            "or lower `max_num_batched_tokens` / `max_num_seqs`"
         )
     return budget
 
