@@ -34,9 +34,9 @@ def assert_nan_like(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def silu_inputs() -> tuple[torch.Tensor, torch.Tensor]:
-    # No -inf gate: the kernel clamps exp's argument, so silu(-inf) is -inf there but NaN in torch.
-    gate = torch.tensor([NAN, -NAN, INF, 1.0, 0.0, 2.0, NAN, 3.0, -1.5, 0.5] * 2, dtype=torch.bfloat16)
-    up = torch.tensor([1.0, 1.0, 0.0, INF, INF, -INF, -NAN, NAN, 2.0, -INF] * 2, dtype=torch.bfloat16)
+    # silu(-inf) is NaN in torch (-inf / inf); the kernel gives the same below its exp clamp.
+    gate = torch.tensor([NAN, -NAN, INF, 1.0, 0.0, 2.0, NAN, 3.0, -1.5, -INF] * 2, dtype=torch.bfloat16)
+    up = torch.tensor([1.0, 1.0, 0.0, INF, INF, -INF, -NAN, NAN, 2.0, 1.0] * 2, dtype=torch.bfloat16)
     return gate, up
 
 
@@ -61,6 +61,18 @@ def test_silu_and_mul_portable_build_nan(monkeypatch):
     monkeypatch.setattr(sk, "_lib", lib)
     monkeypatch.setattr(sk, "_tried", True)
     check_silu()
+
+
+@pytest.mark.skipif(not sk.available(), reason="SiLU CPU kernel unavailable (no C compiler?)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_matches_torch_for_very_negative_gates(dtype):
+    """Where torch's exp(-g) overflows (g < -88.7) silu is -0; the kernel's clamped exp must not leave
+    g / 1.6e38 there (which for g = -3e38 would be -2)."""
+    gate = torch.tensor([-3e38, -1e33, -1e10, -100.0, -88.5, -87.5, -50.0, -10.0] * 2, dtype=dtype)
+    up = torch.ones_like(gate)
+    out = sk.bi_silu_and_mul(torch.cat([gate, up]).unsqueeze(0))[0]
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-2, atol=1e-38)
+    assert bool((out[:4] == 0).all())
 
 
 # ---------------------------------------------------------------- batch-invariant linear and RMSNorm

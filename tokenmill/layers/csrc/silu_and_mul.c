@@ -23,12 +23,15 @@
 #define LN2_HI 0.693145751953125f
 #define LN2_LO 1.42860682030941723212e-6f
 #define LOG2E 1.44269504088896341f
+/* Above ln(FLT_MAX) = 88.72 the result overflows to +inf, as torch's exp does (so silu of a gate below
+ * -88.72 is g / inf = -0, and of -inf NaN); the clamp only keeps inf - inf out of the reduction. */
+#define EXP_MAX_ARG 89.0f
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(EXP_MAX_ARG));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
@@ -103,7 +106,7 @@ void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t M, int64_t I, i
 #else /* portable: the same formula one element at a time */
 
 static inline float exp1(float x) {
-    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    x = fminf(fmaxf(x, -87.0f), EXP_MAX_ARG);
     const float n = nearbyintf(x * LOG2E);
     float r = fmaf(-n, LN2_HI, x);
     r = fmaf(-n, LN2_LO, r);
