@@ -49,14 +49,19 @@ def check_int(name: str, value: object, minimum: int = 1, maximum: int | None = 
         raise ConfigError(f"`{name}` must be {bound}, got {value}")
 
 
-def check_number(name: str, value: object, minimum: float, inclusive: bool, optional: bool = False) -> None:
-    """Raise ConfigError unless ``value`` is a finite real number (not a bool) above ``minimum``
-    (or equal to it when ``inclusive``), or None if optional."""
+def check_number(
+    name: str, value: object, minimum: float, inclusive: bool, maximum: float | None = None, optional: bool = False
+) -> None:
+    """Raise ConfigError unless ``value`` is a finite real number (not a bool) above ``minimum`` (or
+    equal to it when ``inclusive``) and at most ``maximum``, or None if optional."""
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"`{name}` must be a number, got {value!r}")
-    if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+    if (not math.isfinite(value) or value < minimum or (value == minimum and not inclusive)
+            or (maximum is not None and value > maximum)):
+        if maximum is not None:
+            raise ConfigError(f"`{name}` must be in {'[' if inclusive else '('}{minimum}, {maximum}], got {value}")
         raise ConfigError(f"`{name}` must be a finite number {'>=' if inclusive else '>'} {minimum}, got {value}")
 
 
@@ -200,6 +205,4 @@ class EngineConfig:
             self.device.startswith("cuda:") and self.device[5:].isdigit()
         ):
             raise ConfigError(f"`device` must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, inclusive=False)
-        if self.gpu_memory_utilization > 1:
-            raise ConfigError(f"`gpu_memory_utilization` must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, inclusive=False, maximum=1)

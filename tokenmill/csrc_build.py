@@ -7,6 +7,7 @@ torch when this returns None.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -38,6 +39,7 @@ def kernel_cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+@functools.cache
 def _machine_key(compiler: str | None) -> bytes:
     """The compiler and this CPU's feature flags: ``-march=native`` builds differ between machines, so a
     cache directory shared by two machines must not hand one machine's library to the other."""
@@ -80,8 +82,9 @@ def load_c_library(
     The shared headers in tokenmill/csrc (e.g. bf16.h) are always on the include path: ``-I`` for that
     directory is added to the command line whatever ``flags`` the caller passes. The library is cached
     as ``<cache dir>/<stem>-<hash>.so``, the hash covering the source bytes, the bytes of every ``*.h``
-    in tokenmill/csrc (sorted by name), ``flags``, the compiler and this CPU's feature flags, and is written by an atomic rename, so concurrent
-    builders never load a partial file and an edited source or shared header is rebuilt.
+    in tokenmill/csrc (sorted by name), ``flags``, the compiler and this CPU's feature flags. It is
+    written by an atomic rename, so concurrent builders never load a partial file, and an edited
+    source or shared header is rebuilt.
     ``setup`` declares argtypes/restype of the exported functions.
 
     Returns None (after logging a warning) when TOKENMILL_DISABLE_CPU_KERNELS=1 (no warning then), when

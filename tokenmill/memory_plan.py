@@ -155,9 +155,7 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         check_number("memory", self.memory, 0, inclusive=False)
-        check_number("memory_utilization", self.memory_utilization, 0, inclusive=False)
-        if self.memory_utilization > 1:
-            raise ConfigError(f"`memory_utilization` must be in (0, 1], got {self.memory_utilization}")
+        check_number("memory_utilization", self.memory_utilization, 0, inclusive=False, maximum=1)
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of 'auto', 'float32', 'bfloat16'; got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -1,9 +1,8 @@
 """LLM: the offline API (`LLM(model).generate(prompts, SamplingParams(...))` and `.chat(messages)`)."""
 from __future__ import annotations
 
-import os
-
 import itertools
+import os
 
 from tqdm import tqdm
 
@@ -187,7 +186,10 @@ def build_engine_config(
             kv_cache_memory_gib=kv_cache_memory,
             enable_prefix_caching=enable_prefix_caching,
             kv_offload_memory_gib=kv_offload_memory,
-            kv_offload_disk_path=os.fspath(kv_offload_disk_path) if isinstance(kv_offload_disk_path, os.PathLike) else kv_offload_disk_path,
+            kv_offload_disk_path=(  # a str or PathLike; anything else is left for CacheConfig to refuse
+                os.fspath(kv_offload_disk_path) if isinstance(kv_offload_disk_path, os.PathLike)
+                else kv_offload_disk_path
+            ),
             kv_offload_disk_size_gib=kv_offload_disk_size,
             kv_offload_disk_drive_size_gib=kv_offload_disk_drive_size,
         ),

@@ -36,7 +36,8 @@ def drive_writes_per_day(
 
     The rate is ``bytes_written`` over ``max(elapsed_s, min_window_s)`` seconds: by default, during
     the first hour it is a lower bound that grows to the true average, instead of a startup burst
-    extrapolated to a day (a benchmark of a fixed workload passes ``min_window_s=0`` for its rate). A drive rated for N DWPD over its warranty wears out on schedule when this stays ≤ N.
+    extrapolated to a day (a benchmark of a fixed workload passes ``min_window_s=0`` for its rate).
+    A drive rated for N DWPD over its warranty wears out on schedule when this stays ≤ N.
     """
     if drive_bytes <= 0:
         return 0.0

@@ -24,7 +24,7 @@ from tokenmill.layers.linear import Linear
 logger = logging.getLogger(__name__)
 
 # Most rows x may have for a Linear to use the C GEMM in default mode, per weight dtype. Measured on
-# SmolLM2-135M shapes with 2 threads (RESULTS.md, "CPU GEMM in default mode"): bfloat16 is at
+# SmolLM2-135M shapes with 2 threads (RESULTS.md, "Default-mode CPU kernels"): bfloat16 is at
 # least as fast as F.linear through M = 512; float32 loses from M = 128 on the MLP shapes.
 CPU_GEMM_MAX_ROWS: dict[torch.dtype, int] = {torch.bfloat16: 256, torch.float32: 32}
 
@@ -58,14 +58,11 @@ def enable_cpu_elementwise(model: nn.Module, dtype: torch.dtype) -> int:
     """
     if dtype not in (torch.float32, torch.bfloat16):
         return 0
-    kinds = []
-    if batch_invariant.available():
-        kinds.append(RMSNorm)
-    if silu_and_mul_kernel.available():
-        kinds.append(SiluAndMul)
+    kinds = tuple(kind for kind, built in ((RMSNorm, batch_invariant.available()),
+                                           (SiluAndMul, silu_and_mul_kernel.available())) if built)
     count = 0
     for module in model.modules():
-        if isinstance(module, tuple(kinds)):
+        if isinstance(module, kinds):
             module.use_cpu_kernel = True
             count += 1
     return count
