@@ -1,17 +1,40 @@
-"""bi_linear and bi_rms_norm: accuracy against float64 / the torch RMSNorm, and bitwise row invariance.
+"""bi_linear and bi_rms_norm: accuracy against float64 / the torch RMSNorm, and bitwise row invariance,
+on every ISA path this CPU can run (the others are skipped, naming the missing CPU flags).
 
 Invariance means: a row's output bits do not change with the batch size, the row's position, the
-contents of the other rows, or the thread count.
+contents of the other rows, or the thread count. Every path but avx512_bf16 computes the C file's
+"canonical order", so those paths must also agree bit for bit with the portable build, which is
+built and checked on every machine.
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
+from tokenmill import csrc_build
 from tokenmill.layers import batch_invariant as bi
 from tokenmill.layers.layernorm import RMSNorm
 
 pytestmark = pytest.mark.skipif(not bi.available(), reason="batch-invariant CPU kernels unavailable (no C compiler?)")
+# x86 paths and NEON; the portable path runs everywhere (TM_PORTABLE: plain C loops).
+CANONICAL_ISAS = ("portable", "avx2", "avx512", "neon")
+
+
+@functools.cache
+def _lib(isa: str):
+    return bi._load(isa)
+
+
+def lib_for(isa: str):
+    """The kernels built for ``isa``, or a skip that names what this CPU lacks."""
+    if not csrc_build.isa_supported(isa):
+        pytest.skip(f"this CPU cannot run the {isa} path (missing: {', '.join(csrc_build.missing_cpu_flags(isa))})")
+    lib = _lib(isa)
+    assert lib is not None, f"the {isa} build failed"
+    assert lib.bi_isa().decode() == isa
+    return lib
 
 DTYPES = [torch.bfloat16, torch.float32]
 MS = [0, 1, 2, 3, 5, 7, 8, 9, 17, 33, 64, 130]
@@ -143,18 +166,51 @@ def test_linear_rejects_bad_inputs():
         bi.bi_linear(x, torch.randn(32, 8).T)
 
 
-@pytest.mark.parametrize("flag,path", [("-mno-avx512f", "portable"), ("-mno-avx512bf16", "avx512")])
-def test_fallback_builds_are_accurate_and_invariant(flag, path):
-    """The C fallbacks for CPUs without AVX-512 or without AVX512_BF16, built here with those switched off."""
-    lib = bi._load((*bi._FLAGS, flag))
-    assert lib is not None and lib.bi_isa().decode() == path
+@pytest.mark.parametrize("isa", csrc_build.ISAS)
+def test_every_isa_build_is_accurate_and_invariant(isa):
+    """Each ISA path's build, forced here whatever path this machine would pick by itself."""
+    lib = lib_for(isa)
     for dtype in DTYPES:
-        x, w, b = random_linear(9, 100, 37, dtype, bias=True)
-        y = bi._linear(lib, x, w, b)
-        check_linear_accuracy(y, x, w, b)
-        check_row_invariance(lambda t: bi._linear(lib, t, w, b), x)
+        for m, k, n in [(9, 100, 37), (5, 33, 19), (3, 576, 20)]:
+            x, w, b = random_linear(m, k, n, dtype, bias=True, seed=k)
+            y = bi._linear(lib, x, w, b)
+            check_linear_accuracy(y, x, w, b)
+            check_row_invariance(lambda t: bi._linear(lib, t, w, b), x)
         g = torch.ones(100, dtype=dtype) * 0.5
+        x = random_linear(9, 100, 1, dtype, bias=False)[0]
         check_row_invariance(lambda t: bi._rms_norm(lib, t, g, 1e-6), x)
+
+
+@pytest.mark.parametrize("isa", CANONICAL_ISAS[1:])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_simd_paths_equal_the_portable_path_bit_for_bit(isa, dtype):
+    """AVX2, AVX-512 (FMA) and NEON compute the canonical order exactly: same bits as plain C, for
+    the linear (rounded and float32 outputs, with and without bias) and for RMSNorm."""
+    lib, portable = lib_for(isa), lib_for("portable")
+    for m, k, n in [(1, 1, 1), (2, 15, 3), (5, 16, 17), (3, 31, 5), (7, 33, 19), (4, 100, 37), (9, 576, 64), (2, 1000, 23)]:
+        for with_bias in (False, True):
+            x, w, b = random_linear(m, k, n, dtype, with_bias, seed=m * k + n)
+            assert_same_bits(bi._linear(lib, x, w, b), bi._linear(portable, x, w, b))
+            assert_same_bits(bi._linear(lib, x, w, b, torch.float32), bi._linear(portable, x, w, b, torch.float32))
+    for h in (1, 15, 16, 17, 576, 1000):
+        x, weight = random_norm(5, h, dtype, seed=h)
+        assert_same_bits(bi._rms_norm(lib, x, weight, 1e-5), bi._rms_norm(portable, x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("isa", csrc_build.ISAS)
+def test_float32_output_is_the_unrounded_sum(isa):
+    """bf16 inputs with out_dtype=float32 (the LM head's logits) give the sums that the bf16 output
+    rounds: rounding them to bf16 reproduces the bf16 result bit for bit."""
+    lib = lib_for(isa)
+    x, w, b = random_linear(6, 576, 300, torch.bfloat16, bias=True, seed=3)
+    y32 = bi._linear(lib, x, w, b, torch.float32)
+    assert y32.dtype == torch.float32
+    assert_same_bits(y32.bfloat16(), bi._linear(lib, x, w, b))
+    check_linear_accuracy(y32, x, w, b)
+    assert bool((y32 != y32.bfloat16().float()).any())  # really unrounded
+    check_row_invariance(lambda t: bi._linear(lib, t, w, b, torch.float32), x)
+    with pytest.raises(ValueError, match="out_dtype"):
+        bi._linear(lib, x, w, b, torch.float16)
 
 
 # ---------------------------------------------------------------- RMSNorm

@@ -15,6 +15,7 @@ DEFAULT_KV_OFFLOAD_DISK_SIZE_GIB = 16.0
 _FLAG_SPELLING = {
     "enable_prefix_caching": "--no-enable-prefix-caching",
     "enable_chunked_prefill": "--no-enable-chunked-prefill",
+    "cpu_kernels": "--no-cpu-kernels",
 }
 
 
@@ -180,6 +181,9 @@ class EngineConfig:
     ``gpu_memory_utilization``: on CUDA, the fraction of device memory for weights, activations
     and the KV pool, which gets what a profiling forward leaves (CPU: ``cache.kv_cache_memory_gib``).
     ``enforce_eager``: on CUDA, run decode steps eagerly instead of replaying CUDA graphs.
+    ``cpu_kernels``: on CPU, run the compiled C kernels where they beat torch on this machine
+    (tokenmill.runner.cpu_kernels); False puts every layer on torch's ops (deterministic mode
+    needs them, so the two together are refused).
     """
 
     model: str | None = None
@@ -193,10 +197,15 @@ class EngineConfig:
     device: str = "auto"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         check_bool("deterministic", self.deterministic)
         check_bool("enforce_eager", self.enforce_eager)
+        check_bool("cpu_kernels", self.cpu_kernels)
+        if self.deterministic and not self.cpu_kernels:
+            raise ConfigError("`deterministic` runs on the batch-invariant C kernels, which `!cpu_kernels` turns off: "
+                              "drop one of the two")
         check_int("seed", self.seed, minimum=0, maximum=2**63 - 1)
         check_int("num_threads", self.num_threads, optional=True)
         if not isinstance(self.device, str):

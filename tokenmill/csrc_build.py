@@ -1,8 +1,13 @@
 """Build a C source file into a shared library on first use and load it with ctypes.
 
-Owns the kernel cache directory and the two environment switches (TOKENMILL_CACHE_DIR,
-TOKENMILL_DISABLE_CPU_KERNELS); knows nothing about what the kernels compute. Callers fall back to
-torch when this returns None.
+Owns the kernel cache directory, the choice of instruction-set path (ISA) the kernels are built for,
+and the environment switches (TOKENMILL_CACHE_DIR, TOKENMILL_DISABLE_CPU_KERNELS, TOKENMILL_CPU_ISA);
+knows nothing about what the kernels compute. Callers fall back to torch when this returns None.
+
+ISA paths: the path is picked from the features this CPU reports (/proc/cpuinfo), never from what
+the build machine's compiler would assume (no ``-march=native``): each path is a fixed set of
+compiler flags, and every C source selects its code with the macros those flags define
+(``__AVX512F__``, ``__AVX2__``/``__FMA__``, ``__ARM_NEON``; ``TM_PORTABLE`` forces plain C loops).
 """
 from __future__ import annotations
 
@@ -21,8 +26,35 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # No -ffast-math here: kernels whose results must not depend on the compiler's choice of summation
-# order use these as they are; a kernel that tolerates reassociation passes its own flags.
-DEFAULT_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# order use these as they are; a kernel that tolerates reassociation passes its own flags. The ISA
+# path's flags (ISA_FLAGS) are appended by load_c_library.
+DEFAULT_FLAGS: tuple[str, ...] = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+# Instruction-set paths, from the most portable to the fastest on each architecture.
+ISAS: tuple[str, ...] = ("portable", "avx2", "avx512", "avx512_bf16", "neon")
+_X86_AVX2 = ("avx2", "fma", "f16c")
+_X86_AVX512 = (*_X86_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+# The /proc/cpuinfo feature flags a path needs, per architecture (platform.machine()).
+ISA_CPU_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx2": _X86_AVX2,
+    "avx512": _X86_AVX512,
+    "avx512_bf16": (*_X86_AVX512, "avx512_bf16"),
+    "neon": ("asimd",),
+}
+_ISA_ARCH = {"avx2": "x86_64", "avx512": "x86_64", "avx512_bf16": "x86_64", "neon": "aarch64"}
+# Compiler flags per path. "portable" defines TM_PORTABLE so the sources skip every SIMD section,
+# even on aarch64 where NEON is part of the base ISA.
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "portable": ("-DTM_PORTABLE",),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    "avx512_bf16": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                    "-mavx512bf16"),
+    "neon": (),
+}
+
+# (kernel stem, ISA path) of every library loaded in this process: what a test run exercised.
+loaded_kernels: set[tuple[str, str]] = set()
 
 # Headers shared by the kernels (bf16.h); on every kernel's include path and in every cache key.
 SHARED_INCLUDE_DIR = Path(__file__).parent / "csrc"
@@ -40,16 +72,71 @@ def kernel_cache_dir() -> Path:
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them ("flags" on x86, "Features" on ARM);
+    empty where the file cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def isa_supported(isa: str) -> bool:
+    """True if this machine can run code built for ``isa`` (one of ISAS).
+
+    Raises:
+        ValueError: ``isa`` is not one of ISAS.
+    """
+    if isa not in ISAS:
+        raise ValueError(f"unknown CPU ISA path {isa!r}; choose one of {', '.join(ISAS)}")
+    if isa == "portable":
+        return True
+    return platform.machine() == _ISA_ARCH[isa] and all(f in cpu_flags() for f in ISA_CPU_FLAGS[isa])
+
+
+def supported_isas() -> tuple[str, ...]:
+    """Every ISA path this CPU can run, most portable first ("portable" is always there)."""
+    return tuple(isa for isa in ISAS if isa_supported(isa))
+
+
+def missing_cpu_flags(isa: str) -> list[str]:
+    """The feature flags ``isa`` needs that this CPU does not report (for skip and error messages)."""
+    if isa == "portable":
+        return []
+    if platform.machine() != _ISA_ARCH[isa]:
+        return [f"an {_ISA_ARCH[isa]} CPU (this is {platform.machine()})"]
+    return [f for f in ISA_CPU_FLAGS[isa] if f not in cpu_flags()]
+
+
+@functools.cache
+def _selected_isa(override: str) -> str:
+    best = supported_isas()[-1]
+    if not override:
+        return best
+    if override not in ISAS or not isa_supported(override):
+        why = "unknown" if override not in ISAS else f"needs {', '.join(missing_cpu_flags(override))}"
+        logger.warning("TOKENMILL_CPU_ISA=%s cannot run here (%s): the %s path is used; choose one of %s",
+                       override, why, best, ", ".join(supported_isas()))
+        return best
+    return override
+
+
+def selected_isa() -> str:
+    """The ISA path kernels are built for: TOKENMILL_CPU_ISA if set and runnable here (a warning and
+    the best path otherwise), else the fastest path this CPU supports."""
+    return _selected_isa(os.environ.get("TOKENMILL_CPU_ISA", "").strip().lower())
+
+
+@functools.cache
 def _machine_key(compiler: str | None) -> bytes:
     """The compiler and this CPU's feature flags: ``-march=native`` builds differ between machines, so a
     cache directory shared by two machines must not hand one machine's library to the other."""
-    cpu_flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return f"{compiler}|{platform.machine()}|{cpu_flags}".encode()
+    return f"{compiler}|{platform.machine()}|{' '.join(sorted(cpu_flags()))}".encode()
 
 
 def _compile(compiler: str, source: Path, target: Path, stem: str, flags: Sequence[str]) -> bool:
@@ -76,8 +163,13 @@ def load_c_library(
     stem: str,
     setup: Callable[[ctypes.CDLL], None],
     flags: Sequence[str] = DEFAULT_FLAGS,
+    isa: str | None = None,
 ) -> ctypes.CDLL | None:
-    """Compile ``source`` (if not cached) with ``$CC``/cc/gcc and ``flags``, load it, and run ``setup`` on it.
+    """Compile ``source`` (if not cached) with ``$CC``/cc/gcc, ``flags`` and the ISA path's flags, load
+    it, and run ``setup`` on it.
+
+    ``isa`` is one of ISAS (default: ``selected_isa()``); a path this CPU cannot run returns None
+    (a library built for it would die on an illegal instruction).
 
     The shared headers in tokenmill/csrc (e.g. bf16.h) are always on the include path: ``-I`` for that
     directory is added to the command line whatever ``flags`` the caller passes. The library is cached
@@ -87,11 +179,17 @@ def load_c_library(
     source or shared header is rebuilt.
     ``setup`` declares argtypes/restype of the exported functions.
 
-    Returns None (after logging a warning) when TOKENMILL_DISABLE_CPU_KERNELS=1 (no warning then), when
-    no compiler is found, when the cache directory cannot be written, or when compiling or loading fails.
+    Returns None (after logging a warning) when TOKENMILL_DISABLE_CPU_KERNELS=1 or ``isa`` cannot run
+    here (no warning then), when no compiler is found, when the cache directory cannot be written, or
+    when compiling or loading fails.
+
+    Raises:
+        ValueError: ``isa`` is not one of ISAS.
     """
-    if kernels_disabled():
+    isa = selected_isa() if isa is None else isa
+    if kernels_disabled() or not isa_supported(isa):
         return None
+    flags = (*flags, *ISA_FLAGS[isa])
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     code = source.read_bytes()
     headers = b"".join(h.read_bytes() for h in sorted(SHARED_INCLUDE_DIR.glob("*.h")))
@@ -114,4 +212,5 @@ def load_c_library(
         logger.warning("loading %s failed, torch is used instead: %s", target, exc)
         return None
     setup(lib)
+    loaded_kernels.add((stem, isa))
     return lib

@@ -19,11 +19,14 @@ class Attention(nn.Module):
     forward(q [T, H*D], k [T, KVH*D], v [T, KVH*D], kv_cache, metadata) -> [T, H*D].
     With ``batch_invariant`` set (deterministic mode) every token attends as its own decode query.
     With ``use_triton`` set (by the CUDA runner) K/V writes and attention run in the Triton kernels,
-    which read only the device-side fields of the metadata.
+    which read only the device-side fields of the metadata. ``cpu_decode_kernel`` (on by default; the
+    CPU runner sets it from measurements and ``--no-cpu-kernels``) lets decode queries on CPU run in
+    the compiled paged decode kernel.
     """
 
     batch_invariant = False
     use_triton = False
+    cpu_decode_kernel = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -54,5 +57,5 @@ class Attention(nn.Module):
         if self.batch_invariant:
             out = per_token_paged_attention(q, k_cache, v_cache, metadata, self.scale)
         else:
-            out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+            out = paged_attention(q, k_cache, v_cache, metadata, self.scale, self.cpu_decode_kernel)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -68,23 +68,26 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    use_kernel: bool = True,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over each request's paged context.
 
     query: [T, num_heads, head_dim]; caches as in :func:`write_kv` (already holding this step's K/V).
     Returns [T, num_heads, head_dim]. GQA: num_heads must be a multiple of num_kv_heads.
+    ``use_kernel=False`` keeps decode queries off the compiled CPU kernel (torch reference instead).
     """
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     use_gqa = num_heads != k_cache.shape[-2]
+    fast_decode = use_kernel and use_fast_decode(query, k_cache)
 
-    if not metadata.prefills and use_fast_decode(query, k_cache):  # decode-only step: no gather/scatter
+    if not metadata.prefills and fast_decode:  # decode-only step: no gather/scatter
         return cpu_decode.paged_decode_attention(
             query, k_cache, v_cache, metadata.decode_block_table, metadata.decode_seq_lens, scale
         )
     if metadata.decode_token_idx.numel():
         q = query[metadata.decode_token_idx]  # (Bd, H, D)
-        if use_fast_decode(query, k_cache):
+        if fast_decode:
             o = cpu_decode.paged_decode_attention(
                 q, k_cache, v_cache, metadata.decode_block_table, metadata.decode_seq_lens, scale
             )

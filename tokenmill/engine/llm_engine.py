@@ -61,7 +61,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             self.runner = ModelRunner(
                 self.loaded, config.cache.block_size, config.cache.num_kv_blocks, config.cache.kv_cache_memory_gib,
-                deterministic=config.deterministic,
+                deterministic=config.deterministic, cpu_kernels=config.cpu_kernels,
             )
         else:
             from tokenmill.runner.cuda_runner import CudaModelRunner

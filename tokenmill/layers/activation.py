@@ -14,16 +14,18 @@ class SiluAndMul(nn.Module):
 
     forward(x [T, 2 * intermediate]) -> [T, intermediate]. With ``batch_invariant`` set
     (deterministic mode) it runs in the batch-invariant kernel; with ``use_triton`` (CUDA runner)
-    in one fused Triton kernel; with ``use_cpu_kernel`` (the CPU runner's default mode) in the same C
-    kernel as deterministic mode.
+    in one fused Triton kernel. ``cpu_kernel_table`` (the CPU runner's default mode, from
+    measurements: tokenmill.runner.cpu_kernels) says per row count whether the same C kernel as
+    deterministic mode runs; entry ``min(rows, len - 1)`` is used, empty means torch.
     """
 
     batch_invariant = False
-    use_cpu_kernel = False
+    cpu_kernel_table: tuple[bool, ...] = ()
     use_triton = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant or self.use_cpu_kernel:
+        table = self.cpu_kernel_table
+        if self.batch_invariant or (table and x.dim() == 2 and table[min(x.shape[0], len(table) - 1)]):
             return bi_silu_and_mul(x)
         if self.use_triton:
             return triton_silu_and_mul(x)

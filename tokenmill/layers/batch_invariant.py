@@ -22,7 +22,7 @@ _DTYPES = (torch.bfloat16, torch.float32)
 
 def _setup(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name in ("bi_linear_bf16", "bi_linear_f32"):
+    for name in ("bi_linear_bf16", "bi_linear_bf16_f32out", "bi_linear_f32"):
         getattr(lib, name).argtypes = [p, p, p, p, i64, i64, i64, i32]
         getattr(lib, name).restype = None
     for name in ("bi_rms_norm_bf16", "bi_rms_norm_f32"):
@@ -32,8 +32,9 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.bi_isa.restype = ctypes.c_char_p
 
 
-def _load(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
-    return load_c_library(_SOURCE, "batch_invariant", _setup, flags)
+def _load(isa: str | None = None) -> ctypes.CDLL | None:
+    """Build (or reuse) the kernels for ``isa`` (default: csrc_build.selected_isa()); None if unavailable."""
+    return load_c_library(_SOURCE, "batch_invariant", _setup, _FLAGS, isa)
 
 
 @functools.cache
@@ -60,7 +61,8 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """The code path the build uses: "avx512_bf16", "avx512" (bf16 linear on portable loops) or "portable".
+    """The ISA path the build uses: "avx512_bf16", "avx512", "avx2", "neon" or "portable"
+    (``tokenmill.csrc_build``; the build follows ``csrc_build.selected_isa()``).
 
     Raises:
         RuntimeError: the kernels are not available.
@@ -68,26 +70,34 @@ def isa() -> str:
     return _get_lib().bi_isa().decode()
 
 
-def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def bi_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """y = x @ weight.T + bias, with each row of y bitwise independent of the other rows of x.
 
     x: [M, K] (M may be 0; made contiguous if it is not); weight: [N, K], contiguous; bias: [N] or None.
-    All three bfloat16 or all float32, on CPU. Products are accumulated in float32 in a fixed order,
-    the bias is added in float32, and the sum is rounded once to x's dtype (nearest even for bf16).
-    Row m of the result depends only on x[m], weight and bias: not on M, m, the other rows or
-    torch.get_num_threads() (the thread count the kernel uses).
+    All three bfloat16 or all float32, on CPU. Products are accumulated in float32 in a fixed order
+    (the C file's "canonical order"), the bias is added in float32, and the sum is rounded once to
+    ``out_dtype`` (default x's dtype; nearest even for bf16). ``out_dtype=torch.float32`` with
+    bfloat16 inputs keeps the float32 sums unrounded (the LM head's logits). Row m of the result
+    depends only on x[m], weight and bias: not on M, m, the other rows or torch.get_num_threads()
+    (the thread count the kernel uses).
 
-    Returns [M, N] in x's dtype.
+    Returns [M, N] in ``out_dtype``.
 
     Raises:
         ValueError: wrong dimensions, mismatched K or bias size, dtypes that differ or are not
-            bfloat16/float32, a non-CPU tensor, or a non-contiguous weight.
+            bfloat16/float32, an ``out_dtype`` other than x's dtype or float32, a non-CPU tensor, or
+            a non-contiguous weight.
         RuntimeError: the kernels are not available (check ``available()`` first).
     """
-    return _linear(_get_lib(), x, weight, bias)
+    return _linear(_get_lib(), x, weight, bias, out_dtype)
 
 
-def _linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"bi_linear: x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     (M, K), (N, Kw) = x.shape, weight.shape
@@ -105,11 +115,17 @@ def _linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch
         if bias.shape != (N,):
             raise ValueError(f"bi_linear: bias must be [{N}], got {tuple(bias.shape)}")
         bias = bias.contiguous()
+    out_dtype = dtype if out_dtype is None else out_dtype
+    if out_dtype not in (dtype, torch.float32):
+        raise ValueError(f"bi_linear: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
     x = x.contiguous()
-    out = torch.empty((M, N), dtype=dtype)
+    out = torch.empty((M, N), dtype=out_dtype)
     if M == 0 or N == 0:
         return out
-    fn = lib.bi_linear_bf16 if dtype == torch.bfloat16 else lib.bi_linear_f32
+    if dtype == torch.float32:
+        fn = lib.bi_linear_f32
+    else:
+        fn = lib.bi_linear_bf16 if out_dtype == torch.bfloat16 else lib.bi_linear_bf16_f32out
     fn(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
         M, N, K, torch.get_num_threads(),

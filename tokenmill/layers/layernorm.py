@@ -15,13 +15,14 @@ class RMSNorm(nn.Module):
     in float32; the result is cast back to x's dtype *before* the weight multiply (HF order), so
     bf16 outputs match transformers bit for bit. With ``batch_invariant`` set (deterministic mode)
     it runs in the batch-invariant kernel (same formula, fixed reduction order). With ``use_triton``
-    set (CUDA runner) it is one fused Triton kernel (same formula and rounding). With
-    ``use_cpu_kernel`` set (the CPU runner's default mode) it runs in that same C kernel, one pass
-    instead of six torch ops.
+    set (CUDA runner) it is one fused Triton kernel (same formula and rounding). ``cpu_kernel_table``
+    (the CPU runner's default mode, from measurements: tokenmill.runner.cpu_kernels) says per row
+    count whether that same C kernel, one pass instead of six torch ops, runs; entry
+    ``min(rows, len - 1)`` is used, empty means torch.
     """
 
     batch_invariant = False
-    use_cpu_kernel = False
+    cpu_kernel_table: tuple[bool, ...] = ()
     use_triton = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -30,7 +31,9 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant or self.use_cpu_kernel:
+        table = self.cpu_kernel_table
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.batch_invariant or (table and table[min(rows, len(table) - 1)]):
             shape = x.shape
             return bi_rms_norm(x.reshape(-1, shape[-1]), self.weight, self.variance_epsilon).view(shape)
         if self.use_triton:

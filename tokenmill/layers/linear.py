@@ -14,18 +14,24 @@ from torch import nn
 from tokenmill.layers.batch_invariant import bi_linear
 
 
+# Vocabulary rows per float32 chunk when torch computes float32 logits from bf16 weights on CPU.
+_LOGITS_CHUNK = 8192
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). forward(x [T, in_features]) -> [T, out_features].
 
     Parameters are allocated with ``torch.empty``: a model is always filled by ``load_weights``.
     With ``batch_invariant`` set (deterministic mode) the product always runs in the batch-invariant
-    C kernel. With ``cpu_gemm_max_rows`` > 0 (the CPU runner's default mode, see
-    ``tokenmill.runner.cpu_kernels``) it runs there when x has at most that many rows: decode-sized
-    products, where that kernel streams the weights once and beats ``F.linear``.
+    C kernel. ``cpu_gemm_table`` (set by the CPU runner's default mode from measurements, see
+    ``tokenmill.runner.cpu_kernels``) says per row count whether that kernel beats ``F.linear`` on
+    this CPU: entry ``min(rows, len - 1)`` is used; empty means always ``F.linear``.
+    ``forward_float32`` is the LM head's entry point (float32 logits).
     """
 
     batch_invariant = False
-    cpu_gemm_max_rows = 0
+    cpu_gemm_table: tuple[bool, ...] = ()
+    float32_logits_kernel = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -35,9 +41,33 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant or (x.dim() == 2 and x.shape[0] <= self.cpu_gemm_max_rows):
+        table = self.cpu_gemm_table
+        if self.batch_invariant or (table and x.dim() == 2 and table[min(x.shape[0], len(table) - 1)]):
             return bi_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in_features] -> [N, out_features] float32, accumulated in float32 and never rounded to
+        x's dtype (an LM head's logits: bf16 rounding would turn near-ties into exact ties).
+
+        float32 weights run ``forward``. bf16 weights run the C GEMM with float32 output in
+        deterministic mode or when ``float32_logits_kernel`` is set (the CPU runner's default); on
+        CUDA ``torch.mm`` with ``out_dtype=float32``; otherwise torch in float32 over chunks of
+        ``_LOGITS_CHUNK`` weight rows converted on the fly (no float32 copy of the weight is kept).
+        """
+        if self.weight.dtype == torch.float32:
+            return self(x).float()
+        if self.batch_invariant or self.float32_logits_kernel:
+            return bi_linear(x, self.weight, self.bias, out_dtype=torch.float32)
+        if x.is_cuda and self.bias is None:
+            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        x32 = x.float()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        for start in range(0, self.out_features, _LOGITS_CHUNK):
+            rows = slice(start, start + _LOGITS_CHUNK)
+            bias = None if self.bias is None else self.bias[rows].float()
+            out[:, rows] = F.linear(x32, self.weight[rows].float(), bias)
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

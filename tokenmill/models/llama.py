@@ -211,8 +211,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32; call it only on the rows that are sampled."""
-        return self.lm_head(hidden_states).float()
+        """[N, hidden] -> [N, vocab] float32 (never rounded to bf16); call it only on the rows that are sampled."""
+        return self.lm_head.forward_float32(hidden_states)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,21 +1,35 @@
-"""Which compiled CPU kernels the default (non-deterministic) CPU runner uses, and up to which size.
+"""Which compiled CPU kernels the default (non-deterministic) CPU runner uses, decided by measurement.
 
-RMSNorm and SiLU×up run in their C kernels (one pass over the row instead of several torch ops and
-temporaries) at every size.
+The C kernels (GEMM, RMSNorm, SiLU×up, paged decode attention; built for this CPU's ISA path by
+``tokenmill.csrc_build``) are not faster than torch everywhere: on an AVX2 CPU float32 prefill-sized
+GEMMs belong to torch's blocked GEMM, while bf16 GEMMs of any size belong to the C kernel (torch
+has no fast bf16 path there). So at the first start on a machine each kernel is timed against the
+torch op it replaces, on the model's own weights and shapes, at a ladder of row counts
+(``ROW_LADDER``), and the faster one is used per row-count bucket ("never slower than
+``--no-cpu-kernels``"). The result is cached per machine beside the kernel builds
+(``<cache dir>/dispatch/``), keyed by the CPU, ISA path, kernel sources, torch version, dtype,
+thread count and shapes, so later starts only read a small JSON file.
 
-The batch-invariant GEMM (``tokenmill/layers/csrc/batch_invariant.c``) reads each weight matrix once
-per call and runs AVX512-BF16 dot products, so at decode-sized row counts it is 1.5–3.7× faster than
-``F.linear`` on this project's CPUs and never slower up to a few hundred rows in bfloat16
-(``benchmarks/batch_invariant_gemm.py``). Larger products (prompt chunks) stay on ``F.linear``,
-whose blocked GEMM catches up there, and float32 hands over earlier.
+The LM head always runs in the C GEMM when the kernels are on: it is the one kernel that returns
+float32 logits from bfloat16 weights (torch's CPU matmul would round them to bf16).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import csrc_build
+from tokenmill.attention import cpu_decode
+from tokenmill.attention.layer import Attention
 from tokenmill.layers import batch_invariant, silu_and_mul_kernel
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
@@ -23,46 +37,209 @@ from tokenmill.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
 
-# Most rows x may have for a Linear to use the C GEMM in default mode, per weight dtype. Measured on
-# SmolLM2-135M shapes with 2 threads (RESULTS.md, "Default-mode CPU kernels"): bfloat16 is at
-# least as fast as F.linear through M = 512; float32 loses from M = 128 on the MLP shapes.
-CPU_GEMM_MAX_ROWS: dict[torch.dtype, int] = {torch.bfloat16: 256, torch.float32: 32}
+# Row counts at which each kernel is timed against torch; a call with M rows follows the decision
+# of the smallest ladder point >= M (rows above the last point follow the last point).
+ROW_LADDER: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_DECODE_BATCHES = (1, 8, 32)  # paged decode attention: sequences per call, 512 context tokens each
+_DISPATCH_VERSION = 1  # bump when the measurement or the file format changes
 
 
-def enable_cpu_gemm(model: nn.Module, dtype: torch.dtype) -> int:
-    """Route ``model``'s Linear layers with at most ``CPU_GEMM_MAX_ROWS[dtype]`` input rows to the C GEMM.
+@dataclass(frozen=True)
+class KernelPlan:
+    """What the CPU runner runs in C (True) or torch (False), per ROW_LADDER point where it varies.
 
-    Does nothing (returns 0) for other dtypes or when the kernels cannot be built (no C compiler,
-    or TOKENMILL_DISABLE_CPU_KERNELS=1); the layers then keep ``F.linear``.
-
-    Returns the number of Linear layers switched.
+    ``isa``: the ISA path of the builds; ``gemm``/``rms_norm``/``silu_and_mul``: one decision per
+    ROW_LADDER point; ``paged_decode``: decode attention (one decision for all batch sizes: the
+    kernel is chosen only if it wins at each of 1, 8 and 32 sequences); ``logits``: the LM head in
+    the C GEMM with float32 output; ``source``: "measured", "cache" or "off" (``--no-cpu-kernels``,
+    TOKENMILL_DISABLE_CPU_KERNELS=1, no compiler, or a dtype the kernels do not take).
     """
-    max_rows = CPU_GEMM_MAX_ROWS.get(dtype, 0)
-    if max_rows == 0 or not batch_invariant.available():
-        return 0
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.cpu_gemm_max_rows = max_rows
-            count += 1
-    logger.info("CPU GEMM kernel (%s) for %d linear layers at up to %d rows", batch_invariant.isa(), count, max_rows)
-    return count
+
+    isa: str | None
+    gemm: tuple[bool, ...] = ()
+    rms_norm: tuple[bool, ...] = ()
+    silu_and_mul: tuple[bool, ...] = ()
+    paged_decode: bool = False
+    logits: bool = False
+    source: str = "off"
+
+    def describe(self) -> str:
+        """One line for logs and status pages, e.g. "C kernels (avx2 path, measured): GEMM at 1-256 rows, ..."."""
+        if self.isa is None:
+            return "torch ops (C kernels off)"
+        parts = [f"GEMM {_rows_text(self.gemm)}", f"RMSNorm {_rows_text(self.rms_norm)}",
+                 f"SiLU×up {_rows_text(self.silu_and_mul)}",
+                 f"paged decode {'C' if self.paged_decode else 'torch'}",
+                 f"LM head {'C, float32 logits' if self.logits else 'torch'}"]
+        return f"C kernels ({self.isa} path, {self.source}): " + ", ".join(parts)
 
 
-def enable_cpu_elementwise(model: nn.Module, dtype: torch.dtype) -> int:
-    """Run ``model``'s RMSNorm and SiluAndMul layers in their C kernels (float32 or bfloat16).
+def _rows_text(decisions: tuple[bool, ...]) -> str:
+    """"C at 1-16 rows, torch above" style summary of a ladder of decisions."""
+    if not decisions or not any(decisions):
+        return "torch"
+    if all(decisions):
+        return "C"
+    spans, start = [], None
+    for i, use_c in enumerate((*decisions, False)):
+        if use_c and start is None:
+            start = i
+        elif not use_c and start is not None:
+            lo = 1 if start == 0 else ROW_LADDER[start - 1] + 1
+            spans.append(f"{lo}-{ROW_LADDER[i - 1]}")
+            start = None
+    return f"C at {', '.join(spans)} rows, torch otherwise"
 
-    Does nothing (returns 0) for other dtypes or when a kernel cannot be built.
 
-    Returns the number of layers switched.
+def row_table(decisions: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Expand ladder decisions to one entry per row count 0..ROW_LADDER[-1]; layers index it with
+    ``min(rows, len(table) - 1)``."""
+    table = []
+    for m in range(ROW_LADDER[-1] + 1):
+        i = next((j for j, point in enumerate(ROW_LADDER) if point >= m), len(ROW_LADDER) - 1)
+        table.append(bool(decisions[i]))
+    return tuple(table)
+
+
+# ---------------------------------------------------------------- measurement
+
+
+def _race(c_fn: Callable[[], object], torch_fn: Callable[[], object], max_reps: int = 5) -> bool:
+    """True if ``c_fn`` is strictly faster than ``torch_fn`` (best of several timed runs each).
+
+    Each runs once untimed (allocation, page faults), then the two alternate so a burst of load hits
+    both; a clear verdict (one at least 25% faster) stops after two timed runs each, a close one gets
+    up to ``max_reps``.
     """
-    if dtype not in (torch.float32, torch.bfloat16):
-        return 0
-    kinds = tuple(kind for kind, built in ((RMSNorm, batch_invariant.available()),
-                                           (SiluAndMul, silu_and_mul_kernel.available())) if built)
-    count = 0
+    c_fn()
+    torch_fn()
+    c = t = float("inf")
+    for rep in range(max_reps):
+        for fn, is_c in ((c_fn, True), (torch_fn, False)):
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            c, t = (min(c, elapsed), t) if is_c else (c, min(t, elapsed))
+        if rep >= 1 and not 0.8 < c / t < 1.25:
+            break
+    return c < t
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) -> dict:
+    """Time every kernel against torch on ``model``'s weights; returns the plan's fields."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head]
+    by_shape = {}
+    for m in linears:
+        by_shape.setdefault(tuple(m.weight.shape), m.weight)
+    gemm = []
+    for rows in ROW_LADDER:
+        xs = {k: torch.randn(rows, k).to(dtype) for _, k in by_shape}
+        # Every distinct shape once: the model's step in miniature.
+        def c_fn(): return [batch_invariant.bi_linear(xs[w.shape[1]], w) for w in by_shape.values()]
+        def t_fn(): return [F.linear(xs[w.shape[1]], w) for w in by_shape.values()]
+        gemm.append(_race(c_fn, t_fn) if by_shape else False)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    rms = []
+    if norms and batch_invariant.available():
+        weight = max(norms, key=lambda m: m.weight.numel()).weight.to(dtype)
+        for rows in ROW_LADDER:
+            x = torch.randn(rows, weight.numel()).to(dtype)
+            rms.append(_race(lambda: batch_invariant.bi_rms_norm(x, weight, 1e-6),
+                             lambda: _torch_rms_norm(x, weight, 1e-6)))
+    silu = []
+    widths = [m.weight.shape[0] for m in linears if getattr(m, "output_sizes", None) and len(m.output_sizes) == 2]
+    if widths and silu_and_mul_kernel.available():
+        for rows in ROW_LADDER:
+            x = torch.randn(rows, max(widths)).to(dtype)
+            silu.append(_race(lambda: silu_and_mul_kernel.bi_silu_and_mul(x),
+                              lambda: F.silu(x[:, : x.shape[1] // 2]) * x[:, x.shape[1] // 2:]))
+    decode = False
+    attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
+    if attn is not None and cpu_decode.available():
+        decode = all(_race_decode(attn, dtype, batch) for batch in _DECODE_BATCHES)
+    return {"gemm": tuple(gemm), "rms_norm": tuple(rms), "silu_and_mul": tuple(silu), "paged_decode": decode}
+
+
+def _race_decode(attn: Attention, dtype: torch.dtype, batch: int, context: int = 512, block_size: int = 16) -> bool:
+    """The C paged decode kernel against the torch reference, ``batch`` sequences of ``context`` keys."""
+    from tokenmill.attention.metadata import build_attention_metadata
+    from tokenmill.attention.torch_paged import reference_decode_attention
+
+    blocks = context // block_size
+    cache = torch.randn(2, batch * blocks, block_size, attn.num_kv_heads, attn.head_dim).to(dtype)
+    q = torch.randn(batch, attn.num_heads, attn.head_dim).to(dtype)
+    table = torch.arange(batch * blocks, dtype=torch.int64).view(batch, blocks)
+    metadata, _ = build_attention_metadata(
+        [1] * batch, [context - 1] * batch, table.numpy(), block_size, per_token=False
+    )
+    return _race(
+        lambda: cpu_decode.paged_decode_attention(q, cache[0], cache[1], metadata.decode_block_table,
+                                                  metadata.decode_seq_lens, attn.scale),
+        lambda: reference_decode_attention(q, cache[0], cache[1], metadata, attn.scale),
+    )
+
+
+def _cache_key(model: nn.Module, dtype: torch.dtype) -> str:
+    shapes = sorted({(type(m).__name__, tuple(p.shape)) for m in model.modules() for p in m.parameters(recurse=False)})
+    sources = b"".join(p.read_bytes() for p in (batch_invariant._SOURCE, silu_and_mul_kernel._SOURCE, cpu_decode._SOURCE))
+    parts = [str(_DISPATCH_VERSION), csrc_build.selected_isa(), torch.__version__, str(dtype),
+             str(torch.get_num_threads()), repr(shapes), hashlib.sha256(sources).hexdigest()]
+    return hashlib.sha256(csrc_build._machine_key(None) + "|".join(parts).encode()).hexdigest()[:24]
+
+
+def plan_cpu_kernels(model: nn.Module, dtype: torch.dtype, enabled: bool = True,
+                     lm_head: nn.Module | None = None) -> KernelPlan:
+    """Decide, by measurement cached per machine, which C kernels ``model`` runs in ``dtype``.
+
+    ``lm_head`` (the model's output projection, if it is a Linear) is left out of the GEMM timing:
+    it always uses the C GEMM for its float32 logits. Returns a plan with ``source="off"`` when
+    ``enabled`` is False, the dtype is not float32/bfloat16, or the kernels cannot be built.
+    """
+    if not enabled or dtype not in (torch.float32, torch.bfloat16) or not batch_invariant.available():
+        return KernelPlan(isa=None)
+    isa = batch_invariant.isa()
+    path = csrc_build.kernel_cache_dir() / "dispatch" / f"{_cache_key(model, dtype)}.json"
+    try:
+        fields = json.loads(path.read_text())
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+        return KernelPlan(**fields, source="cache")
+    except (OSError, ValueError, TypeError):
+        pass
+    t0 = time.perf_counter()
+    logger.info("timing the C kernels against torch on this CPU (%s path; once per machine and model shape)", isa)
+    with torch.inference_mode():
+        fields = {"isa": isa, "logits": lm_head is not None, **_measure(model, dtype, lm_head)}
+    plan = KernelPlan(**fields, source="measured")
+    logger.info("kernel timing took %.1fs: %s", time.perf_counter() - t0, plan.describe())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({k: v for k, v in asdict(plan).items() if k != "source"}))
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.warning("cannot cache the kernel timing under %s (%s); it is repeated at the next start", path, exc)
+    return plan
+
+
+def apply_plan(model: nn.Module, plan: KernelPlan, lm_head: nn.Module | None = None) -> None:
+    """Switch ``model``'s layers to what ``plan`` says (every layer back to torch for an "off" plan)."""
+    gemm = row_table(plan.gemm) if plan.gemm else ()
+    rms = row_table(plan.rms_norm) if plan.rms_norm else ()
+    silu = row_table(plan.silu_and_mul) if plan.silu_and_mul else ()
     for module in model.modules():
-        if isinstance(module, kinds):
-            module.use_cpu_kernel = True
-            count += 1
-    return count
+        if module is lm_head and isinstance(module, Linear):
+            module.cpu_gemm_table = gemm
+            module.float32_logits_kernel = plan.logits
+        elif isinstance(module, Linear):
+            module.cpu_gemm_table = gemm
+        elif isinstance(module, RMSNorm):
+            module.cpu_kernel_table = rms
+        elif isinstance(module, SiluAndMul):
+            module.cpu_kernel_table = silu
+        elif isinstance(module, Attention):
+            module.cpu_decode_kernel = plan.paged_decode

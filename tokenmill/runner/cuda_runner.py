@@ -99,7 +99,7 @@ class CudaModelRunner(ModelRunner):
         # (None on CPU: sized from kv_cache_memory_gib.) The extra block after the pool is the
         # padding block of padded decode rows.
         super().__init__(loaded, block_size, num_kv_blocks, cache.kv_cache_memory_gib, device=device,
-                         num_padding_blocks=1, cpu_kernels=False)
+                         num_padding_blocks=1, use_cpu_kernels=False)
         self.padding_block_id = self.num_kv_blocks
         max_decode = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens, MAX_GRAPH_BATCH_SIZE)
         self.decode_batch_sizes = graph_batch_sizes(max_decode)

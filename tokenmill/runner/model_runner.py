@@ -33,9 +33,15 @@ class ModelRunner:
         device: where the KV tensors and the step's work live (the model must already be there).
         num_padding_blocks: extra KV blocks after the pool that are never handed out (the CUDA
             runner's padding block); ``num_kv_blocks`` excludes them.
-        cpu_kernels: on a CPU device outside deterministic mode, run small linears, RMSNorm and
-            SiLU×up in the compiled C kernels (``tokenmill.runner.cpu_kernels``); the CUDA runner
-            passes False so its Triton paths stay in use even when it runs on CPU in tests.
+        cpu_kernels: on a CPU device outside deterministic mode, run linears, RMSNorm, SiLU×up and
+            decode attention in the compiled C kernels where they beat torch on this CPU (measured:
+            ``tokenmill.runner.cpu_kernels``), and the LM head in the C GEMM (float32 logits);
+            False (``--no-cpu-kernels``) puts every layer on its torch op.
+        use_cpu_kernels: False leaves the layers' kernel settings untouched (the CUDA runner, whose
+            Triton paths must stay in use even when it runs on CPU in tests).
+
+    Attributes:
+        kernel_choice: one line saying which kernels run (for the startup log and status pages).
 
     Raises:
         ValueError: deterministic mode asked for with a dtype or machine it cannot support.
@@ -51,6 +57,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         num_padding_blocks: int = 0,
         cpu_kernels: bool = True,
+        use_cpu_kernels: bool = True,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -61,11 +68,20 @@ class ModelRunner:
 
             check_deterministic_supported(loaded.dtype, self.device)
             enable_batch_invariant(self.model)
-        elif self.device.type == "cpu" and cpu_kernels and self.model is not None:
-            from tokenmill.runner.cpu_kernels import enable_cpu_elementwise, enable_cpu_gemm
+        self.kernel_choice = "deterministic: batch-invariant C kernels" if deterministic else "torch ops"
+        if deterministic:
+            from tokenmill.layers import batch_invariant
 
-            enable_cpu_gemm(self.model, loaded.dtype)
-            enable_cpu_elementwise(self.model, loaded.dtype)
+            self.kernel_choice += f" ({batch_invariant.isa()} path)"
+        elif self.device.type == "cpu" and use_cpu_kernels and self.model is not None:
+            from tokenmill.runner.cpu_kernels import apply_plan, plan_cpu_kernels
+
+            lm_head = getattr(self.model, "lm_head", None)
+            plan = plan_cpu_kernels(self.model, loaded.dtype, enabled=cpu_kernels, lm_head=lm_head)
+            apply_plan(self.model, plan, lm_head)
+            self.kernel_choice = plan.describe()
+        if self.device.type == "cpu":
+            logger.info("CPU kernels: %s", self.kernel_choice)
         self.block_size = block_size
         self.vocab_size = loaded.vocab_size
         self.kv_dtype = loaded.dtype

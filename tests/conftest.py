@@ -1,0 +1,42 @@
+"""Test-session report: which CPU this is, which ISA paths it can run, and which kernel builds ran.
+
+The suite must pass on every CPU of the pool (AVX-512 machines and AVX2-only ones), so the header
+says which kind this run had and the summary lists the (kernel, ISA path) builds the tests loaded.
+"""
+from __future__ import annotations
+
+import platform
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+def pytest_report_header(config) -> list[str]:
+    from tokenmill import csrc_build
+
+    return [
+        f"tokenmill CPU: {_cpu_model()} ({platform.machine()}); ISA paths this CPU runs: "
+        f"{', '.join(csrc_build.supported_isas())}; default path: {csrc_build.selected_isa()}",
+    ]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    from tokenmill import csrc_build
+
+    by_isa: dict[str, list[str]] = {}
+    for stem, isa in sorted(csrc_build.loaded_kernels):
+        by_isa.setdefault(isa, []).append(stem)
+    terminalreporter.write_sep("-", "C kernel ISA paths exercised in this process")
+    terminalreporter.write_line(pytest_report_header(config)[0])
+    for isa in csrc_build.ISAS:
+        if isa in by_isa:
+            terminalreporter.write_line(f"{isa}: {', '.join(by_isa[isa])}")
+        else:
+            reason = "not run by any test" if csrc_build.isa_supported(isa) else (
+                f"skipped, this needs {', '.join(csrc_build.missing_cpu_flags(isa))}")
+            terminalreporter.write_line(f"{isa}: {reason}")
