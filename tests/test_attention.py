@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_cpu_isa_paths import build_for_isa
 from tokenmill.attention import build_attention_metadata, cpu_decode
 from tokenmill.attention.torch_paged import paged_attention, reference_decode_attention, write_kv
+from tokenmill.csrc_build import ISAS
 
 
 def dense_reference(q, k, v, scale):
@@ -43,10 +45,12 @@ def fill_cache(seqs, block_size, num_blocks, kvh, d, dtype, rng):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("heads", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 1, 32), (4, 2, 48)])
-def test_decode_kernel_matches_reference(dtype, block_size, heads):
-    if not cpu_decode.available():
-        pytest.skip("no C compiler for the CPU decode kernel")
+@pytest.mark.parametrize("heads", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 1, 32), (4, 2, 48), (4, 2, 24), (2, 2, 8)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_kernel_matches_reference(isa, dtype, block_size, heads):
+    """Every ISA path's build (this CPU's; others skip naming the CPU flags they need), GQA and not,
+    head_dim on the specialised (64, 128), general SIMD (48, 32, 24, 8) and, for wide vectors, plain C loops."""
+    lib = build_for_isa(cpu_decode._load, isa)
     h, kvh, d = heads
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
@@ -55,7 +59,7 @@ def test_decode_kernel_matches_reference(dtype, block_size, heads):
     max_blocks = max(len(t) for t in tables)
     block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
     q = torch.randn(len(seqs), h, d).to(dtype)
-    out = cpu_decode.paged_decode_attention(q, k_cache, v_cache, block_table, torch.tensor(seqs), d**-0.5)
+    out = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, torch.tensor(seqs), d**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, n in enumerate(seqs):
         ref = dense_reference(q[i : i + 1], keys[i], values[i], d**-0.5)[0]

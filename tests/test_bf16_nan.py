@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.test_cpu_isa_paths import build_for_isa
 from tokenmill.attention import cpu_decode
-from tokenmill.csrc_build import load_c_library
+from tokenmill.csrc_build import ISAS
 from tokenmill.layers import batch_invariant as bi
 from tokenmill.layers import silu_and_mul_kernel as sk
 from tokenmill.layers.layernorm import RMSNorm
@@ -40,37 +41,24 @@ def silu_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return gate, up
 
 
-def check_silu() -> None:
-    gate, up = silu_inputs()  # 20 columns: one full 16-lane step and a masked tail
+@pytest.mark.parametrize("isa", ISAS)
+def test_silu_and_mul_nan(isa):
+    lib = build_for_isa(sk._load, isa)
+    gate, up = silu_inputs()  # 20 columns: a full vector step and a tail on every vector width
     x = torch.stack([torch.cat([gate, up]), torch.cat([gate.flip(0), up.flip(0)])])
     ref = torch.stack([F.silu(gate) * up, F.silu(gate.flip(0)) * up.flip(0)])
-    assert_nan_like(sk.bi_silu_and_mul(x), ref)
+    assert_nan_like(sk._silu_and_mul(lib, x), ref)
 
 
-@pytest.mark.skipif(not sk.available(), reason="SiLU CPU kernel unavailable (no C compiler?)")
-def test_silu_and_mul_nan():
-    check_silu()
-
-
-@pytest.mark.skipif(not sk.available(), reason="SiLU CPU kernel unavailable (no C compiler?)")
-def test_silu_and_mul_portable_build_nan(monkeypatch):
-    """The scalar path (bf16.h's f32_to_bf16), built here with AVX-512 switched off."""
-    lib = load_c_library(sk._SOURCE, "silu_and_mul", sk._setup, (*sk._FLAGS, "-mno-avx512f"))
-    if lib is None:
-        pytest.skip("this compiler cannot build without AVX-512 (not x86?)")
-    monkeypatch.setattr(sk, "_lib", lib)
-    monkeypatch.setattr(sk, "_tried", True)
-    check_silu()
-
-
-@pytest.mark.skipif(not sk.available(), reason="SiLU CPU kernel unavailable (no C compiler?)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_silu_and_mul_matches_torch_for_very_negative_gates(dtype):
+@pytest.mark.parametrize("isa", ISAS)
+def test_silu_and_mul_matches_torch_for_very_negative_gates(isa, dtype):
     """Where torch's exp(-g) overflows (g < -88.7) silu is -0; the kernel's clamped exp must not leave
     g / 1.6e38 there (which for g = -3e38 would be -2)."""
+    lib = build_for_isa(sk._load, isa)
     gate = torch.tensor([-3e38, -1e33, -1e10, -100.0, -88.5, -87.5, -50.0, -10.0] * 2, dtype=dtype)
     up = torch.ones_like(gate)
-    out = sk.bi_silu_and_mul(torch.cat([gate, up]).unsqueeze(0))[0]
+    out = sk._silu_and_mul(lib, torch.cat([gate, up]).unsqueeze(0))[0]
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-2, atol=1e-38)
     assert bool((out[:4] == 0).all())
 
@@ -116,18 +104,19 @@ def test_batch_invariant_nan():
 
 @pytest.mark.skipif(not bi.available(), reason="batch-invariant CPU kernels unavailable (no C compiler?)")
 def test_batch_invariant_portable_build_nan():
-    lib = bi._load((*bi._FLAGS, "-mno-avx512f"))
-    if lib is None:
-        pytest.skip("this compiler cannot build without AVX-512 (not x86?)")
+    """The plain-C build (TM_PORTABLE), which every machine can run."""
+    lib = bi._load("portable")
+    assert lib is not None and lib.bi_isa().decode() == "portable"
     check_batch_invariant(lib)
 
 
 # ---------------------------------------------------------------- paged decode attention
 
 
-@pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler for the CPU decode kernel")
-@pytest.mark.parametrize("d", [64, 24])  # the AVX-512 path (head_dim % 16 == 0) and the portable one
-def test_paged_decode_nan(d):
+@pytest.mark.parametrize("d", [64, 24, 8])  # SIMD on every path / on AVX2 and NEON / on NEON: else plain C
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_decode_nan(isa, d):
+    lib = build_for_isa(cpu_decode._load, isa)
     h, kvh, bs, seqs = 4, 2, 4, [5, 8, 3]
     g = torch.Generator().manual_seed(0)
     nblocks = [-(-n // bs) for n in seqs]
@@ -148,7 +137,7 @@ def test_paged_decode_nan(d):
 
     max_blocks = max(nblocks)
     block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-    out = cpu_decode.paged_decode_attention(q, k_cache, v_cache, block_table, torch.tensor(seqs), d**-0.5)
+    out = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, torch.tensor(seqs), d**-0.5)
 
     refs = []
     for s, n in enumerate(seqs):

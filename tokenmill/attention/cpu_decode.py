@@ -12,11 +12,14 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.csrc_build import load_c_library
+from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-# -ffast-math is fine here: attention does not promise a summation order.
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# Attention does not promise a summation order, so the compiler may reassociate. These are -ffast-math's
+# parts less -ffinite-math-only (NaN and inf must propagate as torch's do); -ffast-math itself would
+# link gcc's crtfastmath.o, whose constructor turns on flush-to-zero for the whole process on load.
+_FLAGS = (*DEFAULT_FLAGS, "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+          "-freciprocal-math")
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -24,11 +27,18 @@ def _setup(lib: ctypes.CDLL) -> None:
     for name in ("paged_decode_f32", "paged_decode_bf16"):
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
+    lib.paged_decode_isa.argtypes = []
+    lib.paged_decode_isa.restype = ctypes.c_char_p
+
+
+def _load(isa: str | None = None) -> ctypes.CDLL | None:
+    """Build (or reuse) the kernel for ``isa`` (default: csrc_build.selected_isa()); None if unavailable."""
+    return load_c_library(_SOURCE, "paged_decode", _setup, _FLAGS, isa)
 
 
 @functools.cache
 def _get_lib() -> ctypes.CDLL | None:
-    return load_c_library(_SOURCE, "paged_decode", _setup, _FLAGS)
+    return _load()
 
 
 def available() -> bool:
@@ -48,10 +58,24 @@ def paged_decode_attention(
 
     query: [B, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
     block_table: [B, max_blocks] int64; seq_lens: [B] int64 (keys per sequence, >= 1).
-    Returns [B, num_heads, head_dim] in query's dtype. dtype float32 or bfloat16, CPU only.
+    Returns [B, num_heads, head_dim] in query's dtype. dtype float32 or bfloat16, CPU only; num_heads a
+    multiple of num_kv_heads. A sequence's output depends only on its own query, keys and values.
     """
     lib = _get_lib()
     assert lib is not None, "CPU decode kernel is not available"
+    return _paged_decode(lib, query, k_cache, v_cache, block_table, seq_lens, scale)
+
+
+def _paged_decode(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """paged_decode_attention on a given build of the kernel (tests compare the ISA paths' builds)."""
     assert query.dtype == k_cache.dtype == v_cache.dtype and query.dtype in (torch.float32, torch.bfloat16)
     query = query.contiguous()
     block_table = block_table.contiguous()
@@ -59,6 +83,7 @@ def paged_decode_attention(
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0
     out = torch.empty_like(query)
     fn = lib.paged_decode_bf16 if query.dtype == torch.bfloat16 else lib.paged_decode_f32
     fn(

@@ -6,14 +6,16 @@ are in the batch (see the C file); this kernel cannot. Built on first use like t
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
 
-from tokenmill.csrc_build import load_c_library
+from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "silu_and_mul.c"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# No FMA contraction: every ISA path computes the same formula in the same order.
+_FLAGS = (*DEFAULT_FLAGS, "-ffp-contract=off")
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -21,18 +23,18 @@ def _setup(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         fn.restype = None
+    lib.silu_and_mul_isa.argtypes = []
+    lib.silu_and_mul_isa.restype = ctypes.c_char_p
 
 
-_lib: ctypes.CDLL | None = None
-_tried = False
+def _load(isa: str | None = None) -> ctypes.CDLL | None:
+    """Build (or reuse) the kernel for ``isa`` (default: csrc_build.selected_isa()); None if unavailable."""
+    return load_c_library(_SOURCE, "silu_and_mul", _setup, _FLAGS, isa)
 
 
+@functools.cache
 def _get_lib() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        _lib = load_c_library(_SOURCE, "silu_and_mul", _setup, flags=_FLAGS)
-    return _lib
+    return _load()
 
 
 def available() -> bool:
@@ -58,6 +60,11 @@ def bi_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     lib = _get_lib()
     if lib is None:
         raise RuntimeError("the batch-invariant SiLU kernel could not be built (is a C compiler installed?)")
+    return _silu_and_mul(lib, x)
+
+
+def _silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """bi_silu_and_mul on a given build of the kernel (tests compare the ISA paths' builds)."""
     x = x.contiguous()
     num_rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_rows, inter, dtype=x.dtype)

@@ -5,10 +5,11 @@
  *   k/v cache  [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_table[num_seqs, max_blocks] (int64), seq_lens[num_seqs] (int64)
  *   out        [num_seqs, num_heads, head_dim]
- * One task per sequence (OpenMP over sequences). The sequence's row offsets are computed once from
- * its block table; each query head then streams the K rows of its kv head (GQA heads re-read the
- * shared rows from cache), softmaxes float32 scores exactly (max-subtracted) and accumulates V in
- * float32 registers. AVX-512 code for head_dim % 16 == 0, portable loops otherwise.
+ * One task per sequence (OpenMP over sequences), so a sequence's output depends only on its own
+ * query, keys and values. The sequence's row offsets are computed once from its block table; scores
+ * are float32, softmaxed exactly (max-subtracted), and V is accumulated in float32.
+ * ISA paths (csrc_build.py picks one): AVX-512 for head_dim % 16 == 0, AVX2+FMA for head_dim % 8 == 0,
+ * NEON for head_dim % 4 == 0 (each at most 256, 64 and 128 specialised), plain C loops otherwise.
  * Built at run time by tokenmill/attention/cpu_decode.py; the torch reference path in
  * torch_paged.py is the specification this must match.
  */
@@ -21,9 +22,51 @@
 
 static inline float f32_id(float x) { return x; }
 
-/* One sequence. qf: [H, D] scaled float query; scores: [H, L] scratch; acc: [H, D] scratch. */
-#if defined(__AVX512F__)
+#define MAX_SIMD_DIM 256
+/* exp(x) for the softmax, x <= 0: Cody-Waite reduction and a degree-6 polynomial (as silu_and_mul.c);
+ * x is clamped to [-87, 88] so 2^n stays a normal float; a NaN propagates. */
+#define EXP_C2 0.5f
+#define EXP_C3 0.16666667f
+#define EXP_C4 0.041666668f
+#define EXP_C5 0.008333334f
+#define EXP_C6 0.0013888889f
+#define LN2_HI 0.693145751953125f
+#define LN2_LO 1.42860682030941723212e-6f
+#define LOG2E 1.44269504088896341f
+
+#if defined(TM_PORTABLE)
+#define ISA_PATH "portable"
+#define LANES 0
+
+#elif defined(__AVX512F__)
 #include <immintrin.h>
+#define ISA_PATH "avx512"
+#define LANES 16
+#define AVX512_SEQ 1
+typedef __m512 vf;
+static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf vf_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vf_hsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vf_hmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline vf vf_exp(vf x) {
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+    const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    vf p = _mm512_set1_ps(EXP_C6);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
 
 static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_bf16(const uint16_t* p) {
@@ -31,7 +74,132 @@ static inline __m512 load16_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-/* Sum each of 8 vectors: returns [sum(a[0]), ..., sum(a[7])] with a hadd tree (no per-vector reduce). */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ISA_PATH "avx2"
+#define LANES 8
+#define CHUNKED_SEQ 1
+typedef __m256 vf;
+typedef __m256i vi;
+static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+/* Clamp with a NaN x kept NaN (maxps/minps return the second operand when either is NaN). */
+static inline vf vf_clamp(vf x, float lo, float hi) {
+    return _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), x));
+}
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }  /* a * b + c */
+static inline vf vf_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); } /* c - a * b */
+static inline vf vf_round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* 2^n for integral n in [-126, 127], from the exponent bits. */
+static inline vf vf_pow2(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline float vf_hsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float vf_hmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+/* [sum(a[0]), ..., sum(a[7])]: a hadd tree, no per-vector reduction. */
+static inline vf vf_reduce(const vf* a) {
+    const vf h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const vf h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const vf h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67); /* per 128-bit half */
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+static inline vf vf_load_bf16(const uint16_t* p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#define ISA_PATH "neon"
+#define LANES 4
+#define CHUNKED_SEQ 1
+typedef float32x4_t vf;
+static inline vf vf_set1(float x) { return vdupq_n_f32(x); }
+static inline vf vf_zero(void) { return vdupq_n_f32(0.0f); }
+static inline vf vf_load(const float* p) { return vld1q_f32(p); }
+static inline void vf_store(float* p, vf v) { vst1q_f32(p, v); }
+static inline vf vf_add(vf a, vf b) { return vaddq_f32(a, b); }
+static inline vf vf_sub(vf a, vf b) { return vsubq_f32(a, b); }
+static inline vf vf_mul(vf a, vf b) { return vmulq_f32(a, b); }
+static inline vf vf_max(vf a, vf b) { return vmaxq_f32(a, b); }
+/* fmax/fmin (not the nm forms) return NaN when either operand is NaN. */
+static inline vf vf_clamp(vf x, float lo, float hi) { return vminq_f32(vmaxq_f32(x, vdupq_n_f32(lo)), vdupq_n_f32(hi)); }
+static inline vf vf_fma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }  /* a * b + c */
+static inline vf vf_fnma(vf a, vf b, vf c) { return vfmsq_f32(c, a, b); } /* c - a * b */
+static inline vf vf_round(vf x) { return vrndnq_f32(x); }
+static inline vf vf_pow2(vf n) {
+    return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23));
+}
+static inline float vf_hsum(vf v) { return vaddvq_f32(v); }
+static inline float vf_hmax(vf v) { return vmaxvq_f32(v); }
+/* [sum(a[0]), ..., sum(a[3])] by pairwise adds. */
+static inline vf vf_reduce(const vf* a) { return vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3])); }
+static inline vf vf_load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+
+#else
+#define ISA_PATH "portable"
+#define LANES 0
+#endif
+
+#if defined(CHUNKED_SEQ) /* AVX2 and NEON spell exp out of the primitives above */
+static inline vf vf_exp(vf x) {
+    x = vf_clamp(x, -87.0f, 88.0f);
+    const vf n = vf_round(vf_mul(x, vf_set1(LOG2E)));
+    vf r = vf_fnma(n, vf_set1(LN2_HI), x);
+    r = vf_fnma(n, vf_set1(LN2_LO), r);
+    vf p = vf_set1(EXP_C6);
+    p = vf_fma(p, r, vf_set1(EXP_C5));
+    p = vf_fma(p, r, vf_set1(EXP_C4));
+    p = vf_fma(p, r, vf_set1(EXP_C3));
+    p = vf_fma(p, r, vf_set1(EXP_C2));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    return vf_mul(p, vf_pow2(n));
+}
+#endif
+
+#if LANES
+/* s[t] = exp(s[t] - max(s)) for t < L; returns 1 / sum. A NaN score makes the whole row NaN, as in torch. */
+static inline float softmax_exp(float* restrict s, int L) {
+    int t = 0;
+    vf mv = vf_set1(-INFINITY);
+    for (; t + LANES <= L; t += LANES) mv = vf_max(mv, vf_load(s + t));
+    float m = vf_hmax(mv);
+    for (; t < L; t++) m = s[t] > m ? s[t] : m;
+    const vf mb = vf_set1(m);
+    vf sv = vf_set1(0.0f);
+    for (t = 0; t + LANES <= L; t += LANES) {
+        const vf e = vf_exp(vf_sub(vf_load(s + t), mb));
+        vf_store(s + t, e);
+        sv = vf_add(sv, e);
+    }
+    float sum = vf_hsum(sv);
+    for (; t < L; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+    return 1.f / sum;
+}
+#endif
+
+/* One sequence. qf: [H, D] scaled float query; rows[t]: element offset of token t's cache row;
+ * scores: [H, L] scratch; acc: [H, D] output (float). */
+#if defined(AVX512_SEQ)
+/* AVX-512 path, head_dim a multiple of 16 (at most 256). Per query head: q (and later the output
+ * accumulator) stays in registers while the sequence's K (then V) rows stream past; rows of the
+ * same kv head are re-read from cache by the G query heads that share them. Scores of 8 tokens
+ * are reduced together. */
 static inline __m256 fold512(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
@@ -45,11 +213,7 @@ static inline __m256 reduce8(const __m512* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
-/* AVX-512 path, head_dim a multiple of 16 (at most 256). Per query head: q (and later the output
- * accumulator) stays in registers while the sequence's K (then V) rows stream past; rows of the
- * same kv head are re-read from cache by the G query heads that share them. Scores of 8 tokens
- * are reduced together. */
-#define DEFINE_SEQ_AVX512(NAME, T, LOAD16)                                                               \
+#define DEFINE_SEQ_FAST(NAME, T, LOAD16)                                                                 \
 static inline __attribute__((always_inline)) void NAME(                                                  \
     const float* restrict qf, const T* restrict k_cache, const T* restrict v_cache,                      \
     const int64_t* restrict rows, int L, float* restrict scores, float* restrict acc,                    \
@@ -74,20 +238,16 @@ static inline __attribute__((always_inline)) void NAME(                         
             _mm256_storeu_ps(sh + t0, reduce8(part));                                                    \
         }                                                                                                \
         for (int t = L8; t < L; t++) {                                                                   \
-            const T* kp = k_cache + rows[t] + head_off;                                              \
+            const T* kp = k_cache + rows[t] + head_off;                                                  \
             __m512 a = _mm512_mul_ps(LOAD16(kp), qv[0]);                                                 \
             for (int j = 1; j < NV; j++) a = _mm512_fmadd_ps(LOAD16(kp + 16 * j), qv[j], a);             \
             sh[t] = _mm512_reduce_add_ps(a);                                                             \
         }                                                                                                \
-        float m = -INFINITY;                                                                             \
-        for (int t = 0; t < L; t++) m = sh[t] > m ? sh[t] : m;                                           \
-        float sum = 0.f;                                                                                 \
-        for (int t = 0; t < L; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }                           \
-        const float inv = 1.f / sum;                                                                     \
+        const float inv = softmax_exp(sh, L);                                                            \
         __m512 o[16];                                                                                    \
         for (int j = 0; j < NV; j++) o[j] = _mm512_setzero_ps();                                         \
         for (int t = 0; t < L; t++) {                                                                    \
-            const T* vp = v_cache + rows[t] + head_off;                                              \
+            const T* vp = v_cache + rows[t] + head_off;                                                  \
             const __m512 p = _mm512_set1_ps(sh[t]);                                                      \
             for (int j = 0; j < NV; j++) o[j] = _mm512_fmadd_ps(p, LOAD16(vp + 16 * j), o[j]);           \
         }                                                                                                \
@@ -95,11 +255,101 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc + h * D + 16 * j, _mm512_mul_ps(o[j], invv));  \
     }                                                                                                    \
 }
-DEFINE_SEQ_AVX512(seq_avx512_f32, float, load16_f32)
-DEFINE_SEQ_AVX512(seq_avx512_bf16, uint16_t, load16_bf16)
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
+DEFINE_SEQ_FAST(seq_fast_f32, float, load16_f32)
+DEFINE_SEQ_FAST(seq_fast_bf16, uint16_t, load16_bf16)
+#endif
+
+#if defined(CHUNKED_SEQ)
+/* A kv head's rows for LANES tokens as float rows: float caches are read in place, bf16 rows are
+ * widened once into buf (so the G query heads sharing them do not convert them again). */
+static inline const float* widen_f32(const float* src, float* buf, int D) { (void)buf; (void)D; return src; }
+static inline const float* widen_bf16(const uint16_t* src, float* buf, int D) {
+    for (int j = 0; j < D; j += LANES) vf_store(buf + j, vf_load_bf16(src + j));
+    return buf;
+}
+
+/* AVX2/NEON path, head_dim a multiple of LANES (at most 256). Scores: LANES keys at a time, every kv
+ * head of them before the next keys (each cache row is streamed once); for each kv head, the query
+ * heads sharing it form LANES partial-sum vectors, reduced together into LANES scores (a short last
+ * chunk repeats its first key and keeps only its real scores). Values: V_CHUNK rows at a time, in the
+ * same order; each query head accumulates them into output tiles of 64 dims held in registers and
+ * saved to acc between chunks. Nothing depends on other sequences or on the thread running this. */
+#define V_CHUNK 16
+/* Paged rows defeat the hardware prefetcher at every block boundary: ask for the rows PREFETCH_AHEAD
+ * tokens ahead (all kv heads: the whole row is read in this pass). */
+#define PREFETCH_AHEAD 32
+#define prefetch_rows(cache, rows, t_first, count, L, row_elems)                                         \
+    do {                                                                                                 \
+        for (int t_ = (t_first); t_ < (t_first) + (count) && t_ < (L); t_++) {                           \
+            const char* r_ = (const char*)((cache) + (rows)[t_]);                                        \
+            for (size_t b_ = 0; b_ < sizeof(*(cache)) * (size_t)(row_elems); b_ += 64)                  \
+                __builtin_prefetch(r_ + b_);                                                             \
+        }                                                                                                \
+    } while (0)
+#define TILE (64 / LANES)
+#define DEFINE_SEQ_FAST(NAME, T, WIDEN)                                                                  \
+static inline __attribute__((always_inline)) void NAME(                                                  \
+    const float* restrict qf, const T* restrict k_cache, const T* restrict v_cache,                      \
+    const int64_t* restrict rows, int L, float* restrict scores, float* restrict acc,                    \
+    const int H, const int KVH, const int D) {                                                           \
+    const int G = H / KVH;                                                                               \
+    float buf[V_CHUNK * MAX_SIMD_DIM];                                                                   \
+    const float* kr[V_CHUNK];                                                                            \
+    for (int t0 = 0; t0 < L; t0 += LANES) {                                                              \
+        const int n = L - t0 < LANES ? L - t0 : LANES;                                                   \
+        prefetch_rows(k_cache, rows, t0 + PREFETCH_AHEAD, LANES, L, KVH * D);                            \
+        for (int kh = 0; kh < KVH; kh++) {                                                               \
+            const int64_t head_off = (int64_t)kh * D;                                                    \
+            for (int i = 0; i < LANES; i++)                                                              \
+                kr[i] = WIDEN(k_cache + rows[t0 + (i < n ? i : 0)] + head_off, buf + i * D, D);          \
+            for (int h = kh * G; h < (kh + 1) * G; h++) {                                                \
+                const float* qh = qf + h * D;                                                            \
+                vf a[LANES];                                                                             \
+                for (int i = 0; i < LANES; i++) a[i] = vf_mul(vf_load(kr[i]), vf_load(qh));              \
+                for (int j = LANES; j < D; j += LANES) {                                                 \
+                    const vf qv = vf_load(qh + j);                                                       \
+                    for (int i = 0; i < LANES; i++) a[i] = vf_fma(vf_load(kr[i] + j), qv, a[i]);         \
+                }                                                                                        \
+                if (n == LANES) {                                                                        \
+                    vf_store(scores + (int64_t)h * L + t0, vf_reduce(a));                                \
+                } else {                                                                                 \
+                    float s[LANES];                                                                      \
+                    vf_store(s, vf_reduce(a));                                                           \
+                    memcpy(scores + (int64_t)h * L + t0, s, sizeof(float) * (size_t)n);                  \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    float inv[H];                                                                                        \
+    for (int h = 0; h < H; h++) inv[h] = softmax_exp(scores + (int64_t)h * L, L);                        \
+    for (int i = 0; i < H * D; i++) acc[i] = 0.f;                                                        \
+    for (int t0 = 0; t0 < L; t0 += V_CHUNK) {                                                            \
+        const int n = L - t0 < V_CHUNK ? L - t0 : V_CHUNK;                                               \
+        prefetch_rows(v_cache, rows, t0 + PREFETCH_AHEAD, V_CHUNK, L, KVH * D);                          \
+        for (int kh = 0; kh < KVH; kh++) {                                                               \
+            const int64_t head_off = (int64_t)kh * D;                                                    \
+            for (int i = 0; i < n; i++) kr[i] = WIDEN(v_cache + rows[t0 + i] + head_off, buf + i * D, D); \
+            for (int h = kh * G; h < (kh + 1) * G; h++) {                                                \
+                const float* ph = scores + (int64_t)h * L + t0;                                          \
+                for (int d0 = 0; d0 < D; d0 += 64) {                                                     \
+                    const int nv = (D - d0 < 64 ? D - d0 : 64) / LANES;                                  \
+                    float* ah = acc + h * D + d0;                                                        \
+                    vf o[TILE];                                                                          \
+                    for (int j = 0; j < nv; j++) o[j] = vf_load(ah + j * LANES);                         \
+                    for (int i = 0; i < n; i++) {                                                        \
+                        const vf p = vf_set1(ph[i]);                                                     \
+                        for (int j = 0; j < nv; j++) o[j] = vf_fma(p, vf_load(kr[i] + d0 + j * LANES), o[j]); \
+                    }                                                                                    \
+                    for (int j = 0; j < nv; j++) vf_store(ah + j * LANES, o[j]);                         \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int h = 0; h < H; h++)                                                                          \
+        for (int d = 0; d < D; d++) acc[h * D + d] *= inv[h];                                            \
+}
+DEFINE_SEQ_FAST(seq_fast_f32, float, widen_f32)
+DEFINE_SEQ_FAST(seq_fast_bf16, uint16_t, widen_bf16)
 #endif
 
 /* Portable path (any head_dim). */
@@ -111,7 +361,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     const int G = H / KVH;                                                                               \
     float krow[KVH * D];                                                                                 \
     for (int t = 0; t < L; t++) {                                                                        \
-        const T* kp = k_cache + rows[t];                \
+        const T* kp = k_cache + rows[t];                                                                 \
         for (int i = 0; i < KVH * D; i++) krow[i] = LOAD(kp[i]);                                         \
         for (int h = 0; h < H; h++) {                                                                    \
             const float* kh = krow + (h / G) * D;                                                        \
@@ -132,7 +382,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                                    \
     memset(acc, 0, sizeof(float) * H * D);                                                               \
     for (int t = 0; t < L; t++) {                                                                        \
-        const T* vp = v_cache + rows[t];                \
+        const T* vp = v_cache + rows[t];                                                                 \
         for (int i = 0; i < KVH * D; i++) krow[i] = LOAD(vp[i]);                                         \
         for (int h = 0; h < H; h++) {                                                                    \
             const float p = scores[h * L + t];                                                           \
@@ -142,12 +392,19 @@ static inline __attribute__((always_inline)) void NAME(                         
         }                                                                                                \
     }                                                                                                    \
 }
+DEFINE_SEQ(seq_f32, float, f32_id)
+DEFINE_SEQ(seq_bf16, uint16_t, bf16_to_f32)
+#if !LANES
+#define seq_fast_f32 seq_f32
+#define seq_fast_bf16 seq_bf16
+#endif
 
-#define DEFINE_PAGED_DECODE(NAME, SEQ, FAST, T, LOAD, STORE)                                                   \
+#define DEFINE_PAGED_DECODE(NAME, SEQ, FAST, T, LOAD, STORE)                                             \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,                    \
           const int64_t* seq_lens, T* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,  \
           int block_size, int max_blocks, float scale, int num_threads) {                                \
-    const int H = num_heads, D = head_dim;                                                               \
+    const int H = num_heads, D = head_dim, KVH = num_kv_heads;                                           \
+    const int simd = LANES && D % (LANES ? LANES : 1) == 0 && D <= MAX_SIMD_DIM;                         \
     _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")                              \
     for (int s = 0; s < num_seqs; s++) {                                                                 \
         const int L = (int)seq_lens[s];                                                                  \
@@ -158,17 +415,17 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
         for (int i = 0; i < H * D; i++) qf[i] = LOAD(qs[i]) * scale;                                     \
         const int64_t* bt = block_table + (int64_t)s * max_blocks;                                       \
         int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * (size_t)(L > 0 ? L : 1));                     \
-        const int64_t row = (int64_t)num_kv_heads * D;                                                   \
+        const int64_t row = (int64_t)KVH * D;                                                            \
         for (int b = 0, t = 0; t < L; b++)                                                               \
             for (int i = 0; i < block_size && t < L; i++, t++) rows[t] = (bt[b] * block_size + i) * row; \
-        if (HAVE_AVX512 && D == 64)                                                                      \
-            FAST(qf, k_cache, v_cache, rows, L, scores, acc, H, num_kv_heads, 64);             \
-        else if (HAVE_AVX512 && D == 128)                                                                \
-            FAST(qf, k_cache, v_cache, rows, L, scores, acc, H, num_kv_heads, 128);            \
-        else if (HAVE_AVX512 && D % 16 == 0 && D <= 256)                                                 \
-            FAST(qf, k_cache, v_cache, rows, L, scores, acc, H, num_kv_heads, D);              \
+        if (simd && D == 64)                                                                             \
+            FAST(qf, k_cache, v_cache, rows, L, scores, acc, H, KVH, 64);                                \
+        else if (simd && D == 128)                                                                       \
+            FAST(qf, k_cache, v_cache, rows, L, scores, acc, H, KVH, 128);                               \
+        else if (simd)                                                                                   \
+            FAST(qf, k_cache, v_cache, rows, L, scores, acc, H, KVH, D);                                 \
         else                                                                                             \
-            SEQ(qf, k_cache, v_cache, rows, L, scores, acc, H, num_kv_heads, D);               \
+            SEQ(qf, k_cache, v_cache, rows, L, scores, acc, H, KVH, D);                                  \
         T* os = out + (int64_t)s * H * D;                                                                \
         for (int i = 0; i < H * D; i++) os[i] = STORE(acc[i]);                                           \
         free(qf);                                                                                        \
@@ -178,11 +435,8 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
     }                                                                                                    \
 }
 
-DEFINE_SEQ(seq_f32, float, f32_id)
-DEFINE_SEQ(seq_bf16, uint16_t, bf16_to_f32)
-#if !HAVE_AVX512
-#define seq_avx512_f32 seq_f32
-#define seq_avx512_bf16 seq_bf16
-#endif
-DEFINE_PAGED_DECODE(paged_decode_f32, seq_f32, seq_avx512_f32, float, f32_id, f32_id)
-DEFINE_PAGED_DECODE(paged_decode_bf16, seq_bf16, seq_avx512_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+/* Which path this build compiled: "portable", "avx2", "avx512" or "neon". */
+const char* paged_decode_isa(void) { return ISA_PATH; }
+
+DEFINE_PAGED_DECODE(paged_decode_f32, seq_f32, seq_fast_f32, float, f32_id, f32_id)
+DEFINE_PAGED_DECODE(paged_decode_bf16, seq_bf16, seq_fast_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
