@@ -1,5 +1,7 @@
-"""Default-mode CPU kernels on vs off: the C GEMM for decode-sized linears plus the C RMSNorm and
-SiLU×up (``tokenmill.runner.cpu_kernels``) against torch's ``F.linear`` and elementwise ops, in one run.
+"""Default mode against ``--no-cpu-kernels``, in one run: the C kernels where the measured plan picks
+them (``tokenmill.runner.cpu_kernels``: GEMM, RMSNorm, SiLU×up, paged decode attention, the LM head's
+float32 logits) against torch's ops for every layer. Records the CPU model and the ISA path; force
+another path with ``--isa`` (e.g. ``--isa portable``; it must run on this CPU).
 
 Two workloads, each run with the kernels on and then off, then on and off again in the opposite
 order, best of the two kept per mode:
@@ -10,41 +12,47 @@ order, best of the two kept per mode:
   from the dataset capped at 256, greedy, ignore_eos) through ``LLM.generate`` with
   ``max_num_seqs=C``; output tok/s over the whole run (prefill included).
 
-"Off" builds the same engine and then puts every Linear, RMSNorm and SiluAndMul back on its torch
-path, so the attention kernel, scheduler and sampler are the same in both modes. Runs vary 10–20%
-on the shared CPU machines: compare within one run, on an idle machine.
+"Off" builds the same engine and applies the plan that ``--no-cpu-kernels`` gets (every layer on
+torch), so the scheduler and sampler are the same in both modes. Runs vary 10–20% on the shared CPU
+machines: compare within one run, on an idle machine.
 
-    python benchmarks/cpu_kernels.py --concurrency 1,8,32 --output-json cpu_kernels.json
+    python benchmarks/cpu_kernels.py --dtype auto --concurrency 1,8,32 --output-json cpu_kernels.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import sys
 import time
 from dataclasses import replace
 
-from tokenmill import LLM, SamplingParams
-from tokenmill.bench.datasets import sample_sharegpt
-from tokenmill.bench.offline import generate_sampled
-from tokenmill.layers.activation import SiluAndMul
-from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.linear import Linear
+
+def set_kernels(llm, on: bool, plans: dict) -> None:
+    """Put ``llm``'s layers on the plan its runner measured (on) or on torch's ops (off)."""
+    from tokenmill.runner.cpu_kernels import KernelPlan, apply_plan, plan_cpu_kernels
+
+    runner = llm.engine.runner
+    lm_head = getattr(runner.model, "lm_head", None)
+    if "on" not in plans:
+        plans["on"] = plan_cpu_kernels(runner.model, runner.loaded.dtype, lm_head=lm_head)
+    apply_plan(runner.model, plans["on"] if on else KernelPlan(isa=None), lm_head)
 
 
-def set_kernels(llm: LLM, on: bool, saved: dict) -> None:
-    """Switch the default-mode C kernels of ``llm``'s model on (as the runner set them) or off."""
-    for module in llm.engine.runner.model.modules():
-        if isinstance(module, Linear):
-            saved.setdefault(id(module), module.cpu_gemm_max_rows)
-            module.cpu_gemm_max_rows = saved[id(module)] if on else 0
-        elif isinstance(module, (RMSNorm, SiluAndMul)):
-            saved.setdefault(id(module), module.use_cpu_kernel)
-            module.use_cpu_kernel = saved[id(module)] if on else False
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return platform.processor() or "unknown"
 
 
-def batch1_decode(llm: LLM) -> float:
+def batch1_decode(llm) -> float:
     """Decode tok/s of one 64-token prompt with 128 new tokens (first token excluded)."""
     prompt = {"prompt_token_ids": list(range(1000, 1064))}
+    from tokenmill import SamplingParams
+
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     full = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     llm.generate(prompt, first)  # warm-up
@@ -62,18 +70,29 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated max_num_seqs values")
     parser.add_argument("--requests-per-slot", type=float, default=2.0, help="requests per slot (at least 4)")
     parser.add_argument("--max-output-len", type=int, default=256)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--isa", default=None, help="force an ISA path (TOKENMILL_CPU_ISA), e.g. portable")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
+    if args.isa:
+        os.environ["TOKENMILL_CPU_ISA"] = args.isa
+    from tokenmill import LLM, csrc_build
+    from tokenmill.bench.datasets import sample_sharegpt
+    from tokenmill.bench.offline import generate_sampled
 
-    results: dict = {"dtype": args.dtype, "batch1_decode_tok_s": {}, "sharegpt": []}
-    saved: dict = {}
+    if args.isa and csrc_build.selected_isa() != args.isa:
+        sys.exit(f"this CPU cannot run the {args.isa} path")
+    plans: dict = {}
     llm = LLM(dtype=args.dtype, num_threads=args.num_threads)
+    set_kernels(llm, True, plans)
+    results: dict = {"cpu": cpu_model(), "isa": csrc_build.selected_isa(), "dtype": str(llm.engine.loaded.dtype),
+                     "plan": plans["on"].describe(), "batch1_decode_tok_s": {}, "sharegpt": []}
+    print(f"{results['cpu']}, ISA path {results['isa']}, {results['dtype']}\n{results['plan']}", flush=True)
     best = {"on": 0.0, "off": 0.0}
     for mode in ("on", "off", "off", "on"):
-        set_kernels(llm, mode == "on", saved)
+        set_kernels(llm, mode == "on", plans)
         best[mode] = max(best[mode], batch1_decode(llm))
     results["batch1_decode_tok_s"] = best
     print(f"batch-1 decode (64-token prompt, 128 new): kernels on {best['on']:.1f} tok/s, "
@@ -88,7 +107,7 @@ def main() -> None:
         for mode in ("on", "off", "off", "on"):
             # A fresh engine per run: no prefix-cache hits carried from the previous run.
             run_llm = LLM(dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=concurrency)
-            set_kernels(run_llm, mode == "on", {})
+            set_kernels(run_llm, mode == "on", plans)
             row = generate_sampled(run_llm, requests)
             if runs[mode] is None or row["output_tok_s"] > runs[mode]["output_tok_s"]:
                 runs[mode] = row

@@ -5,7 +5,6 @@ Synchronous and single-threaded; the server drives it from its own thread.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import replace
 
@@ -20,6 +19,7 @@ from tokenmill.models.loader import load_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.device import resolve_device
+from tokenmill.runner.cpu_threads import available_cpus
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
@@ -34,7 +34,7 @@ class LLMEngine:
     """Owns the model runner, the scheduler (and through it the KV cache) and the output processor."""
 
     def __init__(self, config: EngineConfig) -> None:
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.set_num_threads(config.num_threads or available_cpus())
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.device = resolve_device(config.device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
@@ -20,9 +21,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
+from tokenmill.csrc_build import NATIVE_BF16_FLAGS_TEXT, cpu_has_native_bf16
 from tokenmill.models.default_model import default_model_path
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -65,15 +69,24 @@ class LoadedModel:
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: torch.device | None = None) -> torch.dtype:
     """Map the user's dtype string to a torch dtype.
 
-    "auto" keeps float32 checkpoints in float32 on CPU and runs everything else (bf16, fp16, GGUF
-    quantized, unknown, and any checkpoint on a CUDA device) in bfloat16.
+    "auto" runs every checkpoint on a CUDA device in bfloat16. On CPU it keeps float32 checkpoints in
+    float32, and runs the rest (bf16, fp16, GGUF quantized, unknown) in bfloat16 only where the CPU
+    has bf16 arithmetic (``csrc_build.cpu_has_native_bf16``): elsewhere bf16 is emulated and
+    torch's bf16 GEMMs are several times slower than float32 ones, so float32 is chosen (logged).
 
     Raises:
         ValueError: dtype not one of "auto", "float32", "bfloat16".
     """
     if dtype == "auto":
-        on_cpu = device is None or device.type == "cpu"
-        return torch.float32 if checkpoint_dtype == torch.float32 and on_cpu else torch.bfloat16
+        if device is not None and device.type != "cpu":
+            return torch.bfloat16
+        if checkpoint_dtype == torch.float32:
+            return torch.float32
+        if not cpu_has_native_bf16():
+            logger.info("dtype auto: float32, because this CPU has no bf16 arithmetic (%s) and emulated bf16 "
+                        "is slower; pass --dtype bfloat16 to halve weight memory anyway", NATIVE_BF16_FLAGS_TEXT)
+            return torch.float32
+        return torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of 'auto', 'float32', 'bfloat16'; got {dtype!r}")
     return _DTYPES[dtype]

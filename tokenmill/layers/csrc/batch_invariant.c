@@ -227,6 +227,9 @@ INLINE void tile(const float *xp, int64_t kp, const void *w, int64_t K, int w_bf
         for (int c = 0; c < C; c++) {
             const char *wc = (const char *)w + c * K * elt;
             acc16 wv;
+#if PF_HINT >= 0
+            _mm_prefetch(wc + (PF_AHEAD * C * K + k) * elt, PF_HINT);
+#endif
             if (k < kfull) {
                 wv = load_w(wc, k, w_bf16);
             } else { /* the last, partial step: lanes past K are zeros */
