@@ -1,8 +1,9 @@
 """The kernels' NEON paths, built for aarch64 and run under user-mode QEMU (tests/csrc/aarch64_check.c).
 
 Each kernel source is cross-compiled twice, with the NEON path's flags and with the portable ones (the
-flags its Python loader uses), and the driver compares the two builds: SiLU bit for bit, paged decode
-against a float64 reference and for batch invariance, NaN/inf where the portable build has them.
+flags its Python loader uses), and the driver compares the two builds: SiLU, the GEMM and RMSNorm
+bit for bit, paged decode against a float64 reference and for batch invariance, NaN/inf where the
+portable build has them. A passing kernel is listed under "neon" in the session's ISA report.
 Skipped unless ``aarch64-linux-gnu-gcc`` and ``qemu-aarch64`` are on PATH (Debian: the packages
 gcc-aarch64-linux-gnu, libc6-dev-arm64-cross and qemu-user).
 """
@@ -16,7 +17,7 @@ import pytest
 
 from tokenmill import csrc_build
 from tokenmill.attention import cpu_decode
-from tokenmill.layers import silu_and_mul_kernel
+from tokenmill.layers import batch_invariant, silu_and_mul_kernel
 
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
@@ -27,6 +28,7 @@ DRIVER = Path(__file__).parent / "csrc" / "aarch64_check.c"
 KERNELS = {
     "silu_and_mul": (silu_and_mul_kernel._SOURCE, silu_and_mul_kernel._FLAGS),
     "paged_decode": (cpu_decode._SOURCE, cpu_decode._FLAGS),
+    "batch_invariant": (batch_invariant._SOURCE, batch_invariant._FLAGS),
 }
 
 pytestmark = pytest.mark.skipif(
@@ -57,3 +59,4 @@ def test_neon_build_matches_portable_build(stem, driver, tmp_path):
     print(result.stdout)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     assert result.stdout.strip().splitlines()[-1].startswith("verdict: PASS")
+    csrc_build.loaded_kernels.add((stem, "neon"))  # exercised for real, under QEMU

@@ -145,8 +145,8 @@ def selected_isa() -> str:
 
 @functools.cache
 def _machine_key(compiler: str | None) -> bytes:
-    """The compiler and this CPU's feature flags: ``-march=native`` builds differ between machines, so a
-    cache directory shared by two machines must not hand one machine's library to the other."""
+    """The compiler and this CPU's feature flags: a cache directory shared by two machines must not hand
+    one machine's library (built for its ISA path, with its compiler) to the other."""
     return f"{compiler}|{platform.machine()}|{' '.join(sorted(cpu_flags()))}".encode()
 
 

@@ -292,6 +292,66 @@ static void check_paged_decode(const struct builds* b) {
     decode_check_nan(b, 24);
 }
 
+/* ---------------------------------------------------------------- batch_invariant.c */
+
+typedef void (*linear_fn)(const void*, const void*, const void*, void*, int64_t, int64_t, int64_t, int);
+typedef void (*rms_fn)(const void*, const void*, void*, int64_t, int64_t, float, int);
+
+/* Both builds compute the canonical order (see the C file), so every output must be bit-identical:
+ * bf16 and f32 linear with and without bias, bf16 inputs with float32 output, and RMSNorm. */
+static void check_batch_invariant(const struct builds* b) {
+    static const int64_t shapes[][3] = {{1, 1, 1}, {2, 15, 3}, {5, 16, 17}, {3, 31, 5}, {7, 33, 19},
+                                        {4, 100, 37}, {9, 576, 64}, {2, 1000, 23}};
+    static const char* linears[] = {"bi_linear_f32", "bi_linear_bf16", "bi_linear_bf16_f32out"};
+    char line[200];
+    rng_seed(7);
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        const int64_t M = shapes[s][0], K = shapes[s][1], N = shapes[s][2];
+        float *x = malloc(sizeof(float) * (size_t)(M * K)), *w = malloc(sizeof(float) * (size_t)(N * K));
+        float* bias = malloc(sizeof(float) * (size_t)N);
+        for (int64_t i = 0; i < M * K; i++) x[i] = normalish();
+        for (int64_t i = 0; i < N * K; i++) w[i] = normalish() / sqrtf((float)K);
+        for (int64_t i = 0; i < N; i++) bias[i] = normalish();
+        if (M * K > 3) x[3] = s % 2 ? NAN : INFINITY; /* special values travel through every path */
+        uint16_t *xb = to_bf16(x, (size_t)(M * K)), *wb = to_bf16(w, (size_t)(N * K)), *bb = to_bf16(bias, (size_t)N);
+        for (int kind = 0; kind < 3; kind++)
+            for (int with_bias = 0; with_bias <= 1; with_bias++) {
+                const int in_bf16 = kind > 0, out_f32 = kind != 1;
+                const size_t out_bytes = (size_t)(M * N) * (out_f32 ? 4 : 2);
+                void *y_neon = calloc(1, out_bytes), *y_port = calloc(1, out_bytes);
+                const void *xi = in_bf16 ? (const void*)xb : (const void*)x, *wi = in_bf16 ? (const void*)wb : (const void*)w;
+                const void* bi = with_bias ? (in_bf16 ? (const void*)bb : (const void*)bias) : NULL;
+                ((linear_fn)sym(b->neon, linears[kind]))(xi, wi, bi, y_neon, M, N, K, NUM_THREADS);
+                ((linear_fn)sym(b->portable, linears[kind]))(xi, wi, bi, y_port, M, N, K, NUM_THREADS);
+                int same = memcmp(y_neon, y_port, out_bytes) == 0;
+                snprintf(line, sizeof line, "batch_invariant %s M=%ld K=%ld N=%ld bias=%d: bits %s", linears[kind],
+                         (long)M, (long)K, (long)N, with_bias, same ? "equal" : "DIFFER");
+                report(same, line);
+                free(y_neon), free(y_port);
+            }
+        free(x), free(w), free(bias), free(xb), free(wb), free(bb);
+    }
+    static const int64_t widths[] = {1, 15, 16, 17, 576, 1000};
+    for (size_t i = 0; i < sizeof(widths) / sizeof(widths[0]); i++)
+        for (int bf16 = 0; bf16 <= 1; bf16++) {
+            const int64_t M = 5, H = widths[i];
+            float *x = malloc(sizeof(float) * (size_t)(M * H)), *g = malloc(sizeof(float) * (size_t)H);
+            for (int64_t j = 0; j < M * H; j++) x[j] = 2.0f * normalish();
+            for (int64_t j = 0; j < H; j++) g[j] = 1.0f + 0.5f * normalish();
+            uint16_t *xb = to_bf16(x, (size_t)(M * H)), *gb = to_bf16(g, (size_t)H);
+            const size_t bytes = (size_t)(M * H) * (bf16 ? 2 : 4);
+            void *y_neon = malloc(bytes), *y_port = malloc(bytes);
+            const char* name = bf16 ? "bi_rms_norm_bf16" : "bi_rms_norm_f32";
+            const void *xi = bf16 ? (const void*)xb : (const void*)x, *gi = bf16 ? (const void*)gb : (const void*)g;
+            ((rms_fn)sym(b->neon, name))(xi, gi, y_neon, M, H, 1e-5f, NUM_THREADS);
+            ((rms_fn)sym(b->portable, name))(xi, gi, y_port, M, H, 1e-5f, NUM_THREADS);
+            int same = memcmp(y_neon, y_port, bytes) == 0;
+            snprintf(line, sizeof line, "batch_invariant %s H=%ld: bits %s", name, (long)H, same ? "equal" : "DIFFER");
+            report(same, line);
+            free(x), free(g), free(xb), free(gb), free(y_neon), free(y_port);
+        }
+}
+
 /* ---------------------------------------------------------------- the kernels */
 
 static const struct kernel {
@@ -301,9 +361,7 @@ static const struct kernel {
 } KERNELS[] = {
     {"silu_and_mul", "silu_and_mul_isa", check_silu},
     {"paged_decode", "paged_decode_isa", check_paged_decode},
-    /* batch_invariant.c goes here: {"batch_invariant", "<its _isa function>", check_batch_invariant}, with
-     * check_batch_invariant running bi_linear_bf16/_f32(x, w, bias, y, M, N, K, num_threads) and
-     * bi_rms_norm_bf16/_f32(x, w, y, M, H, eps, num_threads) on both builds and comparing bits. */
+    {"batch_invariant", "bi_isa", check_batch_invariant},
 };
 
 static void* open_build(const char* dir, const char* stem, const char* isa, const char* isa_symbol) {
