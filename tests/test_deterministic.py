@@ -16,7 +16,9 @@ import torch
 
 from tests.server_fixtures import ServerProcess
 from tests.tiny_models import make_tiny_model
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, csrc_build
+from tokenmill.attention import cpu_decode
+from tokenmill.layers import batch_invariant, silu_and_mul_kernel
 from tokenmill.runner.deterministic import check_deterministic_supported, enable_batch_invariant
 
 NUM_SCENARIOS = 8
@@ -120,6 +122,33 @@ def test_default_mode_divergence_is_recorded(wide_llama, record_property):
                       f"(expected on CPU bf16; use --deterministic)", stacklevel=1)
     # The contrast the mode exists for: the same scenarios are bit-stable in deterministic mode.
     assert diverging_scenarios(wide_llama, True, GREEDY) == []
+
+
+@pytest.mark.parametrize("isa", csrc_build.ISAS)
+def test_deterministic_mode_is_batch_invariant_on_every_isa_path(wide_llama, isa, monkeypatch):
+    """The other ISA paths this CPU can run (the native one is the test above), forced: bits may differ
+    between paths (docs/deterministic.md), never between batches on one path."""
+    if not csrc_build.isa_supported(isa):
+        pytest.skip(f"this CPU cannot run the {isa} path (missing: {', '.join(csrc_build.missing_cpu_flags(isa))})")
+    if isa == csrc_build.selected_isa():
+        pytest.skip(f"{isa} is this machine's own path, covered by test_deterministic_mode_is_batch_invariant")
+    builds = {module: module._load(isa) for module in (batch_invariant, silu_and_mul_kernel, cpu_decode)}
+    assert all(lib is not None for lib in builds.values())
+    monkeypatch.setattr(batch_invariant, "_built", lambda: builds[batch_invariant])
+    monkeypatch.setattr(silu_and_mul_kernel, "_get_lib", lambda: builds[silu_and_mul_kernel])
+    monkeypatch.setattr(cpu_decode, "_get_lib", lambda: builds[cpu_decode])
+    assert batch_invariant.isa() == isa
+    # A short run (the portable path is slow): the target alone, then again beside three other requests
+    # under a 16-token chunk budget and with its prompt now a prefix-cache hit.
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    llm = LLM(model=wide_llama, dtype="bfloat16", deterministic=True, max_num_batched_tokens=16, num_kv_blocks=128)
+    rng = random.Random(5)
+    target = {"prompt_token_ids": target_prompt()}
+    alone = fingerprint(llm.generate(target, params, use_tqdm=False)[0])
+    others = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randrange(5, 30))]} for _ in range(3)]
+    batched = llm.generate([others[0], target, *others[1:]], params, use_tqdm=False)
+    assert fingerprint(batched[1]) == alone
+    llm.engine.check_integrity()
 
 
 def test_deterministic_fp32_agrees_with_default_mode(tmp_path):
