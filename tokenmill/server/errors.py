@@ -85,12 +85,16 @@ def param_from_loc(loc: tuple) -> str | None:
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # A union field (``prompt``: text or lists) reports one error per member; a failed value check
+    # (such as a lone surrogate in one string of a list) says more than "not a string", so it wins.
+    value_errors = [e for e in errors if e.get("type") == "value_error"]
+    first = (value_errors or errors or [{"loc": (), "msg": "invalid request", "type": ""}])[0]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", first.get("msg"))
         return error_response(f"request body is not valid JSON: {detail}", 400, "invalid_request_error")
     param = param_from_loc(tuple(first.get("loc", ())))
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    msg = str(first.get("msg")).removeprefix("Value error, ")
+    message = f"{param}: {msg}" if param else msg
     if "input" in first and param:
         message += f" (got {first['input']!r})"[:300]
     return error_response(message, 400, "invalid_request_error", param)

@@ -1,18 +1,40 @@
 """Pydantic models of the HTTP request bodies (OpenAI completions/chat, tokenize, detokenize).
 
 Only shape and type are checked here; value ranges are checked by ``SamplingParams`` and by
-``openai_format.build_sampling_params`` so each error names its field once. Unknown fields are
-ignored (clients send extras such as ``user``).
+``openai_format.build_sampling_params`` so each error names its field once. Types are strict, as
+in OpenAI's API: ``"1"``, ``true`` or ``1.0`` for an integer, ``"yes"`` or ``1`` for a boolean are
+refused (an integer is a valid number for a float field). Every string that can reach the
+tokenizer or the chat template is ``Text``: valid Unicode, no lone surrogates. Unknown fields
+are ignored (clients send extras such as ``user``).
 """
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(value: str) -> str:
+    """Refuse a string that is not valid Unicode (a lone UTF-16 surrogate, which JSON's ``\\uD800``
+    escapes can produce): the tokenizer cannot encode it."""
+    match = _LONE_SURROGATE.search(value)
+    if match is not None:
+        raise ValueError(f"text must be valid Unicode: lone surrogate U+{ord(match.group()):04X} "
+                         f"at index {match.start()}")
+    return value
+
+
+Text = Annotated[str, AfterValidator(check_text)]
+_STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with usage and no choices."""
+
+    model_config = _STRICT
 
     include_usage: bool = False
 
@@ -20,27 +42,27 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions (OpenAI names plus vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
-    model: str | None = None
+    model: Text | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[Text, float] | None = None
     max_tokens: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    cache_salt: str | None = None
+    cache_salt: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -57,28 +79,30 @@ class CompletionRequest(SamplingRequest):
     alternatives per position; ``echo`` prepends the prompt (and its log-probabilities).
     """
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
 
 class TextContentPart(BaseModel):
     """One ``{"type": "text", "text": ...}`` part of a message's content."""
 
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     """One conversation turn. ``content`` may be a string or a list of text parts."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
+    content: Text | list[TextContentPart] | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined; None is empty)."""
@@ -92,7 +116,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` is the newer name of ``max_tokens``
     (it wins when both are set); unset means "up to max_model_len". ``logprobs`` is a switch and
-    ``top_logprobs`` the number of alternatives.
+    ``top_logprobs`` the number of alternatives. ``allow_special_tokens_in_content``: parse
+    special-token strings in message contents into control tokens (None: the server's
+    ``--allow-special-tokens-in-content`` setting; off, they are plain text).
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -100,29 +126,32 @@ class ChatCompletionRequest(SamplingRequest):
     # Not supported yet; accepted only in their "off" form so clients get a clear 400 otherwise.
     response_format: dict | None = None
     tools: list | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Text | dict | None = None
     functions: list | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    allow_special_tokens_in_content: bool | None = None
 
 
 class TokenizeRequest(BaseModel):
-    """``POST /tokenize``: either ``prompt`` (text) or ``messages`` (rendered with the chat template)."""
+    """``POST /tokenize``: either ``prompt`` (text) or ``messages`` (rendered with the chat template,
+    with ``allow_special_tokens_in_content`` as in chat completions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    allow_special_tokens_in_content: bool | None = None
 
 
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize``: token ids back to text."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
