@@ -274,3 +274,36 @@ def test_random_stops_match_reference_truncation(smollm2, seed):
         )
         assert stop == first
         assert detok.output_text == text[: end if include else start]
+
+
+# ---- min_tokens (issue 23, item 6) -------------------------------------------------------------
+
+
+def test_stop_strings_are_not_matched_before_min_tokens(smollm2):
+    """As in vLLM: a stop string counts only if it ends in the text of a token past the first
+    ``min_tokens`` (the rule stop token ids follow)."""
+    text = "I think I can. I know I can."
+    ids = encode(smollm2, text)
+    pieces = [full_decode(smollm2, ids[:k]) for k in range(len(ids) + 1)]
+    for min_tokens in range(len(ids)):
+        # Reference: the first "I" starting at or after the text of the first min_tokens tokens.
+        start = text.find("I", len(pieces[min_tokens]))
+        _, stop, detok = stream(smollm2, ids, stop=["I"], min_tokens=min_tokens, max_tokens=len(ids))
+        if start < 0:
+            assert stop is None and detok.output_text == text
+        else:
+            assert stop == "I" and detok.output_text == text[:start], min_tokens
+
+
+def test_min_tokens_keeps_stop_prefixes_held_back(smollm2):
+    """A stop string begun before min_tokens and completed after it is still cut, and no
+    character of it was ever emitted."""
+    ids = encode(smollm2, LIST_TEXT)
+    cut = LIST_TEXT.index("\n3.")
+    # min_tokens ends inside "\n3.": the tokens of "\n" are among the first min_tokens.
+    min_tokens = next(k for k in range(len(ids)) if len(full_decode(smollm2, ids[:k])) > cut)
+    deltas, stop, detok = stream(smollm2, ids, stop=["\n3."], min_tokens=min_tokens, max_tokens=len(ids))
+    assert stop == "\n3." and detok.output_text == "1. apple\n2. pear"
+    # A stop string wholly inside the first min_tokens tokens is not matched.
+    _, stop, detok = stream(smollm2, ids, stop=["apple"], min_tokens=min_tokens, max_tokens=len(ids))
+    assert stop is None and detok.output_text == LIST_TEXT

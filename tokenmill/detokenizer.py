@@ -36,7 +36,9 @@ class IncrementalDetokenizer:
 
     Stop strings: each step searches only the new text plus the last ``max_stop_len - 1``
     characters before it. The longest suffix that could begin a stop string is held back, so
-    text once emitted is never withdrawn; :meth:`finish` releases it.
+    text once emitted is never withdrawn; :meth:`finish` releases it. As in vLLM, stop strings
+    are searched only once more than ``params.min_tokens`` tokens exist: a match must end in
+    text that arrived with a later update (stop token ids obey ``min_tokens`` the same way).
 
     Known limits: ``clean_up_tokenization_spaces`` (a WordPiece-era post-process that
     transformers skips for BPE) is not applied; an *invalid* run of byte-fallback tokens that
@@ -53,6 +55,8 @@ class IncrementalDetokenizer:
         self._stop: tuple[str, ...] = tuple(params.stop or ())
         self._include_stop = params.include_stop_str_in_output
         self._tail_len = max((len(s) for s in self._stop), default=1) - 1
+        self._min_tokens = params.min_tokens
+        self._num_tokens = 0  # output tokens received so far
         self._finished = False
 
         # Token window (see class docstring).
@@ -76,6 +80,7 @@ class IncrementalDetokenizer:
         assert not self._finished, "update() after the request finished"
         if not new_token_ids:
             return None
+        self._num_tokens += len(new_token_ids)
         self._ids.extend(new_token_ids)
         new_text = self._decode_new_text(flush=False)
         return self._add_text(new_text) if new_text else None
@@ -141,7 +146,7 @@ class IncrementalDetokenizer:
         num_old = len(self._tail)
         release_from = num_old - self._num_held  # window index of the first unreleased char
 
-        match = self._find_stop(window, num_old)
+        match = self._find_stop(window, num_old) if self._num_tokens > self._min_tokens else None
         if match is not None:
             stop, start = match
             end = start + len(stop) if self._include_stop else start

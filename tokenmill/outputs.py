@@ -6,7 +6,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """Log-probability of one token (natural log) and its rank in the distribution (1 = most likely)."""
+    """Log-probability of one token (natural log) and its rank in the distribution (1 = most likely).
+
+    ``decoded_token`` is the token's text alone, or ``bytes:\\xNN...`` when its bytes are not valid
+    UTF-8 on their own (see ``tokenmill/token_strings.py``).
+    """
 
     logprob: float
     rank: int | None = None

@@ -40,6 +40,9 @@ def register(subparsers) -> None:
                         help="model name clients use (default: the model path, or the embedded model's name)")
     parser.add_argument("--timeout-graceful-shutdown", type=seconds, default=30.0,
                         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    parser.add_argument("--allow-special-tokens-in-content", action="store_true",
+                        help="parse special-token strings in chat message contents into control tokens (default: "
+                             "plain text, so a message cannot forge a turn); requests may override it")
     parser.set_defaults(func=cmd_serve)
 
 
@@ -85,5 +88,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
     )
     return run_server(config)

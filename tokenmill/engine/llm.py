@@ -7,6 +7,7 @@ import os
 from tqdm import tqdm
 
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.chat_prompt import ChatPromptRenderer
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -70,6 +71,7 @@ class LLM:
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
+        self._chat_renderer = ChatPromptRenderer(self.get_tokenizer())
 
     def get_tokenizer(self):
         return self.engine.get_tokenizer()
@@ -129,19 +131,26 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
+        allow_special_tokens_in_content: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate
+        (``allow_special_tokens_in_content`` as in :meth:`apply_chat_template`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)} for c in conversations]
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt,
+                                                                 allow_special_tokens_in_content)}
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template."""
-        tokenizer = self.get_tokenizer()
-        if not tokenizer.chat_template:
-            raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return tokenizer.encode(text, add_special_tokens=False)
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template.
+
+        Special-token strings inside message contents stay plain text, so only the template makes
+        control tokens; ``allow_special_tokens_in_content=True`` parses them into control tokens
+        (tokenizing the rendered text as a whole). See ``engine/chat_prompt.py``.
+        """
+        return self._chat_renderer.render(messages, add_generation_prompt, allow_special_tokens_in_content)
 
 
 def build_engine_config(

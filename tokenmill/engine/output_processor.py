@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.request import Request
+from tokenmill.token_strings import TokenStrings
 
 
 @dataclass
@@ -43,6 +44,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.token_strings = TokenStrings(tokenizer)  # Logprob.decoded_token: text, or a bytes: marker
         self.parents: dict[str, _ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
 
@@ -65,6 +67,11 @@ class OutputProcessor:
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
         return list(parent.sequences) if parent else []
+
+    def finish_reasons(self, request_id: str) -> list[str | None]:
+        """Each sequence's finish reason so far (None: still running); [] for an unknown request."""
+        parent = self.parents.get(request_id)
+        return [seq.finish_reason for seq in parent.sequences.values()] if parent else []
 
     def remove(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
@@ -166,4 +173,4 @@ class OutputProcessor:
         for entry in entries:
             for token_id, logprob in entry.items():
                 if logprob.decoded_token is None:
-                    logprob.decoded_token = self.tokenizer.decode([token_id])
+                    logprob.decoded_token = self.token_strings.text(token_id)

@@ -2,6 +2,8 @@
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions (API key checked when configured),
 /health, /version, /metrics, /tokenize, /detokenize and the debug view /debug/kv_cache.
+Tokenizing, chat templating and detokenizing run in worker threads (``asyncio.to_thread``), so a
+large input never stalls the event loop and the requests of other clients.
 """
 from __future__ import annotations
 
@@ -136,9 +138,11 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            token_ids = render_chat(state, body.messages, body.add_generation_prompt)
+            token_ids = await asyncio.to_thread(render_chat, state, body.messages, body.add_generation_prompt,
+                                                body.allow_special_tokens_in_content)
         else:
-            token_ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            token_ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
+                                                add_special_tokens=body.add_special_tokens)
         return {"tokens": token_ids, "count": len(token_ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")
@@ -149,7 +153,7 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
             raise APIError(f"tokens must be in [0, {vocab_size}), got {bad[:5]}", param="tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(state.decode, body.tokens)}
 
     @app.get("/debug/kv_cache")
     async def debug_kv_cache() -> JSONResponse:

@@ -267,10 +267,10 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._add(engine, command)
             elif isinstance(command, _Abort):
-                engine.abort_request(command.request_ids)
-                for request_id in command.request_ids:
+                for request_id in command.request_ids:  # count them before the engine forgets them
                     if self._streams.pop(request_id, None) is not None and self._tracker is not None:
-                        self._tracker.on_finished(request_id)
+                        self._tracker.on_aborted(engine, request_id)
+                engine.abort_request(command.request_ids)
             elif isinstance(command, _Call):
                 try:
                     command.result.set_result(command.fn(engine))

@@ -118,7 +118,8 @@ class ServerMetrics:
                                             _LATENCY_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
-        self._request_success = Counter("tokenmill:request_success", "Finished sequences by finish reason.",
+        self._request_success = Counter("tokenmill:request_success",
+                                        "Finished sequences by finish reason (stop, length, abort).",
                                         ["model_name", "finished_reason"], registry=self.registry)
         self.registry.register(_EngineStatsCollector(model_name, stats))
 
@@ -156,8 +157,15 @@ class RequestMetricsTracker:
         self._tracked[request_id] = _Tracked(first_child, arrival_time)
 
     def on_finished(self, request_id: str) -> None:
-        """Forget an aborted request."""
+        """Forget a request."""
         self._tracked.pop(request_id, None)
+
+    def on_aborted(self, engine, request_id: str) -> None:
+        """Count an aborted request's sequences (call before the engine drops it): those still
+        running under ``finished_reason="abort"``, those already done under their own reason."""
+        for finish_reason in engine.output_processor.finish_reasons(request_id):
+            self.metrics.count_finished(finish_reason or "abort")
+        self.on_finished(request_id)
 
     def on_step(self, engine, step_start: float, outputs: list[RequestOutput]) -> None:
         """Observe one engine step that started at ``step_start`` and produced ``outputs``."""

@@ -10,6 +10,7 @@ import math
 
 from tokenmill.outputs import Logprob, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.token_strings import TokenString, TokenStrings
 from tokenmill.server.errors import APIError, field_error
 from tokenmill.server.protocol import SamplingRequest
 
@@ -91,32 +92,19 @@ def _logprob_value(logprob: Logprob) -> float:
     return _NEG_INF_LOGPROB if math.isinf(value) or math.isnan(value) else value
 
 
-class TokenTexts:
-    """Token id -> the text of that token alone, decoded once and remembered."""
-
-    def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int, logprob: Logprob | None = None) -> str:
-        if logprob is not None and logprob.decoded_token is not None:
-            return logprob.decoded_token
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id])
-        return text
-
-
 class CompletionLogprobs:
     """Builds the completions ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset).
 
     Positions are appended in order (prompt positions first when echoing); ``take()`` returns
     what was appended since the previous ``take()``, with ``text_offset`` continuing across calls.
+    Tokens are shown as ``TokenStrings`` shows them (text, or a ``bytes:`` marker); a partial
+    token's ``text_offset`` is where the character it belongs to starts.
     """
 
-    def __init__(self, token_text: TokenTexts) -> None:
-        self._token_text = token_text
+    def __init__(self, token_strings: TokenStrings) -> None:
+        self._strings = token_strings
         self._offset = 0
+        self._pending = b""  # bytes of partial tokens that do not form a whole character yet
         self._reset()
 
     def _reset(self) -> None:
@@ -125,18 +113,31 @@ class CompletionLogprobs:
     def append(self, token_ids: list[int], entries: list[PositionLogprobs | None]) -> None:
         """Add positions: token ids and their engine log-probability entries (None: no context)."""
         for token_id, entry in zip(token_ids, entries):
-            text = self._token_text(token_id, entry.get(token_id) if entry else None)
-            self._new["tokens"].append(text)
+            token = self._strings(token_id)
+            self._new["tokens"].append(token.text)
             self._new["text_offset"].append(self._offset)
-            self._offset += len(text)
+            self._advance(token)
             if entry is None:  # the first prompt token has no context
                 self._new["token_logprobs"].append(None)
                 self._new["top_logprobs"].append(None)
                 continue
             self._new["token_logprobs"].append(_logprob_value(entry[token_id]))
-            self._new["top_logprobs"].append(
-                {self._token_text(tid, lp): _logprob_value(lp) for tid, lp in entry.items()}
-            )
+            self._new["top_logprobs"].append({self._strings.text(tid): _logprob_value(lp) for tid, lp in entry.items()})
+
+    def _advance(self, token: TokenString) -> None:
+        """Move ``text_offset`` past a token: by its text, or once its bytes complete a character."""
+        if not token.is_partial and not self._pending:
+            self._offset += len(token.text)
+            return
+        self._pending += token.raw_bytes if token.raw_bytes is not None else token.text.encode("utf-8")
+        try:
+            text = self._pending.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if exc.reason == "unexpected end of data":
+                return  # the next token may complete the character
+            text = self._pending.decode("utf-8", errors="replace")
+        self._offset += len(text)
+        self._pending = b""
 
     def take(self) -> dict:
         """The logprobs object of the positions appended since the last take()."""
@@ -146,13 +147,18 @@ class CompletionLogprobs:
 
 
 def chat_logprobs(
-    token_ids: list[int], entries: list[PositionLogprobs], top_logprobs: int, token_text: TokenTexts
+    token_ids: list[int], entries: list[PositionLogprobs], top_logprobs: int, token_strings: TokenStrings
 ) -> dict:
-    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}, ...]}``."""
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}, ...]}``.
+
+    ``token`` is the text, or a ``bytes:`` marker for a token that is not valid UTF-8 alone;
+    ``bytes`` is the token's raw bytes either way.
+    """
 
     def item(token_id: int, logprob: Logprob) -> dict:
-        text = token_text(token_id, logprob)
-        return {"token": text, "logprob": _logprob_value(logprob), "bytes": list(text.encode("utf-8"))}
+        token = token_strings(token_id)
+        raw = None if token.raw_bytes is None else list(token.raw_bytes)
+        return {"token": token.text, "logprob": _logprob_value(logprob), "bytes": raw}
 
     content = []
     for token_id, entry in zip(token_ids, entries):

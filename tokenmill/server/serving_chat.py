@@ -1,8 +1,12 @@
 """``POST /v1/chat/completions``: a conversation rendered with the model's chat template, answered
 as OpenAI chat completions (streamed as ``chat.completion.chunk`` deltas or not).
+
+Templating and tokenizing run in a worker thread, never on the event loop. A stream sends each
+choice's last content in its own chunk, then a chunk with an empty ``delta`` and the finish reason.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import AsyncIterator
@@ -11,6 +15,8 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tokenmill.engine.chat_prompt import ContentSpecialTokensError
+from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import EngineRequest, RequestStream
 from tokenmill.server.errors import APIError
 from tokenmill.server.openai_format import build_sampling_params, chat_logprobs, check_length, usage
@@ -18,11 +24,19 @@ from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.state import ServerState, sse_stream
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """Prompt token ids of a conversation (the same ones ``LLM.chat`` would use)."""
+def render_chat(
+    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+    allow_special_tokens_in_content: bool | None = None,
+) -> list[int]:
+    """Prompt token ids of a conversation (the same ones ``LLM.chat`` would use). Blocking: run it
+    in a worker thread. ``allow_special_tokens_in_content`` None takes the server's setting."""
+    if allow_special_tokens_in_content is None:
+        allow_special_tokens_in_content = state.config.allow_special_tokens_in_content
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        return state.llm().apply_chat_template(conversation, add_generation_prompt)
+        return state.llm().apply_chat_template(conversation, add_generation_prompt, allow_special_tokens_in_content)
+    except ContentSpecialTokensError as exc:
+        raise APIError(str(exc), param=exc.param) from None
     except (ValueError, jinja2.TemplateError) as exc:
         raise APIError(f"messages could not be rendered with the chat template: {exc}", param="messages") from None
 
@@ -38,7 +52,7 @@ def _reject_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError("tool_choice is not supported yet", param="tool_choice")
 
 
-def _engine_request(body: ChatCompletionRequest, state: ServerState, request_id: str) -> EngineRequest:
+async def _engine_request(body: ChatCompletionRequest, state: ServerState, request_id: str) -> EngineRequest:
     use_completion_name = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if use_completion_name else body.max_tokens
     max_tokens_param = "max_completion_tokens" if use_completion_name else "max_tokens"
@@ -50,7 +64,8 @@ def _engine_request(body: ChatCompletionRequest, state: ServerState, request_id:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         aliases={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
     )
-    token_ids = render_chat(state, body.messages, body.add_generation_prompt)
+    token_ids = await asyncio.to_thread(render_chat, state, body.messages, body.add_generation_prompt,
+                                        body.allow_special_tokens_in_content)
     check_length(len(token_ids), max_tokens, state.max_model_len, "messages", max_tokens_param)
     return EngineRequest(request_id, token_ids, params, None, body.cache_salt)
 
@@ -59,7 +74,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     """Validate, queue, and answer (JSON or SSE) one chat completions request."""
     state.check_model(body.model)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    request = _engine_request(body, state, response_id)
+    request = await _engine_request(body, state, response_id)
     stream = await state.submit([request], "messages")
     created = int(time.time())
     if body.stream:
@@ -67,17 +82,22 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         return StreamingResponse(sse_stream(_stream_events(body, state, stream, header), stream),
                                  media_type="text/event-stream")
     output = (await state.collect(stream, raw_request))[response_id]
+    choices = await asyncio.to_thread(_choices, body, state, output)  # logprobs of long outputs take a while
+    return JSONResponse({"id": response_id, "object": "chat.completion", "created": created,
+                         "model": state.model_name, "choices": choices, "usage": usage([output])})
+
+
+def _choices(body: ChatCompletionRequest, state: ServerState, output: RequestOutput) -> list[dict]:
     choices = []
     for completion in output.outputs:
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(completion.token_ids, completion.logprobs or [], body.top_logprobs or 0,
-                                     state.token_texts)
+                                     state.token_strings)
         choices.append({"index": completion.index, "message": {"role": "assistant", "content": completion.text},
                         "logprobs": logprobs, "finish_reason": completion.finish_reason,
                         "stop_reason": completion.stop_reason})
-    return JSONResponse({"id": response_id, "object": "chat.completion", "created": created,
-                         "model": state.model_name, "choices": choices, "usage": usage([output])})
+    return choices
 
 
 async def _stream_events(
@@ -94,18 +114,17 @@ async def _stream_events(
             if completion.index in finished:
                 continue
             text = completion.delta_text
-            has_tokens = bool(completion.delta_token_ids)
-            if not text and completion.finish_reason is None and not (body.logprobs and has_tokens):
-                continue
             logprobs = None
-            if body.logprobs:
+            if body.logprobs and completion.delta_token_ids:
                 logprobs = chat_logprobs(completion.delta_token_ids, completion.delta_logprobs or [],
-                                         body.top_logprobs or 0, state.token_texts)
-            if completion.finish_reason is not None:
+                                         body.top_logprobs or 0, state.token_strings)
+            if text or logprobs:
+                choices.append({"index": completion.index, "delta": {"content": text} if text else {},
+                                "logprobs": logprobs, "finish_reason": None, "stop_reason": None})
+            if completion.finish_reason is not None:  # the finish reason comes alone, after the last content
                 finished.add(completion.index)
-            choices.append({"index": completion.index, "delta": {"content": text} if text else {},
-                            "logprobs": logprobs, "finish_reason": completion.finish_reason,
-                            "stop_reason": completion.stop_reason})
+                choices.append({"index": completion.index, "delta": {}, "logprobs": None,
+                                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
         final = output
         for choice in choices:  # one choice per chunk, as OpenAI streams them
             yield {**header, "choices": [choice]}

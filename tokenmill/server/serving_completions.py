@@ -2,9 +2,12 @@
 
 Choice ``index`` is ``prompt_index * n + sequence_index``. With ``echo`` the prompt text (and,
 with ``logprobs``, the prompt tokens' log-probabilities, the first one null) comes first.
+Tokenizing runs in a worker thread, never on the event loop. A stream sends each choice's last
+text in its own chunk, then a chunk with empty text and the finish reason.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import AsyncIterator
@@ -27,6 +30,7 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
 
 
 def _engine_requests(body: CompletionRequest, state: ServerState, response_id: str) -> list[EngineRequest]:
+    """Validate and tokenize every prompt (blocking: run it in a worker thread)."""
     if body.suffix is not None:
         raise APIError("suffix is not supported (no fill-in-the-middle); leave it unset", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -47,7 +51,7 @@ def _engine_requests(body: CompletionRequest, state: ServerState, response_id: s
             raise APIError(f"{exc}" if len(prompts) == 1 else f"prompt {i}: {exc}", param="prompt") from None
         check_length(len(token_ids), body.max_tokens, engine.max_model_len, "prompt", "max_tokens")
         if text is None and body.echo:
-            text = state.tokenizer.decode(token_ids)
+            text = state.decode(token_ids)
         request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
         requests.append(EngineRequest(request_id, token_ids, params, text, body.cache_salt))
     return requests
@@ -57,13 +61,20 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
     """Validate, queue, and answer (JSON or SSE) one completions request."""
     state.check_model(body.model)
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = _engine_requests(body, state, response_id)
+    requests = await asyncio.to_thread(_engine_requests, body, state, response_id)
     stream = await state.submit(requests, "prompt")
     header = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     if body.stream:
         events = _stream_events(body, state, requests, stream, header)
         return StreamingResponse(sse_stream(events, stream), media_type="text/event-stream")
     finals = await state.collect(stream, raw_request)
+    choices = await asyncio.to_thread(_choices, body, state, requests, finals)  # long logprobs take a while
+    return JSONResponse({**header, "choices": choices, "usage": usage([finals[r.request_id] for r in requests])})
+
+
+def _choices(
+    body: CompletionRequest, state: ServerState, requests: list[EngineRequest], finals: dict[str, RequestOutput]
+) -> list[dict]:
     choices = []
     for i, request in enumerate(requests):
         output = finals[request.request_id]
@@ -71,7 +82,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
             text = completion.text
             logprobs = None
             if body.logprobs is not None:
-                builder = CompletionLogprobs(state.token_texts)
+                builder = CompletionLogprobs(state.token_strings)
                 if body.echo:
                     builder.append(output.prompt_token_ids, output.prompt_logprobs or [])
                 builder.append(completion.token_ids, completion.logprobs or [])
@@ -80,7 +91,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
                 text = request.prompt + text
             choices.append({"index": i * body.n + completion.index, "text": text, "logprobs": logprobs,
                             "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
-    return JSONResponse({**header, "choices": choices, "usage": usage([finals[r.request_id] for r in requests])})
+    return choices
 
 
 async def _stream_events(
@@ -102,18 +113,23 @@ async def _stream_events(
             text = (requests[p].prompt + completion.delta_text) if echo_now else completion.delta_text
             logprobs = None
             if body.logprobs is not None:
-                builder = builders.setdefault(key, CompletionLogprobs(state.token_texts))
+                builder = builders.setdefault(key, CompletionLogprobs(state.token_strings))
                 if echo_now:
                     builder.append(output.prompt_token_ids, output.prompt_logprobs or [])
                 builder.append(completion.delta_token_ids, completion.delta_logprobs or [])
                 logprobs = builder.take()
-            if not text and completion.finish_reason is None and not (logprobs and logprobs["tokens"]):
-                continue
-            started.add(key)
-            if completion.finish_reason is not None:
+                if not logprobs["tokens"]:
+                    logprobs = None
+            index = p * body.n + completion.index
+            if text or logprobs:
+                started.add(key)
+                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None,
+                                "stop_reason": None})
+            if completion.finish_reason is not None:  # the finish reason comes alone, after the last text
+                started.add(key)
                 finished.add(key)
-            choices.append({"index": p * body.n + completion.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+                choices.append({"index": index, "text": "", "logprobs": None,
+                                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
         if output.finished:
             finals[output.request_id] = output
         for choice in choices:  # one choice per chunk, as OpenAI streams them

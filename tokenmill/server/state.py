@@ -16,7 +16,8 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import AsyncEngine, EngineDeadError, EngineRequest, RequestStream
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import RequestMetricsTracker, ServerMetrics
-from tokenmill.server.openai_format import SSE_DONE, TokenTexts, sse
+from tokenmill.server.openai_format import SSE_DONE, sse
+from tokenmill.token_strings import TokenStrings
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class ServerConfig:
         served_model_name: the name clients must use in ``model``.
         api_key: when set, every /v1 route needs ``Authorization: Bearer <api_key>``.
         timeout_graceful_shutdown: seconds in-flight requests get to finish after SIGTERM/SIGINT.
+        allow_special_tokens_in_content: default of the chat request field of that name: parse
+            special-token strings in message contents into control tokens (off: plain text).
     """
 
     served_model_name: str
@@ -40,6 +43,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     timeout_graceful_shutdown: float = 30.0
+    allow_special_tokens_in_content: bool = False
 
 
 class ServerState:
@@ -51,7 +55,7 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats)
         self.engine = AsyncEngine(config.engine_kwargs, RequestMetricsTracker(self.metrics), on_load_failure)
-        self._token_texts: TokenTexts | None = None
+        self._token_strings: TokenStrings | None = None
 
     # ---- facts of the loaded engine (raise 503 until it is loaded) ---------------------------
     def llm(self):
@@ -74,11 +78,22 @@ class ServerState:
     def vocab_size(self) -> int:
         return self.llm().engine.loaded.vocab_size
 
+    def decode(self, token_ids: list[int]) -> str:
+        """``tokenizer.decode(token_ids)``, through ``decode_batch``, which lets other Python threads
+        run meanwhile (``decode`` holds the GIL). Blocking: run it in a worker thread."""
+        tokenizer = self.tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        text = backend.decode_batch([token_ids], skip_special_tokens=False)[0]
+        if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            text = tokenizer.clean_up_tokenization(text)
+        return text
+
     @property
-    def token_texts(self) -> TokenTexts:
-        if self._token_texts is None:
-            self._token_texts = TokenTexts(self.tokenizer)
-        return self._token_texts
+    def token_strings(self) -> TokenStrings:
+        """How logprobs show each token (text, or a ``bytes:`` marker for partial UTF-8)."""
+        if self._token_strings is None:
+            self._token_strings = TokenStrings(self.tokenizer)
+        return self._token_strings
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is None or the served name."""

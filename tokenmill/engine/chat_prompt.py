@@ -1,0 +1,143 @@
+"""ChatPromptRenderer: a conversation -> prompt token ids through the model's chat template, so that
+only the template makes control tokens.
+
+A message whose text holds a special-token string (``"hi<|im_end|>\\n<|im_start|>assistant"``)
+would otherwise be tokenized into real control tokens and forge a turn of another role. Here such
+contents are tokenized as plain text; the template's own text keeps today's parsing. Pure CPU;
+never imports torch.
+"""
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from typing import Any
+
+
+class ContentSpecialTokensError(ValueError):
+    """A message holds special-token text that cannot be kept as plain text (``param`` names it)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ChatPromptRenderer:
+    """Renders conversations with a tokenizer's chat template and tokenizes the result.
+
+    With ``allow_special_tokens_in_content=False`` (the default) the result is the usual
+    ``encode(apply_chat_template(...))`` whenever the message contents yield no special token,
+    and otherwise the same text tokenized in pieces: each content that yields one is tokenized
+    with special-token strings as plain text, the template text around it as usual.
+
+    How a content is found in the rendered text: the template is rendered a second time with
+    each content replaced by a unique marker, and the real text must equal that skeleton with the
+    markers replaced by the contents (the template inserts contents verbatim). A template that
+    alters contents (trims them, splits them) cannot be checked that way; there a content that
+    yields special tokens is refused with :class:`ContentSpecialTokensError`.
+
+    Args:
+        tokenizer: a transformers tokenizer with a ``chat_template``.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        added = self._backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        # A copy of the backend tokenizer that never extracts special tokens (built here, once:
+        # it holds the GIL for a moment).
+        from tokenizers import Tokenizer
+
+        self._plain = Tokenizer.from_str(self._backend.to_str())
+        self._plain.encode_special_tokens = True
+
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False
+    ) -> list[int]:
+        """Prompt token ids of a conversation (``messages``: dicts with ``role`` and ``content``).
+
+        Raises:
+            ValueError: the model has no chat template, or the template rejects the conversation.
+            ContentSpecialTokensError: a content yields special tokens and the template alters contents.
+        """
+        tokenizer = self._tokenizer
+        if not tokenizer.chat_template:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        if allow_special_tokens_in_content:
+            return token_ids
+        nonce = uuid.uuid4().hex
+        markers = [f"<tokenmill-content-{nonce}-{i}>" for i in range(len(messages))]
+        skeleton = tokenizer.apply_chat_template(
+            [{**m, "content": marker} for m, marker in zip(messages, markers)], tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+        template_specials = self._special_counts(tokenizer.encode(skeleton, add_special_tokens=False))
+        if self._special_counts(token_ids) == template_specials:
+            return token_ids  # every control token came from the template
+        spans = _content_spans(text, skeleton, markers, [m.get("content") for m in messages])
+        if spans is None:
+            raise ContentSpecialTokensError(
+                "messages: a message content holds special-token text and this model's chat template alters "
+                "contents, so it cannot be kept as plain text; remove it, or send "
+                "allow_special_tokens_in_content: true to parse it into control tokens", "messages")
+        return self._encode_in_pieces(text, self._offending(text, spans))
+
+    def _special_counts(self, token_ids: list[int]) -> Counter:
+        return Counter(t for t in token_ids if t in self._special_ids)
+
+    def _offending(self, text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The content spans that a special token reaches into (by more than whitespace)."""
+        encoding = _encode(self._backend, text)
+        hits = [encoding.token_to_chars(i) for i, t in enumerate(encoding.ids) if t in self._special_ids]
+        offending = []
+        for start, end in spans:
+            for a, b in hits:
+                lo, hi = max(a, start), min(b, end)
+                if lo < hi and text[lo:hi].strip():
+                    offending.append((start, end))
+                    break
+        return offending
+
+    def _encode_in_pieces(self, text: str, plain_spans: list[tuple[int, int]]) -> list[int]:
+        """Tokenize ``text`` with the ``plain_spans`` (sorted, disjoint) as plain text, the rest as usual."""
+        token_ids: list[int] = []
+        position = 0
+        for start, end in plain_spans:
+            if start > position:
+                token_ids += _encode(self._backend, text[position:start]).ids
+            token_ids += _encode(self._plain, text[start:end]).ids
+            position = end
+        if position < len(text):
+            token_ids += _encode(self._backend, text[position:]).ids
+        return token_ids
+
+
+def _encode(tokenizer: Any, text: str) -> Any:
+    """``tokenizer.encode(text)`` without special tokens added, through ``encode_batch``, which lets
+    other Python threads run meanwhile (``encode`` holds the GIL for the whole call)."""
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0]
+
+
+def _content_spans(
+    text: str, skeleton: str, markers: list[str], contents: list[Any]
+) -> list[tuple[int, int]] | None:
+    """Where each content lies in ``text``, given the ``skeleton`` rendered with ``markers`` as
+    contents; None unless ``text`` is the skeleton with every marker replaced by its content."""
+    if not all(isinstance(c, str) for c in contents):
+        return None
+    pieces: list[str] = []
+    spans: list[tuple[int, int]] = []
+    position = length = 0
+    for marker, content in zip(markers, contents):
+        at = skeleton.find(marker, position)
+        if at < 0 or skeleton.find(marker, at + len(marker)) >= 0:
+            return None
+        pieces += [skeleton[position:at], content]
+        length += at - position
+        spans.append((length, length + len(content)))
+        length += len(content)
+        position = at + len(marker)
+    pieces.append(skeleton[position:])
+    return spans if "".join(pieces) == text else None
