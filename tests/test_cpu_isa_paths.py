@@ -78,7 +78,11 @@ def test_silu_every_path_gives_the_portable_bits(isa, dtype):
     for x in silu_inputs(dtype):
         out = sk._silu_and_mul(lib, x)
         ref = sk._silu_and_mul(portable, x)
-        diff = (out.view(bits) != ref.view(bits)).nonzero().tolist()
+        # Bits equal, except that a float32 NaN's sign is not compared: where silu(gate) and up are both
+        # NaN, x86 returns one operand's NaN and the compiler may order a commutative multiply either
+        # way (bf16 NaN is always the canonical 0x7fc0, so bf16 is compared in full).
+        both_nan = out.isnan() & ref.isnan() if dtype == torch.float32 else torch.zeros_like(out, dtype=torch.bool)
+        diff = ((out.view(bits) != ref.view(bits)) & ~both_nan).nonzero().tolist()
         assert not diff, f"{len(diff)} elements differ from portable, first at {diff[0]}"
         # and the portable path is torch's SiLU (bf16: silu rounded before the multiply)
         half = x.shape[1] // 2

@@ -16,6 +16,9 @@ from tokenmill.layers.batch_invariant import bi_linear
 
 # Vocabulary rows per float32 chunk when torch computes float32 logits from bf16 weights on CPU.
 _LOGITS_CHUNK = 8192
+# Whether torch.mm(..., out_dtype=float32) works on CUDA here (cleared at its first failure, which
+# happens in the eager profiling forward, before any CUDA graph is captured).
+_cuda_mm_out_dtype = True
 
 
 class Linear(nn.Module):
@@ -52,15 +55,19 @@ class Linear(nn.Module):
 
         float32 weights run ``forward``. bf16 weights run the C GEMM with float32 output in
         deterministic mode or when ``float32_logits_kernel`` is set (the CPU runner's default); on
-        CUDA ``torch.mm`` with ``out_dtype=float32``; otherwise torch in float32 over chunks of
-        ``_LOGITS_CHUNK`` weight rows converted on the fly (no float32 copy of the weight is kept).
+        CUDA ``torch.mm`` with ``out_dtype=float32`` where torch offers it; otherwise torch in float32
+        over chunks of ``_LOGITS_CHUNK`` weight rows converted on the fly (no float32 copy is kept).
         """
         if self.weight.dtype == torch.float32:
             return self(x).float()
         if self.batch_invariant or self.float32_logits_kernel:
             return bi_linear(x, self.weight, self.bias, out_dtype=torch.float32)
-        if x.is_cuda and self.bias is None:
-            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        global _cuda_mm_out_dtype
+        if x.is_cuda and self.bias is None and _cuda_mm_out_dtype:
+            try:
+                return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):  # a torch/cuBLAS without it: the chunked path from now on
+                _cuda_mm_out_dtype = False
         x32 = x.float()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         for start in range(0, self.out_features, _LOGITS_CHUNK):
