@@ -227,26 +227,31 @@ def _long_request(stream: bool) -> dict:
             "temperature": 0, "ignore_eos": True, "stream": stream}
 
 
-def _assert_aborted_and_freed(server: ServerProcess, generated_before: float) -> None:
+ABORTED = "tokenmill:request_success_total{finished_reason=abort}"
+
+
+def _assert_aborted_and_freed(server: ServerProcess, before: dict[str, float]) -> None:
     kv = server.wait_idle()
     assert kv["num_running"] == 0 and kv["num_waiting"] == 0
     assert kv["num_free_blocks"] == kv["num_blocks"] and kv["integrity"] == "ok"
-    generated = server.metrics()["tokenmill:generation_tokens_total"] - generated_before
+    after = server.metrics()
+    generated = after["tokenmill:generation_tokens_total"] - before["tokenmill:generation_tokens_total"]
     assert generated < LONG_GENERATION  # it stopped consuming compute
+    assert after[ABORTED] - before.get(ABORTED, 0.0) == 1  # and /metrics counts it (issue 23, item 7)
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
-    generated_before = server.metrics()["tokenmill:generation_tokens_total"]
+    before = server.metrics()
     with httpx.stream("POST", f"{server.url}/v1/completions", json=_long_request(True), timeout=120) as response:
         events = (line for line in response.iter_lines() if line)
         for _ in range(3):
             assert next(events).startswith("data: ")
         assert server.kv_cache()["num_running"] == 1
-    _assert_aborted_and_freed(server, generated_before)
+    _assert_aborted_and_freed(server, before)
 
 
 def test_disconnect_while_waiting_non_streamed_frees_blocks(server):
-    generated_before = server.metrics()["tokenmill:generation_tokens_total"]
+    before = server.metrics()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=_long_request(False), timeout=1.0)
-    _assert_aborted_and_freed(server, generated_before)
+    _assert_aborted_and_freed(server, before)
