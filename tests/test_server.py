@@ -353,6 +353,8 @@ def test_nul_characters_are_text_and_served(server, llm, tiny_path):
         (C, {"prompt": "x", "suffix": "\x00"}, 400, "suffix"),
         (CHAT_PATH, {"messages": HI, "tool_choice": "\x00"}, 400, "tool_choice"),
         (C, {"prompt": "x", "logit_bias": {"\x00": 1}}, 400, "logit_bias"),
+        (CHAT_PATH, {"messages": [{"role": "\x00", "content": "hi"}]}, 400, "messages[0].role"),
+        ("/detokenize", {"tokens": [1], "model": "\x00"}, 404, "model"),
     ]
     for path, body, status, param in refused:
         response = server.post(path, {"model": tiny_path, **body})
