@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+
+from tokenmill.cli.logging_setup import add_logging_args, add_logging_args_to_subcommands, configure_logging
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The ``LLM`` / ``LLMEngine`` keyword arguments the engine flags of ``args`` give."""
     return dict(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
@@ -52,27 +54,39 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Sampling flags of ``generate`` and ``chat``; unset ones follow the model's generation_config."""
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0: greedy, the same text every run (default: the model's generation_config, often 1.0)")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
 
 
 def sampling_params(args: argparse.Namespace):
+    """The ``SamplingParams`` of the sampling flags (raises ValueError naming a bad one)."""
     from tokenmill.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.sampling_seed)
 
 
+def print_startup_line(llm) -> None:
+    """One stderr line with the model, dtype, device, ISA path and kernel choice."""
+    from tokenmill.cli.startup_line import startup_line
+
+    print(startup_line(llm.engine), file=sys.stderr, flush=True)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate for each prompt and print ``### prompt`` then the text; returns the exit code."""
     from tokenmill.engine.llm import LLM
 
     params = sampling_params(args)  # validate before the model loads
     if not all(args.prompt):
         raise ValueError("prompt must not be empty")
     llm = LLM(**engine_kwargs(args))
+    print_startup_line(llm)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
@@ -84,10 +98,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    """Read user turns from stdin (empty line or EOF ends) and print each reply; returns the exit code."""
     from tokenmill.engine.llm import LLM
 
     params = sampling_params(args)  # validate before the model loads
     llm = LLM(**engine_kwargs(args))
+    print_startup_line(llm)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -108,8 +124,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``tokenmill`` parser with every subcommand; each takes ``--log-level`` and ``-v`` too."""
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill LLM inference engine")
-    parser.add_argument("--log-level", default="INFO")
+    add_logging_args(parser, top_level=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -131,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         except ImportError:
             continue
         mod.register(sub)
+    add_logging_args_to_subcommands(parser)
     return parser
 
 
@@ -145,11 +163,12 @@ def add_engine_args_no_positional(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, set up logging and run the subcommand; returns the exit code (2: bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if hasattr(args, "model_flag"):  # `--model X` and a positional X mean the same
         args.model = args.model_flag or getattr(args, "model", None)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args)
     try:
         return args.func(args)
     except ValueError as exc:

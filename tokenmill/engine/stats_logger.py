@@ -1,17 +1,48 @@
-"""StatsLogger: a periodic one-line log of engine throughput, queue sizes, KV usage and prefix-cache hit rate."""
+"""StatsLogger: a periodic one-line log of engine throughput, queue sizes, KV usage and prefix-cache hit rate.
+
+Logs at INFO on the ``tokenmill.engine`` logger; whether the line is shown is the caller's logging setup
+(`tokenmill chat` and `generate` hide INFO unless asked, `serve` shows it).
+"""
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 
 logger = logging.getLogger("tokenmill.engine")
 
+DEFAULT_INTERVAL_S = 10.0
+INTERVAL_ENV = "TOKENMILL_STATS_INTERVAL_S"
+
+
+def stats_interval_s() -> float:
+    """Seconds between stats lines: $TOKENMILL_STATS_INTERVAL_S if set (tests shorten it), else 10.
+
+    Raises:
+        ValueError: the variable is not a finite number > 0.
+    """
+    text = os.environ.get(INTERVAL_ENV, "").strip()
+    if not text:
+        return DEFAULT_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{INTERVAL_ENV} must be a number of seconds, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise ValueError(f"{INTERVAL_ENV} must be a finite number of seconds > 0, got {text}")
+    return value
+
 
 class StatsLogger:
-    """Accumulates per-step token counts and logs them every ``interval_s`` seconds (when busy)."""
+    """Accumulates per-step token counts and logs them every ``interval_s`` seconds (when busy).
 
-    def __init__(self, interval_s: float = 10.0) -> None:
-        self.interval_s = interval_s
+    Args:
+        interval_s: seconds between lines; None reads ``stats_interval_s()`` (default 10).
+    """
+
+    def __init__(self, interval_s: float | None = None) -> None:
+        self.interval_s = stats_interval_s() if interval_s is None else interval_s
         self._last_log = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -19,10 +50,12 @@ class StatsLogger:
         self._last_hits = 0
 
     def record_step(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """Add one step's prompt and generated token counts."""
         self._prompt_tokens += num_prompt_tokens
         self._generation_tokens += num_generation_tokens
 
     def maybe_log(self, scheduler, kv_cache_manager, kv_store=None) -> None:
+        """Log the stats line if ``interval_s`` has passed since the last one, then start a new interval."""
         now = time.monotonic()
         elapsed = now - self._last_log
         if elapsed < self.interval_s:
