@@ -33,6 +33,8 @@ class LLM:
         gpu_memory_utilization: on CUDA, the fraction of device memory for weights, activations
             and KV cache; the KV pool gets what a profiling forward pass leaves.
         enforce_eager: on CUDA, never capture or replay CUDA graphs.
+        cpu_kernels: on CPU, use the compiled C kernels where they beat torch on this machine
+            (measured once per machine); False runs every layer on torch's ops.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class LLM:
         device: str = "auto",
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        cpu_kernels: bool = True,
     ) -> None:
         config = build_engine_config(
             model=model, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -67,7 +70,7 @@ class LLM:
             kv_offload_memory=kv_offload_memory, kv_offload_disk_path=kv_offload_disk_path,
             kv_offload_disk_size=kv_offload_disk_size,
             kv_offload_disk_drive_size=kv_offload_disk_drive_size, device=device,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, cpu_kernels=cpu_kernels,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -174,6 +177,7 @@ def build_engine_config(
     device: str = "auto",
     gpu_memory_utilization: float = 0.9,
     enforce_eager: bool = False,
+    cpu_kernels: bool = True,
 ) -> EngineConfig:
     """The EngineConfig for ``LLM(**kwargs)`` (same keyword names), without loading anything.
 
@@ -189,6 +193,7 @@ def build_engine_config(
         device=device,
         gpu_memory_utilization=gpu_memory_utilization,
         enforce_eager=enforce_eager,
+        cpu_kernels=cpu_kernels,
         cache=CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
