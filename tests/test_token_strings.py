@@ -33,7 +33,7 @@ def test_every_smollm2_token_has_a_distinct_string_and_its_own_bytes(smollm2):
     vocab = smollm2.backend_tokenizer.get_vocab(with_added_tokens=True)
     seen: dict[str, int] = {}
     num_partial = 0
-    for piece, token_id in vocab.items():
+    for token_id in vocab.values():
         token = strings(token_id)
         assert seen.setdefault(token.text, token_id) == token_id, (token.text, token_id, seen[token.text])
         assert marker_bytes(token.text) == token.raw_bytes

@@ -10,9 +10,9 @@ import math
 
 from tokenmill.outputs import Logprob, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.token_strings import TokenString, TokenStrings
 from tokenmill.server.errors import APIError, field_error
 from tokenmill.server.protocol import SamplingRequest
+from tokenmill.token_strings import TokenString, TokenStrings
 
 MAX_N = 128  # most sequences one request may ask for
 MAX_STOP_STRINGS = 32  # every stop string is searched at every step
