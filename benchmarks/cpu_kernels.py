@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import replace
@@ -38,14 +37,6 @@ def set_kernels(llm, on: bool, plans: dict) -> None:
     if "on" not in plans:
         plans["on"] = plan_cpu_kernels(runner.model, runner.loaded.dtype, lm_head=lm_head)
     apply_plan(runner.model, plans["on"] if on else KernelPlan(isa=None), lm_head)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return platform.processor() or "unknown"
 
 
 def batch1_decode(llm) -> float:
@@ -87,7 +78,7 @@ def main() -> None:
     plans: dict = {}
     llm = LLM(dtype=args.dtype, num_threads=args.num_threads)
     set_kernels(llm, True, plans)
-    results: dict = {"cpu": cpu_model(), "isa": csrc_build.selected_isa(), "dtype": str(llm.engine.loaded.dtype),
+    results: dict = {"cpu": csrc_build.cpu_model_name(), "isa": csrc_build.selected_isa(), "dtype": str(llm.engine.loaded.dtype),
                      "plan": plans["on"].describe(), "batch1_decode_tok_s": {}, "sharegpt": []}
     print(f"{results['cpu']}, ISA path {results['isa']}, {results['dtype']}\n{results['plan']}", flush=True)
     best = {"on": 0.0, "off": 0.0}

@@ -8,19 +8,11 @@ from __future__ import annotations
 import platform
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
-
-
 def pytest_report_header(config) -> list[str]:
     from tokenmill import csrc_build
 
     return [
-        f"tokenmill CPU: {_cpu_model()} ({platform.machine()}); ISA paths this CPU runs: "
+        f"tokenmill CPU: {csrc_build.cpu_model_name()} ({platform.machine()}); ISA paths this CPU runs: "
         f"{', '.join(csrc_build.supported_isas())}; default path: {csrc_build.selected_isa()}",
     ]
 

@@ -210,5 +210,10 @@ def test_serve_deterministic_flag_over_http(wide_llama, tmp_path):
             return answer(results[8])
 
         assert asyncio.run(crowded()) == alone
+        status = server.get_json("/debug/status")  # the ISA path is visible to operators
+        assert status["cpu"]["isa_path"] == csrc_build.selected_isa()
+        assert status["kernels"] == f"deterministic: batch-invariant C kernels ({csrc_build.selected_isa()} path)"
+        assert status["config"]["deterministic"] is True and status["dtype"] == "bfloat16"
+        assert status["kv_cache"]["integrity"] == "ok" and status["kernel_plan"] is None
     finally:
         server.stop()

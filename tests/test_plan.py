@@ -12,6 +12,7 @@ import torch
 from tests.tiny_models import make_tiny_model
 from tokenmill import LLM
 from tokenmill.cli.main import main
+from tokenmill.csrc_build import cpu_has_native_bf16
 from tokenmill.memory_plan import (
     RUNTIME_OVERHEAD_BYTES,
     PlanConfig,
@@ -85,8 +86,11 @@ def test_tiny_qwen3_explicit_head_dim(tiny_qwen3):
     shape = read_model_shape(tiny_qwen3)
     assert (shape.head_dim, shape.checkpoint_dtype, shape.num_params) == (32, "bfloat16", TINY_QWEN3_PARAMS)
     plan = plan_memory(shape, PlanConfig(memory=1.0, kv_cache_memory=0.005, block_size=8))
-    assert plan.dtype == "bfloat16" and plan.kv_bytes_per_token == 2 * 2 * 2 * 32 * 2 == 512
-    assert plan.num_kv_blocks == int(0.005 * GIB) // (8 * 512) == 1310
+    # dtype auto: bf16 where the CPU has bf16 arithmetic, float32 elsewhere (the engine's rule)
+    elt = 2 if cpu_has_native_bf16() else 4
+    assert plan.dtype == ("bfloat16" if elt == 2 else "float32")
+    assert plan.kv_bytes_per_token == 2 * 2 * 2 * 32 * elt
+    assert plan.num_kv_blocks == int(0.005 * GIB) // (8 * 2 * 2 * 2 * 32 * elt)
     fp8 = plan_memory(shape, PlanConfig(memory=1.0, kv_cache_memory=0.005, block_size=8, kv_cache_dtype="fp8"))
     assert fp8.kv_bytes_per_token == 256 and fp8.num_kv_blocks == int(0.005 * GIB) // (8 * 256)
     blocks, params = engine_blocks(tiny_qwen3, 0.005, 8)
@@ -98,8 +102,10 @@ def test_embedded_smollm2_gguf_matches_model_runner():
     assert (shape.file_format, shape.num_layers, shape.num_kv_heads, shape.head_dim) == ("gguf", 30, 3, 64)
     assert shape.num_params == SMOLLM2_PARAMS
     plan = plan_memory(shape, PlanConfig(memory=1.5, max_model_len=2048))
-    assert plan.dtype == "bfloat16" and plan.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23040
-    assert plan.num_kv_blocks == plan.kv_budget_bytes // (16 * 23040)
+    elt = 2 if cpu_has_native_bf16() else 4  # dtype auto, as the engine decides it on this CPU
+    assert plan.dtype == ("bfloat16" if elt == 2 else "float32")
+    assert plan.kv_bytes_per_token == 2 * 30 * 3 * 64 * elt
+    assert plan.num_kv_blocks == plan.kv_budget_bytes // (16 * plan.kv_bytes_per_token)
     assert plan.num_full_length_sequences == plan.num_kv_blocks // 128
     # The engine's sizing path on the same config (weights not needed to size the pool).
     path = default_model_path()

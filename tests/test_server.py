@@ -8,9 +8,8 @@ move; the API key is enforced; SIGTERM exits with 0 after finishing in-flight re
 """
 from __future__ import annotations
 
-import json
-
 import asyncio
+import json
 import threading
 import time
 
@@ -634,3 +633,18 @@ def test_api_key_required_and_sigterm_exits_cleanly(tiny_path, tmp_path):
     assert code == 0, server.log()[-3000:]
     assert result.get("finish_reason") == "length"
     assert "Traceback" not in server.log()
+
+
+def test_debug_status_reports_config_cpu_and_kernels(server, tiny_path):
+    """/debug/status: where the engine runs (CPU model, ISA path, threads) and which kernels run."""
+    from tokenmill import csrc_build
+
+    status = server.get_json("/debug/status")
+    assert status["device"] == "cpu" and status["dtype"] == "float32" and status["num_threads"] == 1
+    assert status["cpu"]["isa_path"] == csrc_build.selected_isa()
+    assert status["cpu"]["isa_paths_supported"] == list(csrc_build.supported_isas())
+    assert status["config"]["cache"]["num_kv_blocks"] == NUM_BLOCKS
+    plan = status["kernel_plan"]
+    assert plan["isa"] == csrc_build.selected_isa() and plan["logits"] is True
+    assert status["kernels"].startswith(f"C kernels ({csrc_build.selected_isa()} path")
+    assert status["kv_cache"]["num_blocks"] == NUM_BLOCKS

@@ -86,6 +86,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("model name" on x86), else platform.processor()."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def isa_supported(isa: str) -> bool:
     """True if this machine can run code built for ``isa`` (one of ISAS).
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.config import ConfigError, check_int, check_number
+from tokenmill.csrc_build import cpu_has_native_bf16
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
 
 MIB = 1024**2
@@ -238,10 +239,11 @@ def kv_cache_memory_flag(num_blocks: int, bytes_per_block: int, budget_bytes: in
 
 
 def run_dtype(shape: ModelShape, dtype: str) -> str:
-    """The dtype the engine runs in: "auto" keeps float32 checkpoints in float32, everything else bfloat16."""
+    """The dtype the engine runs in on this CPU: "auto" keeps float32 checkpoints in float32 and runs the
+    rest in bfloat16 where the CPU has bf16 arithmetic, float32 elsewhere (as models/loader.py does)."""
     if dtype != "auto":
         return dtype
-    return "float32" if shape.checkpoint_dtype == "float32" else "bfloat16"
+    return "float32" if shape.checkpoint_dtype == "float32" or not cpu_has_native_bf16() else "bfloat16"
 
 
 def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:

@@ -42,6 +42,7 @@ class ModelRunner:
 
     Attributes:
         kernel_choice: one line saying which kernels run (for the startup log and status pages).
+        kernel_plan: the ``cpu_kernels.KernelPlan`` applied in default CPU mode, else None.
 
     Raises:
         ValueError: deterministic mode asked for with a dtype or machine it cannot support.
@@ -68,6 +69,7 @@ class ModelRunner:
 
             check_deterministic_supported(loaded.dtype, self.device)
             enable_batch_invariant(self.model)
+        self.kernel_plan = None  # the measured CPU kernel plan (default mode on CPU), for status pages
         self.kernel_choice = "deterministic: batch-invariant C kernels" if deterministic else "torch ops"
         if deterministic:
             from tokenmill.layers import batch_invariant
@@ -79,6 +81,7 @@ class ModelRunner:
             lm_head = getattr(self.model, "lm_head", None)
             plan = plan_cpu_kernels(self.model, loaded.dtype, enabled=cpu_kernels, lm_head=lm_head)
             apply_plan(self.model, plan, lm_head)
+            self.kernel_plan = plan
             self.kernel_choice = plan.describe()
         if self.device.type == "cpu":
             logger.info("CPU kernels: %s", self.kernel_choice)

@@ -1,7 +1,8 @@
 """The FastAPI app (routes, API-key check, lifespan of the engine thread) and ``run_server``.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions (API key checked when configured),
-/health, /version, /metrics, /tokenize, /detokenize and the debug view /debug/kv_cache.
+/health, /version, /metrics, /tokenize, /detokenize and the debug views /debug/kv_cache and
+/debug/status (engine configuration, CPU ISA path and kernel choice, KV pool).
 Tokenizing, chat templating and detokenizing run in worker threads (``asyncio.to_thread``), so a
 large input never stalls the event loop and the requests of other clients.
 """
@@ -17,6 +18,7 @@ from typing import Callable
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -52,6 +54,38 @@ def kv_cache_snapshot(engine) -> dict:
         "prefix_cache_hits": kv.prefix_cache_hits,
         "integrity": integrity,
         "kv_offload": engine.kv_store.snapshot() if engine.kv_store is not None else None,
+    }
+
+
+def engine_status(engine) -> dict:
+    """The engine's configuration, where it runs (device, dtype, threads, CPU model and ISA path, which
+    kernels run) and the KV snapshot (engine thread only)."""
+    import dataclasses
+    import platform
+
+    import torch
+
+    from tokenmill import csrc_build
+
+    runner = engine.runner
+    plan = getattr(runner, "kernel_plan", None)
+    return {
+        "model": engine.model_name,
+        "version": tokenmill.__version__,
+        "device": str(engine.device),
+        "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+        "num_threads": torch.get_num_threads(),
+        "cpu": {
+            "model": csrc_build.cpu_model_name(),
+            "machine": platform.machine(),
+            "isa_path": csrc_build.selected_isa(),
+            "isa_paths_supported": list(csrc_build.supported_isas()),
+            "native_bf16": csrc_build.cpu_has_native_bf16(),
+        },
+        "kernels": getattr(runner, "kernel_choice", None),
+        "kernel_plan": dataclasses.asdict(plan) if plan is not None else None,
+        "config": dataclasses.asdict(engine.config),
+        "kv_cache": kv_cache_snapshot(engine),
     }
 
 
@@ -160,6 +194,14 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
         """The KV pool, scheduler counts and check_integrity() result, read on the engine thread."""
         try:
             return JSONResponse(await state.engine.call(kv_cache_snapshot))
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503, "service_unavailable_error") from None
+
+    @app.get("/debug/status")
+    async def debug_status() -> JSONResponse:
+        """Configuration, CPU ISA path and kernel choice, KV pool; read on the engine thread."""
+        try:
+            return JSONResponse(jsonable_encoder(await state.engine.call(engine_status)))
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, "service_unavailable_error") from None
 
