@@ -6,8 +6,8 @@ script measures, in one run, each configuration quiet and then beside a one-core
 (``python -c "while True: pass"``), each in a fresh process (OpenMP settings are read at start-up),
 alternating the order and keeping the best of ``--repeats`` runs:
 
-- tokenmill with ``--dtype auto`` (float32 on CPUs without bf16 arithmetic), bfloat16 and float32;
-- tokenmill float32 with ``--no-cpu-kernels``;
+- tokenmill with ``--dtype auto`` (float32 on CPUs without bf16 arithmetic) and with the other dtype;
+- tokenmill ``--dtype auto`` with ``--no-cpu-kernels``;
 - tokenmill with other OpenMP wait settings (``--spin-variants``, e.g. GOMP_SPINCOUNT=0);
 - transformers float32 on the same GGUF (``generate``, greedy), the peer of ../shared/baseline.md.
 
@@ -94,15 +94,17 @@ def main() -> None:
         print(json.dumps(result))
         return
 
+    from tokenmill.csrc_build import cpu_has_native_bf16
+
+    auto, other = ("bfloat16", "float32") if cpu_has_native_bf16() else ("float32", "bfloat16")
     configs = [
-        {"name": "tokenmill auto", "engine": "tokenmill", "dtype": "auto"},
-        {"name": "tokenmill bf16", "engine": "tokenmill", "dtype": "bfloat16"},
-        {"name": "tokenmill fp32", "engine": "tokenmill", "dtype": "float32"},
-        {"name": "tokenmill fp32 --no-cpu-kernels", "engine": "tokenmill", "dtype": "float32", "cpu_kernels": False},
+        {"name": f"tokenmill auto ({auto})", "engine": "tokenmill", "dtype": "auto"},
+        {"name": f"tokenmill {other}", "engine": "tokenmill", "dtype": other},
+        {"name": "tokenmill auto --no-cpu-kernels", "engine": "tokenmill", "dtype": "auto", "cpu_kernels": False},
         {"name": "transformers fp32", "engine": "transformers"},
     ]
     for spin in filter(None, args.spin_variants.split(",")):
-        configs.append({"name": f"tokenmill auto GOMP_SPINCOUNT={spin}", "engine": "tokenmill", "dtype": "auto",
+        configs.append({"name": f"tokenmill auto, GOMP_SPINCOUNT={spin}", "engine": "tokenmill", "dtype": "auto",
                         "env": {"GOMP_SPINCOUNT": spin}})
     best: dict[tuple[str, bool], dict] = {}
     for rep in range(args.repeats):

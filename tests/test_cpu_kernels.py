@@ -14,6 +14,7 @@ from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention.layer import Attention
 from tokenmill.layers import batch_invariant, silu_and_mul_kernel
+from tokenmill.layers import linear as linear_module
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import Linear
@@ -45,14 +46,33 @@ def test_default_cpu_runner_applies_the_measured_plan(tmp_path, monkeypatch, dty
     assert "measured" in first.engine.runner.kernel_choice and "cache" in second.engine.runner.kernel_choice
     assert first.engine.runner.kernel_choice.replace("measured", "cache") == second.engine.runner.kernel_choice
     assert len(list((tmp_path / "cache" / "kernels" / "dispatch").glob("*.json"))) == 1
-    modules = layers(second)
-    lm_head = second.engine.runner.model.lm_head
-    linears = [m for m in modules if isinstance(m, Linear)]
-    assert lm_head.float32_logits_kernel and not any(m.float32_logits_kernel for m in linears if m is not lm_head)
-    tables = {m.cpu_gemm_table for m in linears} | {m.cpu_kernel_table for m in modules if isinstance(m, RMSNorm)}
-    assert all(len(t) == ROW_LADDER[-1] + 1 for t in tables)
-    assert not any(m.batch_invariant for m in linears)
-    assert "LM head C, float32 logits" in second.engine.runner.kernel_choice
+    runner = second.engine.runner
+    plan = runner.kernel_plan
+    assert plan.isa == batch_invariant.isa() and plan.dtype == dtype and plan.source == "cache"
+    modules, lm_head = layers(second), runner.model.lm_head
+    gemm, rms, silu = row_table(plan.gemm), row_table(plan.rms_norm), row_table(plan.silu_and_mul)
+    assert len(gemm) == ROW_LADDER[-1] + 1
+    assert all(m.cpu_gemm_table == gemm and not m.batch_invariant for m in modules if isinstance(m, Linear))
+    assert all(m.cpu_kernel_table == rms for m in modules if isinstance(m, RMSNorm))
+    assert all(m.cpu_kernel_table == silu for m in modules if isinstance(m, SiluAndMul))
+    assert all(m.cpu_decode_kernel == plan.paged_decode for m in modules if isinstance(m, Attention))
+    assert lm_head.float32_logits_kernel == plan.logits
+    assert not any(m.float32_logits_kernel for m in modules if isinstance(m, Linear) and m is not lm_head)
+    if dtype == "float32":
+        assert not plan.logits and "LM head as GEMM" in runner.kernel_choice
+    else:
+        assert f"LM head {'C' if plan.logits else 'torch'}, float32 logits" in runner.kernel_choice
+
+
+def test_a_damaged_plan_cache_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    model = str(make_tiny_model("llama", tmp_path))
+    LLM(model=model, dtype="float32", num_kv_blocks=16)
+    (cached,) = (tmp_path / "cache" / "kernels" / "dispatch").glob("*.json")
+    for damage in ("null", "[1, 2]", '{"isa": "avx2"}', cached.read_text().replace("true", "1"), "{"):
+        cached.write_text(damage)
+        llm = LLM(model=model, dtype="float32", num_kv_blocks=16)
+        assert llm.engine.runner.kernel_plan.source == "measured", damage
 
 
 def test_no_cpu_kernels_puts_every_layer_on_torch(tmp_path):
@@ -75,21 +95,26 @@ def test_deterministic_mode_keeps_its_own_kernels(tmp_path):
         llm.engine.runner.kernel_choice)
 
 
-def test_plan_tables_follow_the_ladder():
+def test_plan_tables_follow_the_ladder(monkeypatch):
     """A call with M rows follows the smallest ladder point >= M; rows past the ladder the last point."""
     decisions = tuple(point <= 16 for point in ROW_LADDER)  # C up to 16 rows
     table = row_table(decisions)
     assert table[1] and table[16] and not table[17] and not table[-1]
-    plan = KernelPlan(isa="avx2", gemm=decisions, rms_norm=(True,) * len(ROW_LADDER),
-                      silu_and_mul=(False,) * len(ROW_LADDER), paged_decode=True, logits=True, source="measured")
+    plan = KernelPlan(isa="avx2", dtype="float32", gemm=decisions, rms_norm=(True,) * len(ROW_LADDER),
+                      silu_and_mul=(False,) * len(ROW_LADDER), paged_decode=True, logits=False, source="measured")
     text = plan.describe()
     assert "GEMM C at 1-16 rows, torch otherwise" in text and "RMSNorm C," in text and "SiLU×up torch" in text
     linear = Linear(8, 4)
     apply_plan(linear, plan)
     linear.weight.data = torch.randn(4, 8)
-    x = torch.randn(17, 8)
-    torch.testing.assert_close(linear(x[:16]), F.linear(x[:16], linear.weight), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(linear(x), F.linear(x, linear.weight))
+    calls = []
+    real = linear_module.bi_linear
+    monkeypatch.setattr(linear_module, "bi_linear", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    for rows, expect_c in ((1, True), (16, True), (17, False), (300, False)):
+        calls.clear()
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(linear(x), F.linear(x, linear.weight), rtol=1e-5, atol=1e-5)
+        assert bool(calls) == expect_c, rows
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

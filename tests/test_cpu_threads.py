@@ -21,7 +21,7 @@ def test_cgroup_v2_quota_is_read_and_rounded_down(tmp_path, monkeypatch):
     (tmp_path / "cpu.max").write_text("50000 100000\n")
     monkeypatch.setattr(cpu_threads, "_cgroup_v2_quota", lambda: 0.5)
     assert cpu_threads.available_cpus() == 1  # at least one, never 0
-    monkeypatch.setattr(cpu_threads, "_cgroup_v2_quota", lambda: 64.0)
+    monkeypatch.setattr(cpu_threads, "_cgroup_v2_quota", lambda: 1e9)  # a quota above the CPU count
     assert cpu_threads.available_cpus() == len(os.sched_getaffinity(0))
 
 
@@ -54,3 +54,18 @@ def test_dtype_auto_is_float32_without_bf16_arithmetic(monkeypatch, caplog):
         monkeypatch.setattr(csrc_build, "cpu_flags", lambda native=native: frozenset({"avx2", native}))
         assert resolve_dtype("auto", None) == torch.bfloat16
     assert resolve_dtype("auto", torch.float32) == torch.float32
+
+
+def test_importing_tokenmill_shortens_openmp_spins_unless_told_otherwise():
+    """GOMP_SPINCOUNT is set before torch loads libgomp (short spins: a busy neighbour core no longer
+    stalls every barrier), never over the user's own OpenMP settings, and not once torch is loaded."""
+    def spin(code: str, **env) -> str:
+        clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+        out = subprocess.run([sys.executable, "-c", code + "; import os; print(os.environ.get('GOMP_SPINCOUNT'))"],
+                             env={**clean, **env}, capture_output=True, text=True, check=True)
+        return out.stdout.split()[-1]
+
+    assert spin("import tokenmill") == cpu_threads.OMP_SPIN_COUNT
+    assert spin("import tokenmill", GOMP_SPINCOUNT="7") == "7"
+    assert spin("import tokenmill", OMP_WAIT_POLICY="active") == "None"
+    assert spin("import torch, tokenmill") == "None"  # too late to matter: left alone

@@ -607,9 +607,11 @@ def test_api_key_required_and_sigterm_exits_cleanly(tiny_path, tmp_path):
     try:
         assert httpx.get(f"{server.url}/health").status_code == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}):
-            response = httpx.get(f"{server.url}/v1/models", headers=headers)
-            assert response.status_code == 401
-            assert response.json()["error"]["code"] == "invalid_api_key"
+            for path in ("/v1/models", "/debug/status", "/debug/kv_cache"):  # engine internals too
+                response = httpx.get(f"{server.url}{path}", headers=headers)
+                assert response.status_code == 401, path
+                assert response.json()["error"]["code"] == "invalid_api_key"
+        assert server.get_json("/debug/status")["kernels"]
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
         assert server.client().models.list().data[0].id == tiny_path
@@ -645,6 +647,9 @@ def test_debug_status_reports_config_cpu_and_kernels(server, tiny_path):
     assert status["cpu"]["isa_paths_supported"] == list(csrc_build.supported_isas())
     assert status["config"]["cache"]["num_kv_blocks"] == NUM_BLOCKS
     plan = status["kernel_plan"]
-    assert plan["isa"] == csrc_build.selected_isa() and plan["logits"] is True
-    assert status["kernels"].startswith(f"C kernels ({csrc_build.selected_isa()} path")
+    if plan["isa"] is None:  # kernels off (TOKENMILL_DISABLE_CPU_KERNELS=1 or no compiler)
+        assert status["kernels"] == "torch ops (C kernels off)"
+    else:
+        assert plan["isa"] == csrc_build.selected_isa() and plan["dtype"] == "float32" and plan["logits"] is False
+        assert status["kernels"].startswith(f"C kernels ({csrc_build.selected_isa()} path")
     assert status["kv_cache"]["num_blocks"] == NUM_BLOCKS

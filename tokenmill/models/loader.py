@@ -240,8 +240,8 @@ def load_model(
         model: None, a directory with config.json + *.safetensors (+ tokenizer files,
             generation_config.json), a path to a .gguf file, or a directory holding exactly one
             .gguf file (and no config.json).
-        dtype: "auto" (bfloat16 for GGUF and bf16/fp16 checkpoints, float32 for float32
-            checkpoints), "float32" or "bfloat16".
+        dtype: "auto" (``resolve_dtype``: float32 for float32 checkpoints; bfloat16 for the rest on
+            CUDA and on CPUs with bf16 arithmetic, float32 on other CPUs), "float32" or "bfloat16".
         max_model_len: the longest sequence that will be served; only used to decide whether a
             sliding window can be ignored (default: max_position_embeddings).
         device: where the weights live ("cpu", or a CUDA device, where "auto" means bfloat16).

@@ -10,8 +10,9 @@ torch op it replaces, on the model's own weights and shapes, at a ladder of row 
 (``<cache dir>/dispatch/``), keyed by the CPU, ISA path, kernel sources, torch version, dtype,
 thread count and shapes, so later starts only read a small JSON file.
 
-The LM head always runs in the C GEMM when the kernels are on: it is the one kernel that returns
-float32 logits from bfloat16 weights (torch's CPU matmul would round them to bf16).
+The LM head of a bf16 model returns float32 logits either way (torch's CPU matmul would round them
+to bf16): from the C GEMM's float32 output, or from torch in float32 over converted weight chunks,
+whichever is faster here (the C GEMM, except on the slow portable path).
 """
 from __future__ import annotations
 
@@ -41,21 +42,23 @@ logger = logging.getLogger(__name__)
 # of the smallest ladder point >= M (rows above the last point follow the last point).
 ROW_LADDER: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _DECODE_BATCHES = (1, 8, 32)  # paged decode attention: sequences per call, 512 context tokens each
-_DISPATCH_VERSION = 1  # bump when the measurement or the file format changes
+_DISPATCH_VERSION = 2  # bump when the measurement or the file format changes
 
 
 @dataclass(frozen=True)
 class KernelPlan:
     """What the CPU runner runs in C (True) or torch (False), per ROW_LADDER point where it varies.
 
-    ``isa``: the ISA path of the builds; ``gemm``/``rms_norm``/``silu_and_mul``: one decision per
+    ``isa``: the ISA path of the builds; ``dtype``: the model's ("bfloat16" / "float32"); ``gemm``/``rms_norm``/``silu_and_mul``: one decision per
     ROW_LADDER point; ``paged_decode``: decode attention (one decision for all batch sizes: the
-    kernel is chosen only if it wins at each of 1, 8 and 32 sequences); ``logits``: the LM head in
-    the C GEMM with float32 output; ``source``: "measured", "cache" or "off" (``--no-cpu-kernels``,
+    kernel is chosen only if it wins at each of 1, 8 and 32 sequences); ``logits``: a bf16 LM head's
+    float32 logits from the C GEMM (False: torch's chunked float32 path; float32 LM heads follow
+    ``gemm``); ``source``: "measured", "cache" or "off" (``--no-cpu-kernels``,
     TOKENMILL_DISABLE_CPU_KERNELS=1, no compiler, or a dtype the kernels do not take).
     """
 
     isa: str | None
+    dtype: str | None = None
     gemm: tuple[bool, ...] = ()
     rms_norm: tuple[bool, ...] = ()
     silu_and_mul: tuple[bool, ...] = ()
@@ -70,7 +73,8 @@ class KernelPlan:
         parts = [f"GEMM {_rows_text(self.gemm)}", f"RMSNorm {_rows_text(self.rms_norm)}",
                  f"SiLU×up {_rows_text(self.silu_and_mul)}",
                  f"paged decode {'C' if self.paged_decode else 'torch'}",
-                 f"LM head {'C, float32 logits' if self.logits else 'torch'}"]
+                 "LM head " + ("as GEMM" if self.dtype == "float32" else
+                               f"{'C' if self.logits else 'torch'}, float32 logits")]
         return f"C kernels ({self.isa} path, {self.source}): " + ", ".join(parts)
 
 
@@ -125,13 +129,24 @@ def _race(c_fn: Callable[[], object], torch_fn: Callable[[], object], max_reps: 
     return c < t
 
 
-def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+def _race_layer(layer: nn.Module, x: torch.Tensor, attribute: str, c_setting, torch_setting,
+                call: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
+    """``call(x)`` (default ``layer(x)``) with ``layer.<attribute>`` set to ``c_setting`` (its C kernel)
+    against ``torch_setting`` (its torch op): the layer's own code paths, nothing rewritten here."""
+    call = call or layer
+
+    def run(setting):
+        setattr(layer, attribute, setting)
+        return call(x)
+
+    try:
+        return _race(lambda: run(c_setting), lambda: run(torch_setting))
+    finally:
+        setattr(layer, attribute, torch_setting)
 
 
 def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) -> dict:
-    """Time every kernel against torch on ``model``'s weights; returns the plan's fields."""
+    """Time every kernel against torch on ``model``'s weights and layers; returns the plan's fields."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head]
     by_shape = {}
     for m in linears:
@@ -143,26 +158,30 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
         def c_fn(): return [batch_invariant.bi_linear(xs[w.shape[1]], w) for w in by_shape.values()]
         def t_fn(): return [F.linear(xs[w.shape[1]], w) for w in by_shape.values()]
         gemm.append(_race(c_fn, t_fn) if by_shape else False)
+    always = (True,)
+    rms, silu = [], []
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    rms = []
-    if norms and batch_invariant.available():
-        weight = max(norms, key=lambda m: m.weight.numel()).weight.to(dtype)
-        for rows in ROW_LADDER:
-            x = torch.randn(rows, weight.numel()).to(dtype)
-            rms.append(_race(lambda: batch_invariant.bi_rms_norm(x, weight, 1e-6),
-                             lambda: _torch_rms_norm(x, weight, 1e-6)))
-    silu = []
-    widths = [m.weight.shape[0] for m in linears if getattr(m, "output_sizes", None) and len(m.output_sizes) == 2]
-    if widths and silu_and_mul_kernel.available():
-        for rows in ROW_LADDER:
-            x = torch.randn(rows, max(widths)).to(dtype)
-            silu.append(_race(lambda: silu_and_mul_kernel.bi_silu_and_mul(x),
-                              lambda: F.silu(x[:, : x.shape[1] // 2]) * x[:, x.shape[1] // 2:]))
+    if norms:
+        norm = max(norms, key=lambda m: m.weight.numel())
+        rms = [_race_layer(norm, torch.randn(rows, norm.weight.numel()).to(dtype), "cpu_kernel_table", always, ())
+               for rows in ROW_LADDER]
+    act = next((m for m in model.modules() if isinstance(m, SiluAndMul)), None)
+    widths = [m.weight.shape[0] for m in linears if len(getattr(m, "output_sizes", ())) == 2]
+    if act is not None and widths and silu_and_mul_kernel.available():
+        silu = [_race_layer(act, torch.randn(rows, max(widths)).to(dtype), "cpu_kernel_table", always, ())
+                for rows in ROW_LADDER]
     decode = False
     attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
     if attn is not None and cpu_decode.available():
         decode = all(_race_decode(attn, dtype, batch) for batch in _DECODE_BATCHES)
-    return {"gemm": tuple(gemm), "rms_norm": tuple(rms), "silu_and_mul": tuple(silu), "paged_decode": decode}
+    # The LM head's float32 logits from bf16 weights: the C GEMM against torch's chunked float32 path,
+    # at one and eight rows (sampled rows per step). float32 weights follow the GEMM decisions.
+    logits = False
+    if isinstance(lm_head, Linear) and lm_head.weight.dtype == torch.bfloat16:
+        logits = all(_race_layer(lm_head, torch.randn(rows, lm_head.in_features).to(dtype), "float32_logits_kernel",
+                                 True, False, call=lm_head.forward_float32) for rows in (1, 8))
+    return {"gemm": tuple(gemm), "rms_norm": tuple(rms), "silu_and_mul": tuple(silu), "paged_decode": decode,
+            "logits": logits}
 
 
 def _race_decode(attn: Attention, dtype: torch.dtype, batch: int, context: int = 512, block_size: int = 16) -> bool:
@@ -192,12 +211,29 @@ def _cache_key(model: nn.Module, dtype: torch.dtype) -> str:
     return hashlib.sha256(csrc_build._machine_key(None) + "|".join(parts).encode()).hexdigest()[:24]
 
 
+def _plan_from_json(fields: object, isa: str) -> KernelPlan:
+    """A cached plan, checked field by field. Raises ValueError for anything but what ``asdict`` wrote."""
+    ladders = ("gemm", "rms_norm", "silu_and_mul")
+    if not isinstance(fields, dict) or set(fields) != {"isa", "dtype", *ladders, "paged_decode", "logits"}:
+        raise ValueError("not a kernel plan")
+    if fields["isa"] != isa or not all(isinstance(fields[k], bool) for k in ("paged_decode", "logits")):
+        raise ValueError("not a kernel plan for this ISA path")
+    if fields["dtype"] not in ("bfloat16", "float32"):
+        raise ValueError("bad dtype")
+    for name in ladders:
+        value = fields[name]
+        if not (isinstance(value, list) and len(value) in (0, len(ROW_LADDER)) and all(isinstance(v, bool) for v in value)):
+            raise ValueError(f"bad {name} ladder")
+    return KernelPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}, source="cache")
+
+
 def plan_cpu_kernels(model: nn.Module, dtype: torch.dtype, enabled: bool = True,
                      lm_head: nn.Module | None = None) -> KernelPlan:
     """Decide, by measurement cached per machine, which C kernels ``model`` runs in ``dtype``.
 
-    ``lm_head`` (the model's output projection, if it is a Linear) is left out of the GEMM timing:
-    it always uses the C GEMM for its float32 logits. Returns a plan with ``source="off"`` when
+    ``lm_head`` (the model's output projection, if it is a Linear) is left out of the GEMM timing;
+    with bf16 weights its float32 logits are timed on their own (C GEMM against torch's chunked float32
+    path), with float32 weights it follows the GEMM decisions. Returns a plan with ``source="off"`` when
     ``enabled`` is False, the dtype is not float32/bfloat16, or the kernels cannot be built.
     """
     if not enabled or dtype not in (torch.float32, torch.bfloat16) or not batch_invariant.available():
@@ -205,15 +241,13 @@ def plan_cpu_kernels(model: nn.Module, dtype: torch.dtype, enabled: bool = True,
     isa = batch_invariant.isa()
     path = csrc_build.kernel_cache_dir() / "dispatch" / f"{_cache_key(model, dtype)}.json"
     try:
-        fields = json.loads(path.read_text())
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
-        return KernelPlan(**fields, source="cache")
-    except (OSError, ValueError, TypeError):
+        return _plan_from_json(json.loads(path.read_text()), isa)
+    except (OSError, ValueError):  # none yet, or unreadable / from another version: measure again
         pass
     t0 = time.perf_counter()
     logger.info("timing the C kernels against torch on this CPU (%s path; once per machine and model shape)", isa)
     with torch.inference_mode():
-        fields = {"isa": isa, "logits": lm_head is not None, **_measure(model, dtype, lm_head)}
+        fields = {"isa": isa, "dtype": str(dtype).removeprefix("torch."), **_measure(model, dtype, lm_head)}
     plan = KernelPlan(**fields, source="measured")
     logger.info("kernel timing took %.1fs: %s", time.perf_counter() - t0, plan.describe())
     try:

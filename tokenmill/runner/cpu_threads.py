@@ -9,7 +9,25 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
+
+# Spin iterations of an idle OpenMP thread before it sleeps (libgomp's GOMP_SPINCOUNT; its default
+# is 300,000). Measured (benchmarks/cpu_contention.py, RESULTS.md): with another process keeping one
+# of 2 cores busy, batch-1 decode falls to a quarter with the default and keeps about three quarters
+# with short spins, because a spinning thread holds its core while the barrier waits for a
+# descheduled one; on a quiet machine the short spin costs little.
+OMP_SPIN_COUNT = "1000"
+
+
+def prefer_short_omp_spins() -> bool:
+    """Set GOMP_SPINCOUNT to ``OMP_SPIN_COUNT`` unless the user set it or OMP_WAIT_POLICY. Effective only
+    before torch (and with it libgomp) is loaded, so tokenmill calls it at import; returns whether it
+    took effect."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules:
+        return False
+    os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
+    return True
 
 
 def _cgroup_v2_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:

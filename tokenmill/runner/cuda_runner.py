@@ -100,6 +100,8 @@ class CudaModelRunner(ModelRunner):
         # padding block of padded decode rows.
         super().__init__(loaded, block_size, num_kv_blocks, cache.kv_cache_memory_gib, device=device,
                          num_padding_blocks=1, use_cpu_kernels=False)
+        self.kernel_choice = (f"{attention_backend} attention, "
+                              + ("eager decode" if enforce_eager else "CUDA graphs for decode"))
         self.padding_block_id = self.num_kv_blocks
         max_decode = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens, MAX_GRAPH_BATCH_SIZE)
         self.decode_batch_sizes = graph_batch_sizes(max_decode)

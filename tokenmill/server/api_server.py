@@ -9,13 +9,17 @@ large input never stalls the event loop and the requests of other clients.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hmac
 import logging
+import platform
 import signal
 import sys
 from contextlib import asynccontextmanager
 from typing import Callable
 
+import torch
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -23,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tokenmill
+from tokenmill import csrc_build
 from tokenmill.config import ConfigError
 from tokenmill.server.async_engine import EngineDeadError
 from tokenmill.server.errors import APIError, error_response, install_error_handlers
@@ -57,32 +62,31 @@ def kv_cache_snapshot(engine) -> dict:
     }
 
 
+@functools.cache
+def _cpu_facts() -> dict:
+    """The CPU's model, architecture, ISA paths and bf16 arithmetic (fixed for the process)."""
+    return {
+        "model": csrc_build.cpu_model_name(),
+        "machine": platform.machine(),
+        "isa_path": csrc_build.selected_isa(),
+        "isa_paths_supported": list(csrc_build.supported_isas()),
+        "native_bf16": csrc_build.cpu_has_native_bf16(),
+    }
+
+
 def engine_status(engine) -> dict:
     """The engine's configuration, where it runs (device, dtype, threads, CPU model and ISA path, which
     kernels run) and the KV snapshot (engine thread only)."""
-    import dataclasses
-    import platform
-
-    import torch
-
-    from tokenmill import csrc_build
-
     runner = engine.runner
-    plan = getattr(runner, "kernel_plan", None)
+    plan = runner.kernel_plan
     return {
         "model": engine.model_name,
         "version": tokenmill.__version__,
         "device": str(engine.device),
         "dtype": str(engine.loaded.dtype).removeprefix("torch."),
         "num_threads": torch.get_num_threads(),
-        "cpu": {
-            "model": csrc_build.cpu_model_name(),
-            "machine": platform.machine(),
-            "isa_path": csrc_build.selected_isa(),
-            "isa_paths_supported": list(csrc_build.supported_isas()),
-            "native_bf16": csrc_build.cpu_has_native_bf16(),
-        },
-        "kernels": getattr(runner, "kernel_choice", None),
+        "cpu": _cpu_facts(),
+        "kernels": runner.kernel_choice,
         "kernel_plan": dataclasses.asdict(plan) if plan is not None else None,
         "config": dataclasses.asdict(engine.config),
         "kv_cache": kv_cache_snapshot(engine),
@@ -189,7 +193,9 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
             raise APIError(f"tokens must be in [0, {vocab_size}), got {bad[:5]}", param="tokens")
         return {"prompt": await asyncio.to_thread(state.decode, body.tokens)}
 
-    @app.get("/debug/kv_cache")
+    debug_auth = _api_key_check(config.api_key)  # like /v1: engine internals are not public
+
+    @app.get("/debug/kv_cache", dependencies=debug_auth)
     async def debug_kv_cache() -> JSONResponse:
         """The KV pool, scheduler counts and check_integrity() result, read on the engine thread."""
         try:
@@ -197,7 +203,7 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, "service_unavailable_error") from None
 
-    @app.get("/debug/status")
+    @app.get("/debug/status", dependencies=debug_auth)
     async def debug_status() -> JSONResponse:
         """Configuration, CPU ISA path and kernel choice, KV pool; read on the engine thread."""
         try:
