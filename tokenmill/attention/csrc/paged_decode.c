@@ -25,14 +25,7 @@ static inline float f32_id(float x) { return x; }
 #define MAX_SIMD_DIM 256
 /* exp(x) for the softmax, x <= 0: Cody-Waite reduction and a degree-6 polynomial (as silu_and_mul.c);
  * x is clamped to [-87, 88] so 2^n stays a normal float; a NaN propagates. */
-#define EXP_C2 0.5f
-#define EXP_C3 0.16666667f
-#define EXP_C4 0.041666668f
-#define EXP_C5 0.008333334f
-#define EXP_C6 0.0013888889f
-#define LN2_HI 0.693145751953125f
-#define LN2_LO 1.42860682030941723212e-6f
-#define LOG2E 1.44269504088896341f
+#include "exp_poly.h" /* EXP_C2..EXP_C6, LN2_HI, LN2_LO, LOG2E */
 
 #if defined(TM_PORTABLE)
 #define ISA_PATH "portable"

@@ -21,14 +21,7 @@
 #include "bf16.h"
 
 /* exp(x) polynomial constants: exp(r) ~ 1 + r + r^2/2! + ... + r^6/6! for |r| <= ln2/2. */
-#define EXP_C2 0.5f
-#define EXP_C3 0.16666667f
-#define EXP_C4 0.041666668f
-#define EXP_C5 0.008333334f
-#define EXP_C6 0.0013888889f
-#define LN2_HI 0.693145751953125f
-#define LN2_LO 1.42860682030941723212e-6f
-#define LOG2E 1.44269504088896341f
+#include "exp_poly.h" /* EXP_C2..EXP_C6, LN2_HI, LN2_LO, LOG2E */
 /* Above ln(FLT_MAX) = 88.72 the result overflows to +inf, as torch's exp does (so silu of a gate below
  * -88.72 is g / inf = -0, and of -inf NaN); the clamp only keeps inf - inf out of the reduction. */
 #define EXP_MAX_ARG 89.0f
