@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -127,3 +128,27 @@ def sse_events(response: httpx.Response) -> list[dict | str]:
         data = block[len("data: "):]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def health_latencies_during(server: ServerProcess, path: str, body: dict) -> tuple[httpx.Response, float, list]:
+    """Send one request while polling /health; returns (response, its duration, /health latencies)."""
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=30) as client:
+            while not done.is_set():
+                start = time.perf_counter()
+                assert client.get(f"{server.url}/health").status_code == 200
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.1)
+    start = time.perf_counter()
+    response = server.post(path, body)
+    duration = time.perf_counter() - start
+    done.set()
+    poller.join(30)
+    return response, duration, latencies

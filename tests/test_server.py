@@ -17,7 +17,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.server_fixtures import ServerProcess, sse_events
+from tests.server_fixtures import ServerProcess, health_latencies_during, sse_events
 from tests.tiny_models import make_tiny_model, smollm2_tokenizer
 from tokenmill import LLM, SamplingParams
 
@@ -361,30 +361,6 @@ def test_nul_characters_are_text_and_served(server, llm, tiny_path):
     assert server.get_json("/health") == {"status": "ok"}
 
 
-def _health_latencies_during(server: ServerProcess, path: str, body: dict) -> tuple[httpx.Response, float, list]:
-    """Send one request while polling /health; returns (response, its duration, /health latencies)."""
-    latencies: list[float] = []
-    done = threading.Event()
-
-    def poll() -> None:
-        with httpx.Client(timeout=30) as client:
-            while not done.is_set():
-                start = time.perf_counter()
-                assert client.get(f"{server.url}/health").status_code == 200
-                latencies.append(time.perf_counter() - start)
-                time.sleep(0.02)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    time.sleep(0.1)
-    start = time.perf_counter()
-    response = server.post(path, body)
-    duration = time.perf_counter() - start
-    done.set()
-    poller.join(30)
-    return response, duration, latencies
-
-
 def test_large_inputs_do_not_stall_the_event_loop(server, llm, tiny_path):
     """Tokenizing, templating and detokenizing about 1 MB runs off the event loop: /health answers
     within 0.5 s all along (it took seconds while the event loop tokenized)."""
@@ -398,7 +374,7 @@ def test_large_inputs_do_not_stall_the_event_loop(server, llm, tiny_path):
         ("/detokenize", {"tokens": many_ids * 5}, 200),
     ]
     for path, body, status in cases:
-        response, duration, latencies = _health_latencies_during(server, path, body)
+        response, duration, latencies = health_latencies_during(server, path, body)
         assert response.status_code == status, response.text[:300]
         assert len(latencies) >= 3 and max(latencies) < 0.5, (path, duration, sorted(latencies)[-3:])
     assert response.json()["prompt"] == "hello " * 100_000

@@ -7,13 +7,11 @@ test_chat_prompt.py and test_detokenizer.py.)
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx2 as httpx
 import pytest
 
-from tests.server_fixtures import ServerProcess, sse_events
+from tests.server_fixtures import ServerProcess, health_latencies_during, sse_events
 from tests.tiny_models import smollm2_tokenizer
 
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "1024"]
@@ -140,24 +138,8 @@ def test_item3_lone_surrogate_is_a_400_naming_the_field(server):
 
 # ---- 4. CPU work off the event loop ----------------------------------------------------------------
 def test_item4_a_1mb_chat_message_does_not_stall_health(server):
-    latencies: list[float] = []
-    done = threading.Event()
-
-    def poll() -> None:
-        with httpx.Client(timeout=30) as client:
-            while not done.is_set():
-                start = time.perf_counter()
-                assert client.get(f"{server.url}/health").status_code == 200
-                latencies.append(time.perf_counter() - start)
-                time.sleep(0.02)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    start = time.perf_counter()
-    response = server.post(CHAT, {"messages": [{"role": "user", "content": "hello " * 175_000}], "max_tokens": 1})
-    duration = time.perf_counter() - start
-    done.set()
-    poller.join(30)
+    body = {"messages": [{"role": "user", "content": "hello " * 175_000}], "max_tokens": 1}
+    response, duration, latencies = health_latencies_during(server, CHAT, body)
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert "175" in response.json()["error"]["message"]  # about 175k tokens counted, then rightly refused
     assert len(latencies) >= 3 and max(latencies) < 0.5, (duration, sorted(latencies)[-3:])  # was 4.3 s
