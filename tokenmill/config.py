@@ -172,6 +172,51 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Constrained decoding settings (vLLM's ``--structured-outputs-config``).
+
+    Args:
+        backend: ``auto`` (= ``guidance``), ``guidance`` (llguidance) or ``xgrammar``.
+
+    Raises:
+        ConfigError: an unknown backend.
+    """
+
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "guidance", "xgrammar"):
+            raise ConfigError(f"`structured_outputs_config` backend must be 'auto', 'guidance' or 'xgrammar', "
+                              f"got {self.backend!r}")
+
+    @classmethod
+    def from_value(cls, value: "StructuredOutputsConfig | dict | str | None") -> "StructuredOutputsConfig":
+        """From a config, a dict, its JSON text (``'{"backend": "xgrammar"}'``) or None (defaults).
+
+        Raises:
+            ConfigError: not JSON, not an object, or an unknown key or backend.
+        """
+        import json
+
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ConfigError(f"`structured_outputs_config` must be JSON, e.g. '{{\"backend\": \"xgrammar\"}}': "
+                                  f"{exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"`structured_outputs_config` must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - {"backend"})
+        if unknown:
+            raise ConfigError(f"`structured_outputs_config` has unknown keys {unknown}; known: ['backend']")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine. ``model`` is a path, a GGUF file or None (embedded default).
 
@@ -198,6 +243,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     cpu_kernels: bool = True
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         check_bool("deterministic", self.deterministic)

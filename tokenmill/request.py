@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
     FINISHED_LENGTH_CAPPED = "finished_length_capped"  # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # the request failed alone (a constraint matcher error)
 
     @property
     def finished(self) -> bool:
@@ -26,11 +27,13 @@ class RequestStatus(enum.Enum):
         return _FINISH_REASON.get(self)
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED}
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED,
+             RequestStatus.FINISHED_ERROR}
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -41,6 +44,8 @@ class Request:
     cache; the scheduler schedules ``num_tokens - num_computed_tokens`` more (a prefill chunk, or
     the last sampled token during decode). ``max_tokens`` is already resolved (never None).
     ``generator`` is a seeded torch.Generator owned by the sampler (None = global RNG).
+    ``grammar`` is the structured-output matcher (``tokenmill.structured_output.Matcher``) of a
+    constrained request, advanced on each accepted token; None when unconstrained.
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         generator: object | None = None,
+        grammar: object | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -62,6 +68,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.generator = generator
+        self.grammar = grammar
+        self.error: str | None = None  # why a FINISHED_ERROR request failed
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

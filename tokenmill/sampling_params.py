@@ -1,11 +1,75 @@
 """SamplingParams: the user-facing knobs of one request's generation, validated on construction."""
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 # Largest number of top log-probabilities a request may ask for (OpenAI caps top_logprobs at 20).
 MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's ``StructuredOutputsParams``); exactly one field set.
+
+    Attributes:
+        json: a JSON schema (dict or JSON text); the output is one JSON value valid against it,
+            written with compact separators (``,`` and ``:``, no free whitespace).
+        regex: the output fully matches this regular expression.
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar, as GBNF/EBNF (``root ::= ...``) or Lark (``start: ...``).
+        json_object: True: the output is any JSON object (``response_format: {"type": "json_object"}``).
+        tool_calls: OpenAI tool calls in the Hermes format, ``{"tools": [{"name": str, "parameters":
+            JSON schema}, ...], "parallel": bool}``: the output is one or more (``parallel``; else
+            exactly one) blocks ``<tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>``
+            joined by ``\n``, where NAME is one of the tools and ARGS compact JSON valid against its
+            ``parameters``. Used for ``tool_choice: "required"`` and a named tool choice.
+
+    Raises:
+        ValueError: naming ``structured_outputs`` when no field or more than one is set, or a field
+            has the wrong type. Whether a schema, regex or grammar is valid is checked when it is
+            compiled (``tokenmill.structured_output``), not here.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    tool_calls: dict | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "tool_calls")
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object, tool_calls; "
+                f"got {set_kinds or 'none'}"
+            )
+        kind = set_kinds[0]
+        value = getattr(self, kind)
+        expected = {"json": (str, dict), "regex": str, "choice": list, "grammar": str, "json_object": bool,
+                    "tool_calls": dict}[kind]
+        if not isinstance(value, expected):
+            raise ValueError(f"structured_outputs.{kind} has the wrong type: {type(value).__name__}")
+        if kind == "choice" and (not value or not all(isinstance(c, str) for c in value)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """The name of the one field that is set (``json``, ``regex``, ...)."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def spec(self) -> str:
+        """The constraint as text (JSON values as compact JSON, keys in their given order): with :attr:`kind`, the
+        key of the compiled-constraint cache."""
+        value: Any = getattr(self, self.kind)
+        if isinstance(value, str):
+            return value
+        return _json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -38,6 +102,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -76,6 +141,8 @@ class SamplingParams:
                 raise bad(name, f"must be in [0, {MAX_LOGPROBS}]")
         if self.stop is not None and any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

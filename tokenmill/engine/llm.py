@@ -6,7 +6,7 @@ import os
 
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputsConfig
 from tokenmill.engine.chat_prompt import ChatPromptRenderer
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.outputs import RequestOutput
@@ -35,6 +35,8 @@ class LLM:
         enforce_eager: on CUDA, never capture or replay CUDA graphs.
         cpu_kernels: on CPU, use the compiled C kernels where they beat torch on this machine
             (measured once per machine); False runs every layer on torch's ops.
+        structured_outputs_config: constrained decoding backend, ``{"backend": "auto" | "guidance" |
+            "xgrammar"}`` (a dict, its JSON text or a ``StructuredOutputsConfig``); ``auto`` is llguidance.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         cpu_kernels: bool = True,
+        structured_outputs_config: dict | str | StructuredOutputsConfig | None = None,
     ) -> None:
         config = build_engine_config(
             model=model, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -71,6 +74,7 @@ class LLM:
             kv_offload_disk_size=kv_offload_disk_size,
             kv_offload_disk_drive_size=kv_offload_disk_drive_size, device=device,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, cpu_kernels=cpu_kernels,
+            structured_outputs_config=structured_outputs_config,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -178,6 +182,7 @@ def build_engine_config(
     gpu_memory_utilization: float = 0.9,
     enforce_eager: bool = False,
     cpu_kernels: bool = True,
+    structured_outputs_config: dict | str | StructuredOutputsConfig | None = None,
 ) -> EngineConfig:
     """The EngineConfig for ``LLM(**kwargs)`` (same keyword names), without loading anything.
 
@@ -194,6 +199,7 @@ def build_engine_config(
         gpu_memory_utilization=gpu_memory_utilization,
         enforce_eager=enforce_eager,
         cpu_kernels=cpu_kernels,
+        structured_outputs_config=StructuredOutputsConfig.from_value(structured_outputs_config),
         cache=CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,

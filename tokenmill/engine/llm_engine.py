@@ -23,6 +23,7 @@ from tokenmill.runner.cpu_threads import available_cpus
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
+from tokenmill.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output_manager = StructuredOutputManager(
+            config.structured_outputs_config, self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids
+        )
         self.stats_logger = StatsLogger()
         self.model_name = self.loaded.model_path
         logger.info(
@@ -143,6 +147,7 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, prompt too long, or prompt + max_tokens over max_model_len.
+            tokenmill.structured_output.ConstraintError (a ValueError): an invalid constraint.
         """
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -161,15 +166,19 @@ class LLMEngine:
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
                 f"exceeds max_model_len ({self.max_model_len})"
             )
+        constraint = params.structured_outputs
+        if constraint is not None:
+            self.structured_output_manager.compile(constraint)  # raises before anything is queued
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.runner.device).manual_seed((params.seed + i) % 2**64)
+            grammar = None if constraint is None else self.structured_output_manager.new_matcher(constraint)
             children.append(
                 Request(child_id, token_ids, params, self.loaded.eos_token_ids, max_tokens,
-                        arrival_time=arrival_time, cache_salt=cache_salt, generator=generator)
+                        arrival_time=arrival_time, cache_salt=cache_salt, generator=generator, grammar=grammar)
             )
         self.output_processor.add_request(request_id, text, children)
         for child in children:
@@ -204,6 +213,10 @@ class LLMEngine:
             if self.kv_store is not None:  # nothing runnable: wait for prefix blocks coming back from disk
                 self.kv_store.wait_for_loads(timeout=0.5)
             return []
+        # Constrained requests' masks are filled on a worker thread while the forward runs.
+        scheduler_output.grammar_bitmask = self.structured_output_manager.start_bitmask(
+            scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens
+        )
         runner_output = self.runner.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         num_generated = sum(t is not None for t in runner_output.sampled_token_ids)
@@ -218,6 +231,7 @@ class LLMEngine:
         """Release the KV tiers: with a disk tier, write every cached block held only in the pool or
         in RAM to disk (``save_cached``; skip it after a crash, when block data may be stale),
         flush and sync the disk writer and release its directory lock. Idempotent."""
+        self.structured_output_manager.close()
         if self.kv_store is None:
             return
         offload = self.kv_cache_manager.offload

@@ -206,6 +206,7 @@ class CudaModelRunner(ModelRunner):
         sampled: list[int | None] = [None] * num_reqs
         logprobs_out: list[PositionLogprobs | None] | None = None
         if sample_rows:
-            sampled, logprobs_out = self._sample(requests, sample_rows, hidden.index_select(0, hidden_idx))
+            sampled, logprobs_out = self._sample(requests, sample_rows, hidden.index_select(0, hidden_idx),
+                                                 scheduler_output.grammar_bitmask)
         prompt_logprobs = self._prompt_logprobs(requests, num_computed, query_lens, query_start_loc, hidden, input_ids)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out, prompt_logprobs=prompt_logprobs)

@@ -16,6 +16,7 @@ from tokenmill.config import ConfigError
 from tokenmill.outputs import Logprob, PositionLogprobs
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
 from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
+from tokenmill.sampling.grammar_mask import apply_token_bitmask_
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,8 @@ class ModelRunner:
         logprobs_out: list[PositionLogprobs | None] | None = None
         if sample_rows:
             rows_t = torch.tensor(sample_rows, dtype=torch.int64)
-            sampled, logprobs_out = self._sample(requests, sample_rows, hidden[last_token_idx[rows_t]])
+            sampled, logprobs_out = self._sample(requests, sample_rows, hidden[last_token_idx[rows_t]],
+                                                 scheduler_output.grammar_bitmask)
         prompt_logprobs = self._prompt_logprobs(
             requests, num_computed, query_lens, metadata.query_start_loc, hidden, input_ids
         )
@@ -165,13 +167,15 @@ class ModelRunner:
         """Python lists of ``tensors`` (the CUDA runner overrides this with one synchronisation)."""
         return [t.tolist() for t in tensors]
 
-    def _sample(self, requests, sample_rows: list[int], hidden_rows: torch.Tensor):
+    def _sample(self, requests, sample_rows: list[int], hidden_rows: torch.Tensor, grammar_bitmask=None):
         """Logits and sampling for ``sample_rows`` (S request indices) from their hidden states
-        ``hidden_rows`` [S, hidden]. Returns (sampled token per request or None, logprobs or None)."""
+        ``hidden_rows`` [S, hidden]; ``grammar_bitmask`` (a GrammarBitmask or None) masks the
+        constrained rows. Returns (sampled token per request or None, logprobs or None)."""
         num_reqs = len(requests)
         sampled: list[int | None] = [None] * num_reqs
         logprobs_out: list[PositionLogprobs | None] | None = None
         logits = self.model.compute_logits(hidden_rows)  # (S, V) float32
+        exempt = self._apply_grammar_bitmask(logits, sample_rows, grammar_bitmask)
         rows = [
             SamplingRow(
                 params=requests[i].sampling_params,
@@ -179,6 +183,7 @@ class ModelRunner:
                 output_token_ids=requests[i].output_token_ids,
                 generator=requests[i].generator,
                 stop_token_ids=requests[i].eos_token_ids | set(requests[i].sampling_params.stop_token_ids or ()),
+                min_tokens_exempt=i in exempt,
             )
             for i in sample_rows
         ]
@@ -203,6 +208,19 @@ class ModelRunner:
                     entry.setdefault(tid, Logprob(tlp, rank))
                 logprobs_out[i] = entry
         return sampled, logprobs_out
+
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, sample_rows: list[int], grammar_bitmask) -> set[int]:
+        """Mask the constrained rows of ``logits`` [S, V] (waiting for the bitmask fill started before
+        the forward). Returns the request indices whose constraint allows only end-of-sequence tokens."""
+        if grammar_bitmask is None:
+            return set()
+        bitmask, only_stop, allows_none = grammar_bitmask.result()
+        position = {i: j for j, i in enumerate(sample_rows)}
+        keep = [k for k in range(len(grammar_bitmask.req_indices)) if not allows_none[k]]
+        rows = torch.tensor([position[grammar_bitmask.req_indices[k]] for k in keep], dtype=torch.int64)
+        mask = torch.from_numpy(bitmask[keep]) if len(keep) < len(bitmask) else torch.from_numpy(bitmask)
+        apply_token_bitmask_(logits, mask.to(logits.device, non_blocking=True), rows.to(logits.device))
+        return {grammar_bitmask.req_indices[k] for k in range(len(only_stop)) if only_stop[k]}
 
     def _prompt_logprobs(self, requests, num_computed, query_lens, query_start_loc, hidden, input_ids):
         """Score prompt tokens for requests that asked for prompt log-probabilities.

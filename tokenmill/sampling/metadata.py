@@ -28,6 +28,8 @@ class SamplingRow:
             row's random draws advance it (greedy rows draw nothing).
         stop_token_ids: EOS ids plus ``params.stop_token_ids``; masked to ``-inf`` while
             ``len(output_token_ids) < params.min_tokens``.
+        min_tokens_exempt: the row's output constraint allows only end-of-sequence tokens now, so
+            ``min_tokens`` does not mask them (the constraint decides when a constrained output ends).
     """
 
     params: SamplingParams
@@ -35,6 +37,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None = None
     stop_token_ids: set[int] = field(default_factory=set)
+    min_tokens_exempt: bool = False
 
 
 @dataclass
@@ -152,7 +155,7 @@ class SamplingMetadata:
                     bias_rows.append(i)
                     bias_tokens.append(token_id)
                     bias_values.append(bias)
-            if len(row.output_token_ids) < row.params.min_tokens:
+            if len(row.output_token_ids) < row.params.min_tokens and not row.min_tokens_exempt:
                 # Ids the model cannot emit need no masking.
                 stop_ids = [t for t in row.stop_token_ids if 0 <= t < vocab_size]
                 mask_rows.extend([i] * len(stop_ids))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.request import Request
@@ -15,7 +16,9 @@ class SchedulerOutput:
     ``num_computed_tokens`` with KV blocks ``block_ids[i]``. The runner treats requests as read-only.
     With lower KV tiers, before the forward (even when nothing is scheduled) the blocks in
     ``blocks_to_offload`` are copied out to them, then those in ``blocks_to_load`` are filled from
-    them; both are (block_id, block_hash) lists.
+    them; both are (block_id, block_hash) lists. ``grammar_bitmask`` (a
+    ``tokenmill.structured_output.GrammarBitmask``, set by the engine after scheduling) holds the
+    next-token masks of the constrained requests that sample this step, filled while the forward runs.
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
@@ -24,6 +27,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

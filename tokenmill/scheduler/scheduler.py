@@ -170,6 +170,12 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.grammar is not None:  # a constrained request: its matcher advances on every token
+            if not request.grammar.accept_token(token_id):
+                request.stop_reason = f"the structured-output matcher refused token {token_id}"
+                return RequestStatus.FINISHED_ERROR
+            if request.grammar.is_terminated():
+                return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if params.stop_token_ids and token_id in params.stop_token_ids:

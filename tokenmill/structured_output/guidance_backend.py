@@ -1,0 +1,118 @@
+"""The llguidance backend (Microsoft's llguidance: Earley parser over a token trie; the default).
+
+Constraints compile to llguidance's grammar text (JSON schema, regex, Lark); GBNF grammars are
+converted to Lark by llguidance itself. JSON is written with compact separators and no free
+whitespace. llguidance refuses schema keywords it does not implement; its warnings are refused
+too, so a constraint is never weakened silently.
+"""
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+
+from tokenmill.structured_output.backend import CompiledConstraint, ConstraintError, Matcher, StructuredOutputBackend
+from tokenmill.structured_output.schema_check import load_json_schema
+from tokenmill.structured_output.tool_call_format import CALL_END, CALL_SEPARATOR, call_begin, parse_tool_calls_spec
+
+# Compact JSON, no whitespace between tokens (no runaway whitespace).
+_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+def _lark_string(text: str) -> str:
+    """``text`` as a Lark string literal."""
+    return json.dumps(text)
+
+
+class GuidanceMatcher(Matcher):
+    """An ``llguidance.LLMatcher`` behind the Matcher interface."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.matcher.is_error():
+            return False
+        return bool(self.matcher.consume_token(token_id)) and not self.matcher.is_error()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_stopped()
+
+    def reset(self) -> None:
+        self.matcher.reset()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class GuidanceBackend(StructuredOutputBackend):
+    """llguidance bound to one tokenizer (see StructuredOutputBackend)."""
+
+    name = "guidance"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
+        super().__init__(vocab_size)
+        eos = sorted(eos_token_ids) or None
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self.executor = llguidance.LLExecutor()
+
+    def _grammar(self, kind: str, spec: str) -> str:
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else load_json_schema(spec, kind)
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        if kind == "choice":
+            choices = json.loads(spec)
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in choices))
+        if kind == "grammar":
+            lark = spec
+            if "::=" in spec:  # GBNF / EBNF
+                try:
+                    lark = llguidance.gbnf_to_lark(spec)
+                except Exception as exc:  # noqa: BLE001 - the library's parse error, reported to the user
+                    raise ConstraintError(kind, f"the GBNF grammar does not parse: {exc}") from None
+            return llguidance.LLMatcher.grammar_from_lark(lark)
+        if kind == "tool_calls":
+            return llguidance.LLMatcher.grammar_from_lark(self._tool_calls_lark(spec))
+        raise ConstraintError(kind, "unknown constraint kind")
+
+    @staticmethod
+    def _tool_calls_lark(spec: str) -> str:
+        parsed = parse_tool_calls_spec(spec)
+        rules = []
+        for i, (name, parameters) in enumerate(parsed.tools):
+            load_json_schema(json.dumps(parameters), "tool_calls")
+            schema = {**parameters, "x-guidance": _JSON_DEFAULTS}
+            rules.append(f"call_{i}: {_lark_string(call_begin(name))} args_{i} {_lark_string(CALL_END)}")
+            rules.append(f"args_{i}: %json {json.dumps(schema)}")
+        calls = " | ".join(f"call_{i}" for i in range(len(parsed.tools)))
+        start = f"start: call ({_lark_string(CALL_SEPARATOR)} call)*" if parsed.parallel else "start: call"
+        return "\n".join([start, f"call: {calls}", *rules])
+
+    def compile(self, kind: str, spec: str) -> CompiledConstraint:
+        grammar = self._grammar(kind, spec)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if is_error or messages:
+            reason = "; ".join(m.strip() for m in messages) or "rejected by llguidance"
+            raise ConstraintError(kind, reason)
+        return CompiledConstraint(self.name, kind, spec, grammar)
+
+    def new_matcher(self, compiled: CompiledConstraint) -> GuidanceMatcher:
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, compiled.handle, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(compiled.kind, matcher.get_error())
+        return GuidanceMatcher(matcher)
+
+    def fill_bitmask(self, matchers: list[Matcher], bitmask: np.ndarray) -> None:
+        assert bitmask.shape == (len(matchers), self.num_words) and bitmask.dtype == np.int32, bitmask.shape
+        pairs = [(m.matcher, i) for i, m in enumerate(matchers)]  # type: ignore[attr-defined]
+        llguidance.numpy.fill_next_token_bitmask_par(self.executor, pairs, bitmask)

@@ -1,0 +1,172 @@
+"""StructuredOutputManager: the engine's one door to constrained decoding.
+
+Owns the backend (chosen by ``--structured-outputs-config``), the compiled-constraint cache keyed by
+(backend, kind, spec), each constrained request's matcher (``Request.grammar``), and the per-step
+bitmask fill, which runs on a worker thread while the forward pass computes (both libraries release
+the GIL). Never imports torch: the runner applies the bitmask to the logits.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.config import StructuredOutputsConfig
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured_output.backend import (
+    BITS_PER_WORD, CompiledConstraint, ConstraintError, Matcher, StructuredOutputBackend,
+)
+
+# Compiled constraints kept (least recently used dropped first).
+CACHE_SIZE = 512
+BACKENDS = ("guidance", "xgrammar")
+
+
+@dataclass
+class GrammarBitmask:
+    """The next-token masks of this step's constrained requests that sample a token.
+
+    Attributes:
+        req_indices: indices into ``SchedulerOutput.scheduled_requests``, ascending.
+        future: resolves to ``(bitmask, only_stop, allows_none)``: bitmask [N, ceil(V/32)] int32
+            (token t allowed iff bit t % 32 of word t // 32 is set), only_stop [N] bool (the
+            constraint allows nothing but end-of-sequence tokens: ``min_tokens`` must not mask
+            them), allows_none [N] bool (the matcher allows nothing: a matcher error; the mask is
+            not applied and the request fails when its token is refused).
+    """
+
+    req_indices: list[int]
+    future: Future
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Wait for the fill and return ``(bitmask, only_stop, allows_none)``."""
+        return self.future.result()
+
+
+class StructuredOutputManager:
+    """Compiles constraints, gives requests their matchers and fills each step's bitmask.
+
+    Args:
+        config: which backend (``auto`` = guidance).
+        tokenizer: the model's transformers tokenizer.
+        vocab_size: the model's logits width V.
+        eos_token_ids: ids that end a sequence (allowed where the constraint is complete).
+
+    Thread safety: :meth:`compile` may be called from any thread (the server validates
+    constraints before queueing); everything else runs on the engine's thread.
+    """
+
+    def __init__(self, config: StructuredOutputsConfig, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.backend_name = "guidance" if config.backend == "auto" else config.backend
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._backend: StructuredOutputBackend | None = None
+        self._cache: OrderedDict[tuple[str, str, str], CompiledConstraint] = OrderedDict()
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        eos_bits = np.zeros((vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD, dtype=np.uint32)
+        for t in self.eos_token_ids:
+            if 0 <= t < vocab_size:
+                eos_bits[t // BITS_PER_WORD] |= np.uint32(1 << (t % BITS_PER_WORD))
+        self._not_eos = (~eos_bits).view(np.int32)  # [W]: every bit but the end-of-sequence tokens'
+        # Metrics (read by the server's /metrics).
+        self.requests_by_kind: Counter[str] = Counter()
+        self.mask_seconds_total = 0.0
+        self.mask_rows_total = 0
+        self.mask_steps_total = 0
+
+    @property
+    def backend(self) -> StructuredOutputBackend:
+        """The backend, built on first use (building its token tables takes a moment)."""
+        with self._lock:
+            if self._backend is None:
+                self._backend = _build_backend(self.backend_name, self._tokenizer, self.vocab_size,
+                                               set(self.eos_token_ids))
+            return self._backend
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledConstraint:
+        """The compiled constraint of ``params`` (from the cache when seen before).
+
+        Raises:
+            ConstraintError: the constraint is invalid or cannot be enforced exactly.
+        """
+        backend = self.backend
+        kind, spec = params.kind, params.spec()
+        key = (backend.name, kind, spec)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        compiled = backend.compile(kind, spec)  # outside the lock: compiling may take a while
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def cache_size(self) -> int:
+        """How many compiled constraints are cached."""
+        with self._lock:
+            return len(self._cache)
+
+    def new_matcher(self, params: StructuredOutputsParams) -> Matcher:
+        """A fresh matcher for one sequence (``n > 1`` gives each sequence its own).
+
+        Raises:
+            ConstraintError: as :meth:`compile`.
+        """
+        matcher = self.backend.new_matcher(self.compile(params))
+        self.requests_by_kind[params.kind] += 1
+        return matcher
+
+    def start_bitmask(self, scheduled_requests: list, num_scheduled_tokens: list[int]) -> GrammarBitmask | None:
+        """Start filling the bitmask of every constrained request that samples this step (its
+        scheduled tokens reach the end of its sequence) on the worker thread; None if there is none.
+        """
+        req_indices = [
+            i for i, (r, n) in enumerate(zip(scheduled_requests, num_scheduled_tokens))
+            if r.grammar is not None and r.num_computed_tokens + n >= r.num_tokens
+        ]
+        if not req_indices:
+            return None
+        matchers = [scheduled_requests[i].grammar for i in req_indices]
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
+        return GrammarBitmask(req_indices, self._executor.submit(self._fill, matchers))
+
+    def _fill(self, matchers: list[Matcher]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        t0 = time.perf_counter()
+        backend = self.backend
+        bitmask = backend.allocate_bitmask(len(matchers))
+        backend.fill_bitmask(matchers, bitmask)
+        allows_none = ~bitmask.any(axis=1)
+        only_stop = ~(bitmask & self._not_eos).any(axis=1) & ~allows_none
+        self.mask_seconds_total += time.perf_counter() - t0
+        self.mask_rows_total += len(matchers)
+        self.mask_steps_total += 1
+        return bitmask, only_stop, allows_none
+
+    def close(self) -> None:
+        """Stop the worker thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def _build_backend(name: str, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> StructuredOutputBackend:
+    if name == "guidance":
+        from tokenmill.structured_output.guidance_backend import GuidanceBackend
+
+        return GuidanceBackend(tokenizer, vocab_size, eos_token_ids)
+    if name == "xgrammar":
+        from tokenmill.structured_output.xgrammar_backend import XgrammarBackend
+
+        return XgrammarBackend(tokenizer, vocab_size, eos_token_ids)
+    raise ConstraintError("structured_outputs", f"unknown backend {name!r}; choose one of {BACKENDS}")

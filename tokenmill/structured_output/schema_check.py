@@ -1,0 +1,89 @@
+"""JSON-schema checks done before a backend sees a schema: is it a valid schema at all
+(``jsonschema``'s meta-schema check), and, for backends that would otherwise ignore keywords they
+do not implement, does it use only keywords the backend enforces. Never imports torch.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+
+from tokenmill.structured_output.backend import ConstraintError
+
+# Keywords that describe and never constrain.
+ANNOTATION_KEYWORDS = frozenset({
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "$anchor", "deprecated",
+    "readOnly", "writeOnly",
+})
+
+# Keywords xgrammar 0.2 enforces (checked against generated outputs: tests/test_structured_output_backends.py).
+# It accepts and silently ignores others (not, oneOf, allOf, if/then/else, uniqueItems,
+# dependentRequired...), so those are refused instead.
+XGRAMMAR_KEYWORDS = frozenset({
+    "type", "enum", "const", "anyOf", "$ref", "$defs", "definitions", "properties", "required",
+    "additionalProperties", "patternProperties", "propertyNames", "unevaluatedProperties", "minProperties",
+    "maxProperties", "items", "prefixItems", "minItems", "maxItems", "unevaluatedItems", "minLength", "maxLength",
+    "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+}) | ANNOTATION_KEYWORDS
+XGRAMMAR_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname", "uri", "uri-reference",
+    "json-pointer",
+})
+
+# Where subschemas sit: keyword -> "one" (a schema), "list" (schemas), "map" (name -> schema).
+_SUBSCHEMAS = {
+    "items": "one", "additionalProperties": "one", "propertyNames": "one", "unevaluatedProperties": "one",
+    "unevaluatedItems": "one", "contains": "one", "not": "one", "if": "one", "then": "one", "else": "one",
+    "prefixItems": "list", "anyOf": "list", "oneOf": "list", "allOf": "list",
+    "properties": "map", "patternProperties": "map", "$defs": "map", "definitions": "map", "dependentSchemas": "map",
+}
+
+
+def load_json_schema(spec: str, kind: str = "json") -> dict:
+    """Parse a JSON schema's text and check it against its meta-schema (draft 2020-12 unless its
+    ``$schema`` says otherwise).
+
+    Raises:
+        ConstraintError: not JSON, not an object, or not a valid JSON schema (naming the place).
+    """
+    try:
+        schema = json.loads(spec)
+    except ValueError as exc:
+        raise ConstraintError(kind, f"the schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ConstraintError(kind, f"the schema must be a JSON object, got {type(schema).__name__}")
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise ConstraintError(kind, f"not a valid JSON schema at {where}: {exc.message}") from None
+    return schema
+
+
+def check_keywords(schema: Any, allowed: frozenset[str], formats: frozenset[str], backend: str, kind: str = "json",
+                   path: str = "#") -> None:
+    """Refuse a schema that uses a keyword (or string format) outside ``allowed`` (``formats``),
+    anywhere in it.
+
+    Raises:
+        ConstraintError: naming the keyword, its place (a JSON pointer) and the backend.
+    """
+    if not isinstance(schema, dict):
+        return  # true / false schemas
+    for key, value in schema.items():
+        if key not in allowed:
+            raise ConstraintError(kind, f"the {backend} backend cannot enforce the JSON schema keyword "
+                                        f"'{key}' (at {path}); use the other backend or drop the keyword")
+        if key == "format" and value not in formats:
+            raise ConstraintError(kind, f"the {backend} backend cannot enforce the string format {value!r} "
+                                        f"(at {path}/format)")
+        shape = _SUBSCHEMAS.get(key)
+        if shape == "one":
+            check_keywords(value, allowed, formats, backend, kind, f"{path}/{key}")
+        elif shape == "list" and isinstance(value, list):
+            for i, sub in enumerate(value):
+                check_keywords(sub, allowed, formats, backend, kind, f"{path}/{key}/{i}")
+        elif shape == "map" and isinstance(value, dict):
+            for name, sub in value.items():
+                check_keywords(sub, allowed, formats, backend, kind, f"{path}/{key}/{name}")

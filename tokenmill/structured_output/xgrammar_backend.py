@@ -1,0 +1,103 @@
+"""The xgrammar backend (MLC's xgrammar: pushdown automata with a precomputed token mask cache).
+
+Constraints compile through xgrammar's GrammarCompiler (JSON schema, regex, EBNF or Lark, and a
+structural tag for tool calls). xgrammar accepts some JSON-schema keywords it does not enforce;
+``schema_check.XGRAMMAR_KEYWORDS`` lists the ones it does and anything else is refused.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import xgrammar
+import xgrammar.structural_tag as xgr_tag
+
+from tokenmill.structured_output.backend import CompiledConstraint, ConstraintError, Matcher, StructuredOutputBackend
+from tokenmill.structured_output.schema_check import XGRAMMAR_FORMATS, XGRAMMAR_KEYWORDS, check_keywords, load_json_schema
+from tokenmill.structured_output.tool_call_format import CALL_END, CALL_SEPARATOR, call_begin, parse_tool_calls_spec
+
+_JSON_OPTIONS = {"any_whitespace": False, "separators": (",", ":"), "strict_mode": True}
+
+
+class XgrammarMatcher(Matcher):
+    """An ``xgrammar.GrammarMatcher`` behind the Matcher interface."""
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+        self.matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.matcher.accept_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def reset(self) -> None:
+        self.matcher.reset()
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    """xgrammar bound to one tokenizer (see StructuredOutputBackend)."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], max_threads: int = 2) -> None:
+        super().__init__(vocab_size)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids) or None
+        )
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=max_threads)
+        self.batch_matcher = xgrammar.BatchGrammarMatcher(max_threads)
+
+    def _schema(self, spec: str, kind: str) -> dict:
+        schema = load_json_schema(spec, kind)
+        check_keywords(schema, XGRAMMAR_KEYWORDS, XGRAMMAR_FORMATS, self.name, kind)
+        return schema
+
+    def _compile(self, kind: str, spec: str) -> xgrammar.CompiledGrammar:
+        if kind == "json":
+            return self.compiler.compile_json_schema(json.dumps(self._schema(spec, kind)), **_JSON_OPTIONS)
+        if kind == "json_object":
+            return self.compiler.compile_json_schema('{"type": "object"}', **_JSON_OPTIONS)
+        if kind == "regex":
+            return self.compiler.compile_regex(spec)
+        if kind == "choice":
+            choices = json.loads(spec)
+            return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+        if kind == "grammar":
+            if "::=" in spec:
+                return self.compiler.compile_grammar(spec)
+            return self.compiler.compile_grammar(xgrammar.Grammar.from_lark(spec))
+        if kind == "tool_calls":
+            parsed = parse_tool_calls_spec(spec)
+            tags = []
+            for name, parameters in parsed.tools:
+                schema = self._schema(json.dumps(parameters), kind)
+                content = xgr_tag.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1)
+                tags.append(xgr_tag.TagFormat(begin=call_begin(name), content=content, end=CALL_END))
+            fmt = xgr_tag.TagsWithSeparatorFormat(tags=tags, separator=CALL_SEPARATOR, at_least_one=True,
+                                                  stop_after_first=not parsed.parallel)
+            return self.compiler.compile_structural_tag(xgr_tag.StructuralTag(format=fmt))
+        raise ConstraintError(kind, "unknown constraint kind")
+
+    def compile(self, kind: str, spec: str) -> CompiledConstraint:
+        try:
+            compiled = self._compile(kind, spec)
+        except ConstraintError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse / conversion errors
+            reason = str(exc).strip().splitlines()[0]
+            if "]" in reason and reason.startswith("["):  # drop the "[time] file.cc:line:" prefix
+                reason = reason.split(": ", 1)[-1]
+            raise ConstraintError(kind, reason) from None
+        return CompiledConstraint(self.name, kind, spec, compiled)
+
+    def new_matcher(self, compiled: CompiledConstraint) -> XgrammarMatcher:
+        return XgrammarMatcher(xgrammar.GrammarMatcher(compiled.handle))
+
+    def fill_bitmask(self, matchers: list[Matcher], bitmask: np.ndarray) -> None:
+        assert bitmask.shape == (len(matchers), self.num_words) and bitmask.dtype == np.int32, bitmask.shape
+        self.batch_matcher.batch_fill_next_token_bitmask([m.matcher for m in matchers], bitmask)  # type: ignore[attr-defined]
