@@ -52,9 +52,11 @@ class ChatPromptRenderer:
         self._plain.encode_special_tokens = True
 
     def render(
-        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False
+        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False,
+        *, tools: list[dict] | None = None,
     ) -> list[int]:
-        """Prompt token ids of a conversation (``messages``: dicts with ``role`` and ``content``).
+        """Prompt token ids of a conversation (``messages``: dicts with ``role`` and ``content``, and
+        any other keys the template reads, such as ``tool_calls``); ``tools`` goes to the template.
 
         Raises:
             ValueError: the model has no chat template, or the template rejects the conversation.
@@ -63,14 +65,15 @@ class ChatPromptRenderer:
         tokenizer = self._tokenizer
         if not tokenizer.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         if allow_special_tokens_in_content:
             return token_ids
         nonce = uuid.uuid4().hex
         markers = [f"<tokenmill-content-{nonce}-{i}>" for i in range(len(messages))]
         skeleton = tokenizer.apply_chat_template(
-            [{**m, "content": marker} for m, marker in zip(messages, markers)], tokenize=False,
+            [{**m, "content": marker} for m, marker in zip(messages, markers)], tools=tools, tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
         template_specials = self._special_counts(tokenizer.encode(skeleton, add_special_tokens=False))
