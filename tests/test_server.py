@@ -224,9 +224,10 @@ BAD_REQUESTS = [  # (path, body, status, param)
     (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400,
      "max_completion_tokens"),
     (CHAT_PATH, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
-    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
-    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
+     "tools[0].function"),
     (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
 ]
 

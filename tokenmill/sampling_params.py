@@ -24,8 +24,9 @@ class StructuredOutputsParams:
         tool_calls: OpenAI tool calls in the Hermes format, ``{"tools": [{"name": str, "parameters":
             JSON schema}, ...], "parallel": bool}``: the output is one or more (``parallel``; else
             exactly one) blocks ``<tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>``
-            joined by ``\n``, where NAME is one of the tools and ARGS compact JSON valid against its
-            ``parameters``. Used for ``tool_choice: "required"`` and a named tool choice.
+            back to back (no separator: the model then ends after a call more readily), NAME one of
+            the tools and ARGS compact JSON valid against its ``parameters``. Used for
+            ``tool_choice: "required"`` and a named tool choice.
 
     Raises:
         ValueError: naming ``structured_outputs`` when no field or more than one is set, or a field

@@ -39,6 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                         help="CPU: run every layer on torch's ops instead of the compiled C kernels")
+    parser.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                        help='constrained decoding, e.g. \'{"backend": "xgrammar"}\'; backends: auto (= guidance, '
+                             "llguidance), guidance, xgrammar")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -52,7 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_offload_memory=args.kv_offload_memory, kv_offload_disk_path=args.kv_offload_disk_path,
         kv_offload_disk_size=args.kv_offload_disk_size, kv_offload_disk_drive_size=args.kv_offload_disk_drive_size,
         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        cpu_kernels=args.cpu_kernels,
+        cpu_kernels=args.cpu_kernels, structured_outputs_config=args.structured_outputs_config,
     )
 
 

@@ -43,6 +43,10 @@ def register(subparsers) -> None:
     parser.add_argument("--allow-special-tokens-in-content", action="store_true",
                         help="parse special-token strings in chat message contents into control tokens (default: "
                              "plain text, so a message cannot forge a turn); requests may override it")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='accept tool_choice "auto" and parse tool calls out of the output (needs --tool-call-parser)')
+    parser.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                        help="tool-call format of the model: hermes (<tool_call>{json}</tool_call>, ChatML models)")
     parser.set_defaults(func=cmd_serve)
 
 
@@ -80,6 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.state import ServerConfig
 
     check_engine_kwargs(engine_kwargs(args))  # bad flags: a one-line error before the port is bound
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
 
     config = ServerConfig(
         served_model_name=args.served_model_name or default_served_model_name(args.model),
@@ -89,5 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     return run_server(config)

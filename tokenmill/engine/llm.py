@@ -139,25 +139,38 @@ class LLM:
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
         allow_special_tokens_in_content: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate
-        (``allow_special_tokens_in_content`` as in :meth:`apply_chat_template`)."""
+        (``allow_special_tokens_in_content`` as in :meth:`apply_chat_template`). ``tools``: OpenAI
+        tool dicts, rendered by the template or, when it has no tools section, as a Hermes system
+        block; messages may hold assistant ``tool_calls`` and ``tool`` turns (see
+        ``tokenmill.tool_calling``). Parse calls out of the text with ``tool_calling.extract_tool_calls``."""
+        from tokenmill.tool_calling import conversation_for_template, template_supports_tools
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt,
-                                                                 allow_special_tokens_in_content)}
-                   for c in conversations]
+        supports_tools = template_supports_tools(self.get_tokenizer().chat_template)
+        prompts = []
+        for conversation in conversations:
+            conversation, template_tools = conversation_for_template(conversation, tools, supports_tools)
+            prompts.append({"prompt_token_ids": self.apply_chat_template(
+                conversation, add_generation_prompt, allow_special_tokens_in_content, tools=template_tools)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False
+        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.
 
         Special-token strings inside message contents stay plain text, so only the template makes
         control tokens; ``allow_special_tokens_in_content=True`` parses them into control tokens
-        (tokenizing the rendered text as a whole). See ``engine/chat_prompt.py``.
+        (tokenizing the rendered text as a whole). See ``engine/chat_prompt.py``. ``tools``
+        (OpenAI tool dicts) go to the template's ``tools`` variable; for templates without one use
+        ``tokenmill.tool_calling.conversation_for_template`` first.
         """
-        return self._chat_renderer.render(messages, add_generation_prompt, allow_special_tokens_in_content)
+        return self._chat_renderer.render(messages, add_generation_prompt, allow_special_tokens_in_content,
+                                          tools=tools)
 
 
 def build_engine_config(

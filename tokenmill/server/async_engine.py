@@ -336,6 +336,7 @@ class AsyncEngine:
     def _update_stats(self) -> None:
         engine = self.llm.engine
         kv = engine.kv_cache_manager
+        constraints = engine.structured_output_manager
         self.stats = EngineStats(
             num_requests_running=engine.scheduler.num_running,
             num_requests_waiting=engine.scheduler.num_waiting,
@@ -345,6 +346,9 @@ class AsyncEngine:
             prefix_cache_hits=kv.prefix_cache_hits,
             kv_offload=engine.kv_store.tier_stats() if engine.kv_store is not None else {},
             kv_offload_disk_dwpd=engine.kv_store.dwpd() if engine.kv_store is not None else None,
+            structured_output_requests=dict(constraints.requests_by_kind),
+            structured_output_mask_seconds=constraints.mask_seconds_total,
+            structured_output_mask_steps=constraints.mask_steps_total,
         )
 
 

@@ -35,6 +35,9 @@ class EngineStats:
     prefix_cache_hits: int = 0  # tokens found there (in any KV tier)
     kv_offload: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> TierStats.as_dict()
     kv_offload_disk_dwpd: float | None = None  # drive writes per day of the disk tier
+    structured_output_requests: dict[str, int] = field(default_factory=dict)  # constraint kind -> sequences
+    structured_output_mask_seconds: float = 0.0  # time spent filling next-token bitmasks
+    structured_output_mask_steps: int = 0  # steps that filled one
 
 
 class _EngineStatsCollector(Collector):
@@ -64,6 +67,24 @@ class _EngineStatsCollector(Collector):
             counter.add_metric([self._model_name], value)
             yield counter
         yield from self._kv_offload(stats)
+        yield from self._structured_output(stats)
+
+    def _structured_output(self, stats: EngineStats) -> Iterator[Metric]:
+        """Constrained sequences by constraint kind, and the bitmask-filling time."""
+        requests = CounterMetricFamily(
+            "tokenmill:structured_output_requests", "Constrained sequences started, by constraint kind "
+            "(json, regex, choice, grammar, json_object, tool_calls).", labels=["model_name", "kind"])
+        for kind, count in sorted(stats.structured_output_requests.items()):
+            requests.add_metric([self._model_name, kind], count)
+        yield requests
+        for name, doc, value in (
+            ("structured_output_mask_seconds", "Seconds spent filling next-token bitmasks of constrained requests "
+             "(on a worker thread, overlapping the forward pass).", stats.structured_output_mask_seconds),
+            ("structured_output_mask_steps", "Engine steps that filled a bitmask.", stats.structured_output_mask_steps),
+        ):
+            counter = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            counter.add_metric([self._model_name], value)
+            yield counter
 
     def _kv_offload(self, stats: EngineStats) -> Iterator[Metric]:
         """Per-tier counters of the lower KV tiers (label ``tier``: "ram", "disk") and the disk DWPD."""

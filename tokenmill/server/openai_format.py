@@ -9,7 +9,7 @@ import json
 import math
 
 from tokenmill.outputs import Logprob, PositionLogprobs, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.errors import APIError, field_error
 from tokenmill.server.protocol import SamplingRequest
 from tokenmill.token_strings import TokenString, TokenStrings
@@ -20,6 +20,42 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias
 _NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
 
 
+def build_structured_outputs(request: SamplingRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the field that holds it (for error messages), from
+    ``response_format`` (``json_object`` / ``json_schema``) or ``structured_outputs``; (None, None)
+    when unconstrained. Whether the constraint compiles is checked later (``ServerState.check_constraint``).
+
+    Raises:
+        APIError: both fields set, or ``structured_outputs`` not setting exactly one constraint.
+    """
+    response_format, structured = request.response_format, request.structured_outputs
+    constrained_format = response_format is not None and response_format.type != "text"
+    if constrained_format and structured is not None:
+        raise APIError("send one output constraint: response_format or structured_outputs, not both",
+                       param="structured_outputs")
+    if structured is not None:
+        fields = {name: value for name, value in (
+            ("json", structured.json_), ("regex", structured.regex), ("choice", structured.choice),
+            ("grammar", structured.grammar), ("json_object", structured.json_object),
+        ) if value is not None and value is not False}
+        if len(fields) != 1:
+            raise APIError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                           f"got {sorted(fields) or 'none'}", param="structured_outputs")
+        ((kind, value),) = fields.items()
+        if kind == "choice" and not value:
+            raise APIError("structured_outputs.choice must list at least one string", param="structured_outputs.choice")
+        return StructuredOutputsParams(**{kind: value}), f"structured_outputs.{kind}"
+    if not constrained_format:
+        return None, None
+    assert response_format is not None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True), "response_format"
+    if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+        raise APIError("response_format of type json_schema needs json_schema.schema",
+                       param="response_format.json_schema")
+    return StructuredOutputsParams(json=response_format.json_schema.schema_), "response_format.json_schema.schema"
+
+
 def build_sampling_params(
     request: SamplingRequest,
     *,
@@ -28,11 +64,13 @@ def build_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     aliases: dict[str, str] | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams for a request, or an APIError naming the request field at fault.
 
     ``aliases`` maps SamplingParams field names to the request's names (chat's
-    ``top_logprobs`` is ``logprobs`` here).
+    ``top_logprobs`` is ``logprobs`` here). ``structured_outputs``: the output constraint
+    (``build_structured_outputs``, or a tool-call constraint).
     """
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
     if stop is not None and len(stop) > MAX_STOP_STRINGS:
@@ -64,6 +102,7 @@ def build_sampling_params(
             ignore_eos=request.ignore_eos, stop=stop, stop_token_ids=request.stop_token_ids,
             include_stop_str_in_output=request.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
+            structured_outputs=structured_outputs,
         )
     except ValueError as exc:
         raise field_error(str(exc), aliases) from None

@@ -39,6 +39,40 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is accepted; the schema is
+    always enforced exactly)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
+
+    model_config = _STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """``structured_outputs`` (vLLM's field): exactly one of ``json`` (a JSON schema), ``regex``,
+    ``choice``, ``grammar`` (GBNF or Lark) or ``json_object``; checked in ``openai_format``."""
+
+    model_config = _STRICT
+
+    json_: dict | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions (OpenAI names plus vLLM's extras)."""
 
@@ -65,6 +99,8 @@ class SamplingRequest(BaseModel):
     cache_salt: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -96,13 +132,36 @@ class TextContentPart(BaseModel):
     text: Text
 
 
-class ChatMessage(BaseModel):
-    """One conversation turn. ``content`` may be a string or a list of text parts."""
+class ToolCallFunction(BaseModel):
+    """``function`` of an assistant message's tool call: the name and the arguments as JSON text."""
 
     model_config = _STRICT
 
-    role: Literal["system", "user", "assistant"]
+    name: Text
+    arguments: Text
+
+
+class MessageToolCall(BaseModel):
+    """One entry of an assistant message's ``tool_calls``."""
+
+    model_config = _STRICT
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    """One conversation turn. ``content`` may be a string or a list of text parts; an assistant
+    turn may carry ``tool_calls`` and a ``tool`` turn answers one (``tool_call_id``)."""
+
+    model_config = _STRICT
+
+    role: Literal["system", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: Text | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined; None is empty)."""
@@ -111,6 +170,17 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def as_dict(self) -> dict:
+        """The turn as the chat template sees it (OpenAI shape; unset fields left out)."""
+        message: dict = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -123,10 +193,11 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    # Not supported yet; accepted only in their "off" form so clients get a clear 400 otherwise.
-    response_format: dict | None = None
+    # OpenAI tools, validated by tokenmill.tool_calling.parse_tools (400s name the exact field);
+    # the deprecated ``functions`` is refused.
     tools: list | None = None
     tool_choice: Text | dict | None = None
+    parallel_tool_calls: bool = True
     functions: list | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -3,6 +3,10 @@ as OpenAI chat completions (streamed as ``chat.completion.chunk`` deltas or not)
 
 Templating and tokenizing run in a worker thread, never on the event loop. A stream sends each
 choice's last content in its own chunk, then a chunk with an empty ``delta`` and the finish reason.
+Output constraints (``response_format``, ``structured_outputs``) are compiled before queueing. With
+``tools``, ``tool_choice`` "required" or a named tool is forced by a constraint and "auto" (with
+``--enable-auto-tool-choice``) parsed out of free text; Hermes ``<tool_call>`` blocks become
+``message.tool_calls`` (streamed as tool-call deltas) and ``finish_reason`` "tool_calls".
 """
 from __future__ import annotations
 
@@ -19,90 +23,136 @@ from tokenmill.engine.chat_prompt import ContentSpecialTokensError
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import EngineRequest, RequestStream
 from tokenmill.server.errors import APIError
-from tokenmill.server.openai_format import build_sampling_params, chat_logprobs, check_length, usage
+from tokenmill.server.openai_format import (
+    build_sampling_params, build_structured_outputs, chat_logprobs, check_length, usage,
+)
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.state import ServerState, sse_stream
+from tokenmill.tool_calling import (
+    HermesStreamParser, ToolCallingError, ToolRequest, conversation_for_template, extract_tool_calls, parse_tools,
+    template_supports_tools, tool_constraint,
+)
 
 
 def render_chat(
     state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-    allow_special_tokens_in_content: bool | None = None,
+    allow_special_tokens_in_content: bool | None = None, tool_request: ToolRequest | None = None,
 ) -> list[int]:
     """Prompt token ids of a conversation (the same ones ``LLM.chat`` would use). Blocking: run it
-    in a worker thread. ``allow_special_tokens_in_content`` None takes the server's setting."""
+    in a worker thread. ``allow_special_tokens_in_content`` None takes the server's setting. Tools
+    (unless ``tool_choice`` is ``none``) are rendered by the chat template, or as a Hermes system
+    block when the template has no tools section (``tokenmill.tool_calling.prompt``)."""
     if allow_special_tokens_in_content is None:
         allow_special_tokens_in_content = state.config.allow_special_tokens_in_content
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    tools = tool_request.openai_tools() if tool_request is not None and tool_request.mode != "none" else None
     try:
-        return state.llm().apply_chat_template(conversation, add_generation_prompt, allow_special_tokens_in_content)
+        conversation, template_tools = conversation_for_template(
+            [m.as_dict() for m in messages], tools, template_supports_tools(state.tokenizer.chat_template))
+        return state.llm().apply_chat_template(conversation, add_generation_prompt, allow_special_tokens_in_content,
+                                               tools=template_tools)
+    except ToolCallingError as exc:
+        raise APIError(str(exc), param=exc.param) from None
     except ContentSpecialTokensError as exc:
         raise APIError(str(exc), param=exc.param) from None
     except (ValueError, jinja2.TemplateError) as exc:
         raise APIError(f"messages could not be rendered with the chat template: {exc}", param="messages") from None
 
 
-def _reject_unsupported(body: ChatCompletionRequest) -> None:
-    """Structured output and tool calling are not implemented yet: refuse them rather than ignore them."""
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise APIError("response_format other than {'type': 'text'} is not supported yet", param="response_format")
-    if body.tools or body.functions:
-        field = "tools" if body.tools else "functions"
-        raise APIError(f"{field}: tool calling is not supported yet", param=field)
-    if body.tool_choice not in (None, "none", "auto"):
-        raise APIError("tool_choice is not supported yet", param="tool_choice")
+def _tool_request(body: ChatCompletionRequest, state: ServerState) -> ToolRequest | None:
+    """The request's validated tools, or None without tools (APIError naming the field otherwise)."""
+    if body.functions:
+        raise APIError("functions is deprecated and not supported; send tools", param="functions")
+    try:
+        tool_request = parse_tools(body.tools, body.tool_choice)
+    except ToolCallingError as exc:
+        raise APIError(str(exc), param=exc.param) from None
+    if not tool_request.tools:
+        return None
+    if tool_request.mode == "auto" and not state.config.enable_auto_tool_choice:
+        raise APIError('"auto" tool choice needs the server started with --enable-auto-tool-choice and '
+                       "--tool-call-parser hermes; or send tool_choice \"required\", a named tool or \"none\"",
+                       param="tool_choice")
+    return tool_request
 
 
-async def _engine_request(body: ChatCompletionRequest, state: ServerState, request_id: str) -> EngineRequest:
+def _parses_tool_calls(tool_request: ToolRequest | None) -> bool:
+    """Whether the output is scanned for Hermes tool calls."""
+    return tool_request is not None and tool_request.mode != "none"
+
+
+async def _engine_request(
+    body: ChatCompletionRequest, state: ServerState, request_id: str
+) -> tuple[EngineRequest, ToolRequest | None]:
     use_completion_name = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if use_completion_name else body.max_tokens
     max_tokens_param = "max_completion_tokens" if use_completion_name else "max_tokens"
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-    _reject_unsupported(body)
+    tool_request = _tool_request(body, state)
+    constraint, constraint_param = build_structured_outputs(body)
+    tool_calls = None if tool_request is None else tool_constraint(tool_request, body.parallel_tool_calls)
+    if tool_calls is not None:
+        if constraint is not None:
+            raise APIError(f"tool_choice {tool_request.mode!r} forces tool calls; it cannot be combined with "
+                           f"{constraint_param.split('.')[0]}", param="tool_choice")
+        constraint, constraint_param = tool_calls, "tools"
     params = build_sampling_params(
         body, vocab_size=state.vocab_size, max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        aliases={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
+        aliases={"logprobs": "top_logprobs", "max_tokens": max_tokens_param}, structured_outputs=constraint,
     )
+    await asyncio.to_thread(state.check_constraint, constraint, constraint_param)
     token_ids = await asyncio.to_thread(render_chat, state, body.messages, body.add_generation_prompt,
-                                        body.allow_special_tokens_in_content)
+                                        body.allow_special_tokens_in_content, tool_request)
     check_length(len(token_ids), max_tokens, state.max_model_len, "messages", max_tokens_param)
-    return EngineRequest(request_id, token_ids, params, None, body.cache_salt)
+    return EngineRequest(request_id, token_ids, params, None, body.cache_salt), tool_request
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, state: ServerState):
     """Validate, queue, and answer (JSON or SSE) one chat completions request."""
     state.check_model(body.model)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    request = await _engine_request(body, state, response_id)
+    request, tool_request = await _engine_request(body, state, response_id)
     stream = await state.submit([request], "messages")
     created = int(time.time())
     if body.stream:
         header = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
-        return StreamingResponse(sse_stream(_stream_events(body, state, stream, header), stream),
+        return StreamingResponse(sse_stream(_stream_events(body, state, stream, header, tool_request), stream),
                                  media_type="text/event-stream")
     output = (await state.collect(stream, raw_request))[response_id]
-    choices = await asyncio.to_thread(_choices, body, state, output)  # logprobs of long outputs take a while
+    choices = await asyncio.to_thread(_choices, body, state, output, tool_request)  # long logprobs take a while
     return JSONResponse({"id": response_id, "object": "chat.completion", "created": created,
                          "model": state.model_name, "choices": choices, "usage": usage([output])})
 
 
-def _choices(body: ChatCompletionRequest, state: ServerState, output: RequestOutput) -> list[dict]:
+def _choices(
+    body: ChatCompletionRequest, state: ServerState, output: RequestOutput, tool_request: ToolRequest | None
+) -> list[dict]:
     choices = []
     for completion in output.outputs:
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(completion.token_ids, completion.logprobs or [], body.top_logprobs or 0,
                                      state.token_strings)
-        choices.append({"index": completion.index, "message": {"role": "assistant", "content": completion.text},
-                        "logprobs": logprobs, "finish_reason": completion.finish_reason,
-                        "stop_reason": completion.stop_reason})
+        message: dict = {"role": "assistant", "content": completion.text}
+        finish_reason = completion.finish_reason
+        if _parses_tool_calls(tool_request):
+            extracted = extract_tool_calls(completion.text)
+            if extracted.tool_calls:
+                message = {"role": "assistant", "content": extracted.content,
+                           "tool_calls": [call.to_openai() for call in extracted.tool_calls]}
+                if finish_reason == "stop":
+                    finish_reason = "tool_calls"
+        choices.append({"index": completion.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish_reason, "stop_reason": completion.stop_reason})
     return choices
 
 
 async def _stream_events(
-    body: ChatCompletionRequest, state: ServerState, stream: RequestStream, header: dict
+    body: ChatCompletionRequest, state: ServerState, stream: RequestStream, header: dict,
+    tool_request: ToolRequest | None = None,
 ) -> AsyncIterator[dict]:
+    parsers = {i: HermesStreamParser() for i in range(body.n)} if _parses_tool_calls(tool_request) else None
     for i in range(body.n):
         yield {**header, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                       "finish_reason": None}]}
@@ -118,13 +168,26 @@ async def _stream_events(
             if body.logprobs and completion.delta_token_ids:
                 logprobs = chat_logprobs(completion.delta_token_ids, completion.delta_logprobs or [],
                                          body.top_logprobs or 0, state.token_strings)
-            if text or logprobs:
-                choices.append({"index": completion.index, "delta": {"content": text} if text else {},
-                                "logprobs": logprobs, "finish_reason": None, "stop_reason": None})
-            if completion.finish_reason is not None:  # the finish reason comes alone, after the last content
+            finish_reason = completion.finish_reason
+            if parsers is None:
+                deltas = [{"content": text}] if text else []
+            else:  # tool calls come as OpenAI tool-call deltas, the rest as content
+                parser = parsers[completion.index]
+                deltas = parser.feed(text) if text else []
+                if finish_reason is not None:
+                    deltas += parser.finish()
+                    if finish_reason == "stop" and parser.has_tool_calls:
+                        finish_reason = "tool_calls"
+            if logprobs and not deltas:
+                deltas = [{}]
+            for delta in deltas:
+                choices.append({"index": completion.index, "delta": delta, "logprobs": logprobs,
+                                "finish_reason": None, "stop_reason": None})
+                logprobs = None
+            if finish_reason is not None:  # the finish reason comes alone, after the last content
                 finished.add(completion.index)
                 choices.append({"index": completion.index, "delta": {}, "logprobs": None,
-                                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+                                "finish_reason": finish_reason, "stop_reason": completion.stop_reason})
         final = output
         for choice in choices:  # one choice per chunk, as OpenAI streams them
             yield {**header, "choices": [choice]}

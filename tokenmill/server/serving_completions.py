@@ -18,7 +18,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import EngineRequest, RequestStream
 from tokenmill.server.errors import APIError
-from tokenmill.server.openai_format import CompletionLogprobs, build_sampling_params, check_length, usage
+from tokenmill.server.openai_format import (
+    CompletionLogprobs, build_sampling_params, build_structured_outputs, check_length, usage,
+)
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.state import ServerState, sse_stream
 
@@ -35,10 +37,12 @@ def _engine_requests(body: CompletionRequest, state: ServerState, response_id: s
         raise APIError("suffix is not supported (no fill-in-the-middle); leave it unset", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(f"best_of is not supported (got {body.best_of}); use n", param="best_of")
+    constraint, constraint_param = build_structured_outputs(body)
     params = build_sampling_params(
         body, vocab_size=state.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs,
-        prompt_logprobs=body.logprobs if body.echo else None,
+        prompt_logprobs=body.logprobs if body.echo else None, structured_outputs=constraint,
     )
+    state.check_constraint(constraint, constraint_param)
     prompts = _prompt_list(body.prompt)
     if not prompts:
         raise APIError("prompt must not be empty", param="prompt")

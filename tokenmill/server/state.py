@@ -17,6 +17,8 @@ from tokenmill.server.async_engine import AsyncEngine, EngineDeadError, EngineRe
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import RequestMetricsTracker, ServerMetrics
 from tokenmill.server.openai_format import SSE_DONE, sse
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured_output import ConstraintError
 from tokenmill.token_strings import TokenStrings
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,9 @@ class ServerConfig:
         timeout_graceful_shutdown: seconds in-flight requests get to finish after SIGTERM/SIGINT.
         allow_special_tokens_in_content: default of the chat request field of that name: parse
             special-token strings in message contents into control tokens (off: plain text).
+        enable_auto_tool_choice: accept ``tool_choice: "auto"`` (the default with tools) and parse
+            tool calls out of free text with ``tool_call_parser``.
+        tool_call_parser: the tool-call format; only ``hermes`` (``<tool_call>{...}</tool_call>``).
     """
 
     served_model_name: str
@@ -44,6 +49,8 @@ class ServerConfig:
     api_key: str | None = None
     timeout_graceful_shutdown: float = 30.0
     allow_special_tokens_in_content: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 class ServerState:
@@ -94,6 +101,16 @@ class ServerState:
         if self._token_strings is None:
             self._token_strings = TokenStrings(self.tokenizer)
         return self._token_strings
+
+    def check_constraint(self, constraint: StructuredOutputsParams | None, param: str | None) -> None:
+        """Compile an output constraint (cached for the engine) so that a bad one is a 400 naming
+        ``param`` before the request is queued. Blocking: run it in a worker thread."""
+        if constraint is None:
+            return
+        try:
+            self.llm().engine.structured_output_manager.compile(constraint)
+        except ConstraintError as exc:
+            raise APIError(f"{param}: {exc.reason}", param=param) from None
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is None or the served name."""

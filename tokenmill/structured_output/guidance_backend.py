@@ -13,6 +13,7 @@ import llguidance
 import llguidance.hf
 import llguidance.numpy
 import numpy as np
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from tokenmill.structured_output.backend import CompiledConstraint, ConstraintError, Matcher, StructuredOutputBackend
 from tokenmill.structured_output.schema_check import load_json_schema
@@ -77,7 +78,7 @@ class GuidanceBackend(StructuredOutputBackend):
             lark = spec
             if "::=" in spec:  # GBNF / EBNF
                 try:
-                    lark = llguidance.gbnf_to_lark(spec)
+                    lark = gbnf_to_lark(spec)
                 except Exception as exc:  # noqa: BLE001 - the library's parse error, reported to the user
                     raise ConstraintError(kind, f"the GBNF grammar does not parse: {exc}") from None
             return llguidance.LLMatcher.grammar_from_lark(lark)

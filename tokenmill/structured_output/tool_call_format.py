@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tokenmill.structured_output.backend import ConstraintError
 
 CALL_END = "}\n</tool_call>"
-CALL_SEPARATOR = "\n"
+CALL_SEPARATOR = ""
 
 
 def call_begin(name: str) -> str:
