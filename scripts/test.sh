@@ -19,4 +19,4 @@ if [ "${1:-}" = "--quick" ]; then
   set -- "${QUICK_TESTS[@]}" "$@"
 fi
 bash scripts/setup.sh
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"

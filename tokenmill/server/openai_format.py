@@ -51,7 +51,7 @@ def build_structured_outputs(request: SamplingRequest) -> tuple[StructuredOutput
     if response_format.type == "json_object":
         return StructuredOutputsParams(json_object=True), "response_format"
     if response_format.json_schema is None or response_format.json_schema.schema_ is None:
-        raise APIError("response_format of type json_schema needs json_schema.schema",
+        raise APIError("response_format.json_schema needs a schema (response_format of type json_schema)",
                        param="response_format.json_schema")
     return StructuredOutputsParams(json=response_format.json_schema.schema_), "response_format.json_schema.schema"
 
