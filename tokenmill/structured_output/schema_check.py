@@ -61,16 +61,25 @@ def load_json_schema(spec: str, kind: str = "json") -> dict:
     return schema
 
 
+_LOOK_AROUND = ("(?=", "(?!", "(?<=", "(?<!")
+
+
 def check_keywords(schema: Any, allowed: frozenset[str], formats: frozenset[str], backend: str, kind: str = "json",
                    path: str = "#") -> None:
     """Refuse a schema that uses a keyword (or string format) outside ``allowed`` (``formats``),
-    anywhere in it.
+    anywhere in it; and what xgrammar would drop with only a log warning: ``multipleOf`` on a type
+    other than ``integer``, and look-around in a ``pattern``.
 
     Raises:
         ConstraintError: naming the keyword, its place (a JSON pointer) and the backend.
     """
     if not isinstance(schema, dict):
         return  # true / false schemas
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        raise ConstraintError(kind, f"the {backend} backend enforces 'multipleOf' only on integers (at {path}); "
+                                    "use the other backend or type integer")
+    if isinstance(schema.get("pattern"), str) and any(look in schema["pattern"] for look in _LOOK_AROUND):
+        raise ConstraintError(kind, f"the {backend} backend cannot enforce look-around in 'pattern' (at {path}/pattern)")
     for key, value in schema.items():
         if key not in allowed:
             raise ConstraintError(kind, f"the {backend} backend cannot enforce the JSON schema keyword "

@@ -20,10 +20,12 @@ _JSON_OPTIONS = {"any_whitespace": False, "separators": (",", ":"), "strict_mode
 
 
 class XgrammarMatcher(Matcher):
-    """An ``xgrammar.GrammarMatcher`` behind the Matcher interface."""
+    """An ``xgrammar.GrammarMatcher`` behind the Matcher interface. ``json_only``: the output is
+    compact JSON, where no raw control character and no special token can ever be valid."""
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgrammar.GrammarMatcher, json_only: bool = False) -> None:
         self.matcher = matcher
+        self.json_only = json_only
 
     def accept_token(self, token_id: int) -> bool:
         return bool(self.matcher.accept_token(token_id))
@@ -51,6 +53,24 @@ class XgrammarBackend(StructuredOutputBackend):
         )
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=max_threads)
         self.batch_matcher = xgrammar.BatchGrammarMatcher(max_threads)
+        special = set(info.special_token_ids) | set(getattr(tokenizer, "all_special_ids", ()))
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        special |= {i for i, token in added.items() if getattr(token, "special", False)}
+        self._json_tokens = self._json_token_mask(info, special, eos_token_ids)
+
+    def _json_token_mask(self, info: xgrammar.TokenizerInfo, special: set[int], eos_token_ids: set[int]) -> np.ndarray:
+        """[W] int32: every token but those holding a raw control character (byte < 0x20) and the
+        special tokens other than end-of-sequence. xgrammar 0.2 lets both into strings with
+        ``minLength``/``maxLength``, which would make invalid JSON; compact JSON never needs them."""
+        allowed = np.ones(self.num_words * 32, dtype=bool)
+        allowed[self.vocab_size:] = False
+        for token_id, token in enumerate(info.decoded_vocab[: self.vocab_size]):
+            if any(byte < 0x20 for byte in token):
+                allowed[token_id] = False
+        for token_id in special:
+            if 0 <= token_id < self.vocab_size and token_id not in eos_token_ids:
+                allowed[token_id] = False
+        return np.packbits(allowed.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32).view(np.int32)[:, 0]
 
     def _schema(self, spec: str, kind: str) -> dict:
         schema = load_json_schema(spec, kind)
@@ -96,8 +116,11 @@ class XgrammarBackend(StructuredOutputBackend):
         return CompiledConstraint(self.name, kind, spec, compiled)
 
     def new_matcher(self, compiled: CompiledConstraint) -> XgrammarMatcher:
-        return XgrammarMatcher(xgrammar.GrammarMatcher(compiled.handle))
+        return XgrammarMatcher(xgrammar.GrammarMatcher(compiled.handle), json_only=compiled.kind in ("json", "json_object"))
 
     def fill_bitmask(self, matchers: list[Matcher], bitmask: np.ndarray) -> None:
         assert bitmask.shape == (len(matchers), self.num_words) and bitmask.dtype == np.int32, bitmask.shape
         self.batch_matcher.batch_fill_next_token_bitmask([m.matcher for m in matchers], bitmask)  # type: ignore[attr-defined]
+        json_rows = [i for i, m in enumerate(matchers) if m.json_only]  # type: ignore[attr-defined]
+        if json_rows:
+            bitmask[json_rows] &= self._json_tokens
