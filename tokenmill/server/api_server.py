@@ -76,7 +76,7 @@ def _cpu_facts() -> dict:
 
 def engine_status(engine) -> dict:
     """The engine's configuration, where it runs (device, dtype, threads, CPU model and ISA path, which
-    kernels run) and the KV snapshot (engine thread only)."""
+    kernels run), the KV snapshot and the structured-output state (engine thread only)."""
     runner = engine.runner
     plan = runner.kernel_plan
     return {
@@ -90,6 +90,19 @@ def engine_status(engine) -> dict:
         "kernel_plan": dataclasses.asdict(plan) if plan is not None else None,
         "config": dataclasses.asdict(engine.config),
         "kv_cache": kv_cache_snapshot(engine),
+        "structured_outputs": structured_outputs_snapshot(engine.structured_output_manager),
+    }
+
+
+def structured_outputs_snapshot(manager) -> dict:
+    """The constrained-decoding backend, its compiled-constraint cache and its counters."""
+    return {
+        "backend": manager.backend_name,
+        "cached_constraints": manager.cache_size(),
+        "requests_by_kind": dict(manager.requests_by_kind),
+        "mask_seconds_total": manager.mask_seconds_total,
+        "mask_steps_total": manager.mask_steps_total,
+        "mask_rows_total": manager.mask_rows_total,
     }
 
 
