@@ -7,6 +7,7 @@ structural tag for tool calls). xgrammar accepts some JSON-schema keywords it do
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import xgrammar
@@ -16,6 +17,7 @@ from tokenmill.structured_output.backend import CompiledConstraint, ConstraintEr
 from tokenmill.structured_output.schema_check import XGRAMMAR_FORMATS, XGRAMMAR_KEYWORDS, check_keywords, load_json_schema
 from tokenmill.structured_output.tool_call_format import CALL_END, CALL_SEPARATOR, call_begin, parse_tool_calls_spec
 
+_SOURCE_LOCATION = re.compile(r"\[\d\d:\d\d:\d\d\] \S+\.(?:cc|h|cpp):\d+: ")
 _JSON_OPTIONS = {"any_whitespace": False, "separators": (",", ":"), "strict_mode": True}
 
 
@@ -109,10 +111,9 @@ class XgrammarBackend(StructuredOutputBackend):
         except ConstraintError:
             raise
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse / conversion errors
-            reason = str(exc).strip().splitlines()[0]
-            if "]" in reason and reason.startswith("["):  # drop the "[time] file.cc:line:" prefix
-                reason = reason.split(": ", 1)[-1]
-            raise ConstraintError(kind, reason) from None
+            # Drop xgrammar's "[HH:MM:SS] /path/file.cc:123: " source locations.
+            reason = _SOURCE_LOCATION.sub("", " ".join(str(exc).split())).strip()
+            raise ConstraintError(kind, reason or type(exc).__name__) from None
         return CompiledConstraint(self.name, kind, spec, compiled)
 
     def new_matcher(self, compiled: CompiledConstraint) -> XgrammarMatcher:
