@@ -6,10 +6,11 @@ from tokenmill.runner.cpu_threads import prefer_short_omp_spins
 
 prefer_short_omp_spins()  # before anything loads torch's OpenMP runtime (runner/cpu_threads.py)
 
+from tokenmill.lora import LoRARequest  # noqa: E402
 from tokenmill.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 

@@ -148,18 +148,22 @@ class SchedulerConfig:
         max_model_len: longest prompt + output a request may have, in tokens (None: the
             model's ``max_position_embeddings``, resolved by the engine).
         enable_chunked_prefill: split long prompts across steps under the budget.
+        max_loras: most distinct LoRA adapters in one step (None: LoRA off); the engine copies it
+            from ``LoRAConfig``.
     """
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_int("max_model_len", self.max_model_len, optional=True)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        check_int("max_loras", self.max_loras, optional=True)
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
@@ -169,6 +173,37 @@ class SchedulerConfig:
                 "`max_num_batched_tokens` must be >= `max_model_len` when `!enable_chunked_prefill` turns "
                 f"chunked prefill off ({self.max_num_batched_tokens} < {self.max_model_len})"
             )
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (``enable_lora``): PEFT adapters applied per request, many in one batch.
+
+    Args:
+        max_loras: adapter slots on the device: the most distinct adapters in one step.
+        max_lora_rank: the largest adapter rank accepted; slot weights are padded to it.
+        max_cpu_loras: adapters kept loaded in host memory (LRU); None: ``max_loras``.
+
+    Raises:
+        ConfigError: a value out of range, or ``max_cpu_loras`` below ``max_loras``.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("max_loras", self.max_loras)
+        check_int("max_lora_rank", self.max_lora_rank, maximum=1024)
+        check_int("max_cpu_loras", self.max_cpu_loras, optional=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"`max_cpu_loras` ({self.max_cpu_loras}) must be >= `max_loras` ({self.max_loras}): "
+                              "host memory holds at least the adapters of one step")
+
+    @property
+    def host_capacity(self) -> int:
+        """Adapters kept in host memory: ``max_cpu_loras`` or, unset, ``max_loras``."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
 @dataclass(frozen=True)
@@ -229,6 +264,7 @@ class EngineConfig:
     ``cpu_kernels``: on CPU, run the compiled C kernels where they beat torch on this machine
     (tokenmill.runner.cpu_kernels); False puts every layer on torch's ops (deterministic mode
     needs them, so the two together are refused).
+    ``lora``: multi-LoRA settings (None: LoRA off, ``enable_lora=False``).
     """
 
     model: str | None = None
@@ -244,8 +280,11 @@ class EngineConfig:
     enforce_eager: bool = False
     cpu_kernels: bool = True
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise ConfigError(f"`enable_lora` settings must be a LoRAConfig, got {self.lora!r}")
         check_bool("deterministic", self.deterministic)
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("cpu_kernels", self.cpu_kernels)

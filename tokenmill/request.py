@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
     ``generator`` is a seeded torch.Generator owned by the sampler (None = global RNG).
     ``grammar`` is the structured-output matcher (``tokenmill.structured_output.Matcher``) of a
     constrained request, advanced on each accepted token; None when unconstrained.
+    ``lora_request`` is the adapter the request runs with (None: the base model).
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class Request:
         cache_salt: str | None = None,
         generator: object | None = None,
         grammar: object | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,6 +72,7 @@ class Request:
         self.cache_salt = cache_salt
         self.generator = generator
         self.grammar = grammar
+        self.lora_request = lora_request
         self.error: str | None = None  # why a FINISHED_ERROR request failed
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -99,6 +103,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def is_finished(self) -> bool:

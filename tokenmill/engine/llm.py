@@ -6,9 +6,17 @@ import os
 
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputsConfig
+from tokenmill.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+    check_bool,
+)
 from tokenmill.engine.chat_prompt import ChatPromptRenderer
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.lora import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -37,6 +45,10 @@ class LLM:
             (measured once per machine); False runs every layer on torch's ops.
         structured_outputs_config: constrained decoding backend, ``{"backend": "auto" | "guidance" |
             "xgrammar"}`` (a dict, its JSON text or a ``StructuredOutputsConfig``); ``auto`` is llguidance.
+        enable_lora: serve PEFT LoRA adapters (``generate(..., lora_request=LoRARequest(...))``), CPU only.
+        max_loras: adapter slots: the most distinct adapters in one step (others wait their turn).
+        max_lora_rank: the largest adapter rank accepted (slot weights are padded to it).
+        max_cpu_loras: adapters kept loaded in host memory (LRU; default ``max_loras``).
     """
 
     def __init__(
@@ -63,6 +75,10 @@ class LLM:
         enforce_eager: bool = False,
         cpu_kernels: bool = True,
         structured_outputs_config: dict | str | StructuredOutputsConfig | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         config = build_engine_config(
             model=model, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -74,7 +90,8 @@ class LLM:
             kv_offload_disk_size=kv_offload_disk_size,
             kv_offload_disk_drive_size=kv_offload_disk_drive_size, device=device,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, cpu_kernels=cpu_kernels,
-            structured_outputs_config=structured_outputs_config,
+            structured_outputs_config=structured_outputs_config, enable_lora=enable_lora, max_loras=max_loras,
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -98,10 +115,14 @@ class LLM:
         prompts: PromptType | list[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns finished RequestOutputs in input order.
 
-        Raises ValueError (before anything is queued) when a prompt or its parameters are invalid.
+        ``lora_request``: one adapter for every prompt, or a list with one entry (or None: the base
+        model) per prompt; needs ``enable_lora``.
+
+        Raises ValueError (before anything is queued) when a prompt, its parameters or its adapter are invalid.
         """
         if not isinstance(prompts, list) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt: text, dict, or a list of token ids
@@ -109,11 +130,15 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        if not isinstance(lora_request, list):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(lora_request)} lora_request entries")
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
         added = []
         try:
-            for request_id, prompt, params in zip(ids, prompts, sampling_params):
-                self.engine.add_request(request_id, prompt, params)
+            for request_id, prompt, params, lora in zip(ids, prompts, sampling_params, lora_request):
+                self.engine.add_request(request_id, prompt, params, lora_request=lora)
                 added.append(request_id)
         except Exception:
             self.engine.abort_request(added)
@@ -140,12 +165,14 @@ class LLM:
         add_generation_prompt: bool = True,
         allow_special_tokens_in_content: bool = False,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate
         (``allow_special_tokens_in_content`` as in :meth:`apply_chat_template`). ``tools``: OpenAI
         tool dicts, rendered by the template or, when it has no tools section, as a Hermes system
         block; messages may hold assistant ``tool_calls`` and ``tool`` turns (see
-        ``tokenmill.tool_calling``). Parse calls out of the text with ``tool_calling.extract_tool_calls``."""
+        ``tokenmill.tool_calling``). Parse calls out of the text with ``tool_calling.extract_tool_calls``.
+        ``lora_request`` as in :meth:`generate` (per conversation when a list)."""
         from tokenmill.tool_calling import conversation_for_template, template_supports_tools
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -155,7 +182,7 @@ class LLM:
             conversation, template_tools = conversation_for_template(conversation, tools, supports_tools)
             prompts.append({"prompt_token_ids": self.apply_chat_template(
                 conversation, add_generation_prompt, allow_special_tokens_in_content, tools=template_tools)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False,
@@ -196,12 +223,17 @@ def build_engine_config(
     enforce_eager: bool = False,
     cpu_kernels: bool = True,
     structured_outputs_config: dict | str | StructuredOutputsConfig | None = None,
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
 ) -> EngineConfig:
     """The EngineConfig for ``LLM(**kwargs)`` (same keyword names), without loading anything.
 
     Raises:
         ValueError: a setting out of range, naming the field.
     """
+    check_bool("enable_lora", enable_lora)
     return EngineConfig(
         model=model,
         dtype=dtype,
@@ -213,6 +245,7 @@ def build_engine_config(
         enforce_eager=enforce_eager,
         cpu_kernels=cpu_kernels,
         structured_outputs_config=StructuredOutputsConfig.from_value(structured_outputs_config),
+        lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         cache=CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,

@@ -15,6 +15,8 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.stats_logger import StatsLogger
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.kv_offload import build_kv_store
+from tokenmill.lora import LoRARequest
+from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.loader import load_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
@@ -43,6 +45,8 @@ class LLMEngine:
             from tokenmill.runner.deterministic import check_deterministic_supported
 
             check_deterministic_supported(torch.float32, self.device)
+        if config.lora is not None and self.device.type != "cpu":
+            raise ConfigError("`enable_lora` runs on the CPU backend only in this version; pass device='cpu'")
         self.loaded = load_model(config.model, config.dtype, device=self.device)
         self.tokenizer = self.loaded.tokenizer
         model_max = self.loaded.max_position_embeddings
@@ -50,7 +54,8 @@ class LLMEngine:
         if max_model_len > model_max:
             raise ConfigError(f"`max_model_len` {max_model_len} exceeds the model's max_position_embeddings {model_max}")
         try:
-            self.scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
+            self.scheduler_config = replace(config.scheduler, max_model_len=max_model_len,
+                                            max_loras=None if config.lora is None else config.lora.max_loras)
         except ConfigError as exc:
             if config.scheduler.max_model_len is not None:
                 raise
@@ -59,10 +64,13 @@ class LLMEngine:
                 "lower it or raise `max_num_batched_tokens`"
             ) from None
         self.config = replace(config, scheduler=self.scheduler_config)
+        self.lora_manager: LoRAManager | None = None  # adapters, with config.lora (installs the Linear hooks)
+        if config.lora is not None:
+            self.lora_manager = LoRAManager(config.lora, self.loaded.model, self.loaded.dtype, self.device)
         if self.device.type == "cpu":
             self.runner = ModelRunner(
                 self.loaded, config.cache.block_size, config.cache.num_kv_blocks, config.cache.kv_cache_memory_gib,
-                deterministic=config.deterministic, cpu_kernels=config.cpu_kernels,
+                deterministic=config.deterministic, cpu_kernels=config.cpu_kernels, lora_manager=self.lora_manager,
             )
         else:
             from tokenmill.runner.cuda_runner import CudaModelRunner
@@ -142,11 +150,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate, tokenize and queue a request (``params.n`` sequences).
+        """Validate, tokenize and queue a request (``params.n`` sequences), with ``lora_request``'s
+        adapter applied (None: the base model).
 
         Raises:
-            ValueError: empty prompt, prompt too long, or prompt + max_tokens over max_model_len.
+            ValueError: empty prompt, prompt too long, or prompt + max_tokens over max_model_len;
+                a ``lora_request`` without ``enable_lora`` or whose adapter is refused (the message
+                names the adapter and the reason).
             tokenmill.structured_output.ConstraintError (a ValueError): an invalid constraint.
         """
         if request_id in self.output_processor.parents:
@@ -166,6 +178,12 @@ class LLMEngine:
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
                 f"exceeds max_model_len ({self.max_model_len})"
             )
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            if self.lora_manager is None:
+                raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine started with enable_lora=True")
+            self.lora_manager.register(lora_request)  # reads and checks the adapter before anything is queued
         constraint = params.structured_outputs
         if constraint is not None:
             self.structured_output_manager.compile(constraint)  # raises before anything is queued
@@ -178,7 +196,8 @@ class LLMEngine:
             grammar = None if constraint is None else self.structured_output_manager.new_matcher(constraint)
             children.append(
                 Request(child_id, token_ids, params, self.loaded.eos_token_ids, max_tokens,
-                        arrival_time=arrival_time, cache_salt=cache_salt, generator=generator, grammar=grammar)
+                        arrival_time=arrival_time, cache_salt=cache_salt, generator=generator, grammar=grammar,
+                        lora_request=lora_request)
             )
         self.output_processor.add_request(request_id, text, children)
         for child in children:

@@ -45,7 +45,11 @@ class KVCacheManager:
         return self.block_pool.usage()
 
     def _extra_keys(self, request: Request) -> tuple:
-        return (request.cache_salt,) if request.cache_salt else ()
+        """cache_salt and the adapter: two adapters (or an adapter and the base model) never share KV."""
+        keys = (request.cache_salt,) if request.cache_salt else ()
+        if request.lora_request is not None:
+            keys += (f"lora:{request.lora_request.lora_int_id}:{request.lora_request.lora_name}",)
+        return keys
 
     def _update_block_hashes(self, request: Request) -> None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, self._extra_keys(request))

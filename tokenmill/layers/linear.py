@@ -29,12 +29,15 @@ class Linear(nn.Module):
     C kernel. ``cpu_gemm_table`` (set by the CPU runner's default mode from measurements, see
     ``tokenmill.runner.cpu_kernels``) says per row count whether that kernel beats ``F.linear`` on
     this CPU: entry ``min(rows, len - 1)`` is used; empty means always ``F.linear``.
-    ``forward_float32`` is the LM head's entry point (float32 logits).
+    ``forward_float32`` is the LM head's entry point (float32 logits). ``lora`` (set by
+    ``tokenmill.lora.manager.LoRAManager`` on the adapter target projections) adds each token's
+    adapter delta to the output, in the same batch-invariant mode; None costs nothing.
     """
 
     batch_invariant = False
     cpu_gemm_table: tuple[bool, ...] = ()
     float32_logits_kernel = False
+    lora = None  # a tokenmill.lora.slots.ModuleLoRA, or None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -46,8 +49,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         table = self.cpu_gemm_table
         if self.batch_invariant or (table and x.dim() == 2 and table[min(x.shape[0], len(table) - 1)]):
-            return bi_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            y = bi_linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, y, self.batch_invariant)
+        return y
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in_features] -> [N, out_features] float32, accumulated in float32 and never rounded to

@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.attention import build_attention_metadata
 from tokenmill.config import ConfigError
+from tokenmill.lora.mapping import build_lora_mapping
 from tokenmill.outputs import Logprob, PositionLogprobs
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
 from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
@@ -40,6 +41,8 @@ class ModelRunner:
             False (``--no-cpu-kernels``) puts every layer on its torch op.
         use_cpu_kernels: False leaves the layers' kernel settings untouched (the CUDA runner, whose
             Triton paths must stay in use even when it runs on CPU in tests).
+        lora_manager: a ``tokenmill.lora.manager.LoRAManager`` (hooks installed on the model) when
+            adapters are enabled; each step then places its adapters and sets the token -> slot mapping.
 
     Attributes:
         kernel_choice: one line saying which kernels run (for the startup log and status pages).
@@ -60,8 +63,10 @@ class ModelRunner:
         num_padding_blocks: int = 0,
         cpu_kernels: bool = True,
         use_cpu_kernels: bool = True,
+        lora_manager=None,
     ) -> None:
         self.loaded = loaded
+        self.lora_manager = lora_manager
         self.model = loaded.model
         self.device = torch.device(device)
         self.deterministic = deterministic
@@ -125,6 +130,9 @@ class ModelRunner:
         metadata, positions = build_attention_metadata(
             query_lens, num_computed, block_table, self.block_size, per_token=self.deterministic
         )
+        if self.lora_manager is not None:  # adapters into their slots; each token's slot for the hooked layers
+            slots = self.lora_manager.activate([r.lora_request for r in requests])
+            self.lora_manager.slots.mapping = build_lora_mapping(slots, query_lens, self.device)
         hidden = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, metadata)
 
         # Requests whose scheduled tokens reach the end of their sequence get a new token.

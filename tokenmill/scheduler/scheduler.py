@@ -9,6 +9,7 @@ from collections import deque
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.kv_cache_manager import KVCacheManager
+from tokenmill.lora.step_adapters import StepAdapters
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -17,7 +18,7 @@ class Scheduler:
     """FCFS continuous batching with chunked prefill and recompute preemption.
 
     Args:
-        config: limits (max_num_seqs, max_num_batched_tokens, max_model_len).
+        config: limits (max_num_seqs, max_num_batched_tokens, max_model_len, max_loras adapters per step).
         kv_cache_manager: the only door into the KV cache.
     """
 
@@ -91,14 +92,18 @@ class Scheduler:
                 continue
             break
 
-        loading: list[Request] = []  # prefix blocks on their way back from disk: others go first
+        skipped: list[Request] = []  # prefix blocks on their way back from disk, or no adapter slot: others go first
+        adapters = StepAdapters(self.config.max_loras, out.scheduled_requests)
         while self.waiting and budget > 0 and not out.preempted_req_ids:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
+            if not adapters.fits(request):
+                skipped.append(self.waiting.popleft())
+                continue
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             if kv.is_loading(request):
-                loading.append(self.waiting.popleft())
+                skipped.append(self.waiting.popleft())
                 continue
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -114,9 +119,10 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
+            adapters.add(request)
             self._add_scheduled(out, request, num_new)
             budget -= num_new
-        self.waiting.extendleft(reversed(loading))
+        self.waiting.extendleft(reversed(skipped))
         out.blocks_to_offload, out.blocks_to_load = kv.take_kv_transfers()
         return out
 

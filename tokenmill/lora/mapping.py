@@ -1,0 +1,51 @@
+"""LoRAMapping: which adapter slot each token of a step uses, as segments of tokens grouped by slot.
+
+Built once per step by the model runner from per-request slot ids and query lengths with numpy
+(no loop over tokens); every LoRA-hooked layer of the forward reads the same mapping.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class LoRAMapping:
+    """Tokens of the flat batch that run with an adapter, grouped by slot (Punica's segments).
+
+    token_indices: [N] int64, positions in the step's [T] token batch; tokens of one slot are
+        contiguous here and keep their batch order. Base-model tokens are absent (they pay nothing).
+    segments: (slot, start, end) per slot present: ``token_indices[start:end]`` use ``slot``.
+    """
+
+    token_indices: torch.Tensor
+    segments: tuple[tuple[int, int, int], ...]
+
+    @property
+    def num_lora_tokens(self) -> int:
+        return int(self.token_indices.shape[0])
+
+
+def build_lora_mapping(
+    request_slots: Sequence[int | None], query_lens: np.ndarray, device: torch.device | str = "cpu"
+) -> LoRAMapping | None:
+    """The mapping of a step whose request i schedules ``query_lens[i]`` tokens with adapter slot
+    ``request_slots[i]`` (None: the base model). Returns None when no request uses an adapter.
+
+    request_slots: [B]; query_lens: [B] int64 (tokens of request i are contiguous in the batch).
+    """
+    num_reqs = len(request_slots)
+    has_lora = np.fromiter((s is not None for s in request_slots), dtype=bool, count=num_reqs)  # (B,)
+    if not has_lora.any():
+        return None
+    slots = np.fromiter((s or 0 for s in request_slots), dtype=np.int64, count=num_reqs)  # (B,), 0 where unused
+    lens = np.asarray(query_lens, dtype=np.int64)
+    token_slot = np.repeat(slots, lens)  # (T,)
+    lora_tokens = np.flatnonzero(np.repeat(has_lora, lens))  # (N,) batch positions with an adapter
+    token_indices = lora_tokens[np.argsort(token_slot[lora_tokens], kind="stable")]  # (N,) grouped by slot
+    seg_slots, starts, counts = np.unique(token_slot[token_indices], return_index=True, return_counts=True)
+    segments = tuple((int(s), int(b), int(b + c)) for s, b, c in zip(seg_slots, starts, counts))  # per slot
+    return LoRAMapping(torch.from_numpy(token_indices).to(device), segments)

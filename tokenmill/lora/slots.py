@@ -1,0 +1,96 @@
+"""LoRASlots: the adapters resident on the device, in ``max_loras`` fixed slots, and the Linear hook.
+
+Per target module (layer, fused module) one stacked A [S, R, n, in] and one block-diagonal B
+[S, out, R, n] (each slice's scale folded in) hold every slot's weights zero-padded to
+``max_lora_rank`` R, so a step's forward reads them in place (layout: ``ops.add_lora``). Which
+adapter a slot holds, and when to replace it, is the manager's business (``manager.py``); this file
+only stores, copies and applies.
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.lora.adapter import BaseModelShapes, LoRAAdapter
+from tokenmill.lora.mapping import LoRAMapping
+from tokenmill.lora.ops import add_lora
+
+ModuleKey = tuple[int, str]  # (layer index, fused module name such as "self_attn.qkv_proj")
+
+
+class LoRASlots:
+    """Stacked slot weights for every target module of the model.
+
+    Args:
+        shapes: the base model's layer count and fused module shapes.
+        max_loras: number of slots S.
+        max_lora_rank: R, the padded rank.
+        dtype, device: of the stacked weights (the model's).
+
+    Attributes:
+        lora_a / lora_b: per ModuleKey, [S, R, n, in] / [S, out, R, n] (see ``ops.add_lora``).
+        ranks: [S] rank of each slot's adapter (0 when empty).
+        lora_ids: [S] the ``lora_int_id`` each slot holds, None when empty.
+        mapping: the current step's token -> slot mapping (set by the model runner), None when no
+            token of the step uses an adapter.
+    """
+
+    def __init__(
+        self, shapes: BaseModelShapes, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.shapes = shapes
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.lora_a: dict[ModuleKey, torch.Tensor] = {}
+        self.lora_b: dict[ModuleKey, torch.Tensor] = {}
+        for layer in range(shapes.num_layers):
+            for name, shape in shapes.modules.items():
+                n = len(shape.output_slices)
+                self.lora_a[(layer, name)] = torch.zeros(max_loras, max_lora_rank, n, shape.in_features, dtype=dtype,
+                                                         device=device)
+                self.lora_b[(layer, name)] = torch.zeros(max_loras, shape.out_features, max_lora_rank, n, dtype=dtype,
+                                                         device=device)
+        self.ranks: list[int] = [0] * max_loras
+        self.lora_ids: list[int | None] = [None] * max_loras
+        self.mapping: LoRAMapping | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [*self.lora_a.values(), *self.lora_b.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.no_grad()
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy ``adapter`` into ``slot`` (whatever it held before is overwritten; the rest stays zero).
+
+        B is scaled in float32 before the cast to the slot dtype."""
+        for key in self.lora_a:
+            self.lora_a[key][slot].zero_()
+            self.lora_b[key][slot].zero_()
+        for (layer, name, shard), weights in adapter.weights.items():
+            offset, size = self.shapes.modules[name].output_slices[shard]
+            rank = weights.rank
+            self.lora_a[(layer, name)][slot, :rank, shard].copy_(weights.lora_a)  # (r, in)
+            scaled_b = weights.lora_b.float() * weights.scale  # (size, r)
+            self.lora_b[(layer, name)][slot, offset : offset + size, :rank, shard].copy_(scaled_b)
+        self.ranks[slot] = adapter.rank
+        self.lora_ids[slot] = adapter.lora_request.lora_int_id
+
+    def hook(self, layer: int, name: str) -> ModuleLoRA:
+        """The hook to install as ``Linear.lora`` on module ``name`` of decoder layer ``layer``."""
+        return ModuleLoRA(self, (layer, name))
+
+
+class ModuleLoRA:
+    """A Linear's LoRA hook: ``Linear.forward`` calls ``apply(x, y, batch_invariant)`` after its GEMM."""
+
+    def __init__(self, slots: LoRASlots, key: ModuleKey) -> None:
+        self.slots = slots
+        self.key = key
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, batch_invariant: bool) -> None:
+        """y [T, out] += the adapter delta of every token of x [T, in] that has one (in place)."""
+        slots = self.slots
+        if slots.mapping is None:
+            return
+        add_lora(y, x, slots.lora_a[self.key], slots.lora_b[self.key], slots.ranks, slots.mapping, batch_invariant)
