@@ -31,13 +31,19 @@ def _lark_string(text: str) -> str:
 class GuidanceMatcher(Matcher):
     """An ``llguidance.LLMatcher`` behind the Matcher interface."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> None:
         self.matcher = matcher
+        self.eos_token_ids = eos_token_ids
 
     def accept_token(self, token_id: int) -> bool:
+        # Checked first: consuming a forbidden token would leave the matcher in its error state for good.
         if self.matcher.is_error():
             return False
-        return bool(self.matcher.consume_token(token_id)) and not self.matcher.is_error()
+        if token_id in self.eos_token_ids:
+            allowed = self.matcher.is_accepting()
+        else:
+            allowed = not self.matcher.is_stopped() and self.matcher.validate_tokens([token_id]) == 1
+        return allowed and bool(self.matcher.consume_token(token_id)) and not self.matcher.is_error()
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
@@ -62,6 +68,7 @@ class GuidanceBackend(StructuredOutputBackend):
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
         super().__init__(vocab_size)
         eos = sorted(eos_token_ids) or None
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         self.executor = llguidance.LLExecutor()
 
@@ -111,7 +118,7 @@ class GuidanceBackend(StructuredOutputBackend):
         matcher = llguidance.LLMatcher(self.ll_tokenizer, compiled.handle, log_level=0)
         if matcher.is_error():
             raise ConstraintError(compiled.kind, matcher.get_error())
-        return GuidanceMatcher(matcher)
+        return GuidanceMatcher(matcher, self.eos_token_ids)
 
     def fill_bitmask(self, matchers: list[Matcher], bitmask: np.ndarray) -> None:
         assert bitmask.shape == (len(matchers), self.num_words) and bitmask.dtype == np.int32, bitmask.shape

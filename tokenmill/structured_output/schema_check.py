@@ -26,10 +26,14 @@ XGRAMMAR_KEYWORDS = frozenset({
     "maxProperties", "items", "prefixItems", "minItems", "maxItems", "unevaluatedItems", "minLength", "maxLength",
     "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
 }) | ANNOTATION_KEYWORDS
+# Formats xgrammar 0.2 enforces exactly ("date", "date-time" and "ipv4" are approximations: Feb 30,
+# leading zeros).
 XGRAMMAR_FORMATS = frozenset({
-    "email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname", "uri", "uri-reference",
-    "json-pointer",
+    "email", "time", "duration", "uuid", "ipv6", "hostname", "uri", "uri-reference", "json-pointer",
 })
+_STRUCTURE_KEYS = frozenset({"$defs", "definitions"}) | ANNOTATION_KEYWORDS
+_PY_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),),
+             "object": (dict,), "array": (list,)}
 
 # Where subschemas sit: keyword -> "one" (a schema), "list" (schemas), "map" (name -> schema).
 _SUBSCHEMAS = {
@@ -66,9 +70,10 @@ _LOOK_AROUND = ("(?=", "(?!", "(?<=", "(?<!")
 
 def check_keywords(schema: Any, allowed: frozenset[str], formats: frozenset[str], backend: str, kind: str = "json",
                    path: str = "#") -> None:
-    """Refuse a schema that uses a keyword (or string format) outside ``allowed`` (``formats``),
-    anywhere in it; and what xgrammar would drop with only a log warning: ``multipleOf`` on a type
-    other than ``integer``, and look-around in a ``pattern``.
+    """xgrammar's schema check: refuse a keyword (or string format) outside ``allowed``
+    (``formats``) anywhere in the schema; what xgrammar would drop with only a log warning
+    (``multipleOf`` on a type other than ``integer``, look-around in a ``pattern``); and keyword
+    combinations it compiles without enforcing them together (``_check_xgrammar_combination``).
 
     Raises:
         ConstraintError: naming the keyword, its place (a JSON pointer) and the backend.
@@ -80,6 +85,7 @@ def check_keywords(schema: Any, allowed: frozenset[str], formats: frozenset[str]
                                     "use the other backend or type integer")
     if isinstance(schema.get("pattern"), str) and any(look in schema["pattern"] for look in _LOOK_AROUND):
         raise ConstraintError(kind, f"the {backend} backend cannot enforce look-around in 'pattern' (at {path}/pattern)")
+    _check_xgrammar_combination(schema, backend, kind, path)
     for key, value in schema.items():
         if key not in allowed:
             raise ConstraintError(kind, f"the {backend} backend cannot enforce the JSON schema keyword "
@@ -96,3 +102,48 @@ def check_keywords(schema: Any, allowed: frozenset[str], formats: frozenset[str]
         elif shape == "map" and isinstance(value, dict):
             for name, sub in value.items():
                 check_keywords(sub, allowed, formats, backend, kind, f"{path}/{key}/{name}")
+
+
+def _check_xgrammar_combination(schema: dict, backend: str, kind: str, path: str) -> None:
+    """Refuse keyword combinations xgrammar 0.2 compiles but does not enforce together: string
+    lengths beside ``format``/``pattern``; ``enum``/``const`` beside anything but a ``type`` that
+    every value has; siblings of ``anyOf``/``$ref``; ``anyOf`` branches with nothing that fixes
+    their type; ``required`` naming a property missing from ``properties``.
+
+    Raises:
+        ConstraintError: naming the keywords and their place.
+    """
+    def refuse(what: str) -> ConstraintError:
+        return ConstraintError(kind, f"the {backend} backend does not enforce {what} (at {path}); use the "
+                                     "other backend or simplify the schema")
+
+    keys = set(schema)
+    if keys & {"minLength", "maxLength"} and keys & {"format", "pattern"}:
+        raise refuse("minLength/maxLength together with format or pattern")
+    for key in ("enum", "const"):
+        if key in keys:
+            extra = keys - _STRUCTURE_KEYS - {key, "type"}
+            if extra:
+                raise refuse(f"'{key}' together with {sorted(extra)}")
+            values = schema[key] if key == "enum" else [schema[key]]
+            types = schema.get("type")
+            if types is not None and isinstance(values, list):
+                allowed = tuple(t for name in ([types] if isinstance(types, str) else types)
+                                for t in _PY_TYPES.get(name, ()))
+                wrong = [v for v in values if not isinstance(v, allowed)
+                         or (isinstance(v, bool) and bool not in allowed)]
+                if wrong:
+                    raise refuse(f"'{key}' values outside 'type' ({wrong[:3]})")
+    for key in ("anyOf", "$ref"):
+        if key in keys:
+            extra = keys - _STRUCTURE_KEYS - {key}
+            if extra:
+                raise refuse(f"keywords beside '{key}' ({sorted(extra)})")
+    for i, branch in enumerate(schema.get("anyOf") or []):
+        if isinstance(branch, dict) and not set(branch) & {"type", "$ref", "enum", "const", "anyOf"}:
+            raise refuse(f"an anyOf branch without type, $ref, enum or const (anyOf/{i})")
+    required = schema.get("required")
+    if isinstance(required, list):
+        missing = [name for name in required if name not in (schema.get("properties") or {})]
+        if missing:
+            raise refuse(f"'required' naming properties missing from 'properties' ({missing[:3]})")
