@@ -4,6 +4,7 @@ batch-invariant path gives a token the same bits whatever else is batched; the m
 by slot without a per-token loop."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -51,6 +52,11 @@ def packed_slots(adapters: list[LoRAAdapter], in_features: int, sizes: list[int]
     return slots
 
 
+def operands(slots: LoRASlots, invariant: bool) -> list:
+    """The slot GEMM operands add_lora takes: over each adapter's rank, or the padded rank (deterministic)."""
+    return (slots.full_operands if invariant else slots.operands)[(0, MODULE)]
+
+
 def slot_weights(adapters: list[LoRAAdapter], num_slices: int) -> list[list[LoRASliceWeights | None]]:
     return [[a.weights.get((0, MODULE, i)) for i in range(num_slices)] for a in adapters]
 
@@ -86,7 +92,7 @@ def test_grouped_path_equals_per_token_reference(num_slots, sizes, max_rank, num
     for invariant in [False, True] if batch_invariant.available() else [False]:
         got = y.clone()
         if mapping is not None:
-            add_lora(got, x, slots.lora_a[(0, MODULE)], slots.lora_b[(0, MODULE)], slots.ranks, mapping, invariant)
+            add_lora(got, x, operands(slots, invariant), mapping, invariant)
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.15, rtol=0.05)
         torch.testing.assert_close(got.float(), expected, **tol)
         base_rows = [t for t, s in enumerate(token_slots) if s is None]
@@ -98,8 +104,32 @@ def test_mapping_groups_tokens_by_slot_in_batch_order():
     # tokens: r0 -> 0..2 (slot 2), r1 -> 3..4 (base), r2 -> 5 (slot 0), r3 -> 6..7 (slot 2), r4 -> 8 (base)
     assert mapping.token_indices.tolist() == [5, 0, 1, 2, 6, 7]
     assert mapping.segments == ((0, 0, 1), (2, 1, 6))
-    assert mapping.num_lora_tokens == 6
+    assert mapping.num_lora_tokens == 6 and mapping.single_slot is None
     assert build_lora_mapping([None, None], np.array([4, 1])) is None
+    one = build_lora_mapping([1, 1], np.array([2, 3]))
+    assert one.single_slot == 1 and one.token_indices.tolist() == [0, 1, 2, 3, 4] and one.segments == ((1, 0, 5),)
+    assert build_lora_mapping([1, None], np.array([2, 3])).single_slot is None
+
+
+@pytest.mark.parametrize("invariant", [False, pytest.param(True, marks=needs_kernels)], ids=["default", "invariant"])
+def test_one_adapter_shortcut_equals_the_gather_scatter_path(invariant):
+    """When every token uses one slot, add_lora skips the gather and scatter; the rows are the same
+    (bit for bit in the batch-invariant mode, where alone-vs-batched equality depends on it)."""
+    rng = random.Random(11)
+    torch.manual_seed(11)
+    sizes = [32, 16, 16]
+    slots = packed_slots([random_adapter(s + 1, 24, sizes, 8, rng) for s in range(2)], 24, sizes, 8, torch.bfloat16)
+    x, y = torch.randn(9, 24).to(torch.bfloat16), torch.randn(9, 64).to(torch.bfloat16)
+    mapping = build_lora_mapping([1, 1, 1], np.array([2, 4, 3]))
+    assert mapping.single_slot == 1
+    short, general = y.clone(), y.clone()
+    add_lora(short, x, operands(slots, invariant), mapping, invariant)
+    add_lora(general, x, operands(slots, invariant), dataclasses.replace(mapping, single_slot=None), invariant)
+    if invariant:
+        assert torch.equal(short, general)
+    else:
+        torch.testing.assert_close(short, general)
+    assert not torch.equal(short, y)
 
 
 @needs_kernels
@@ -121,7 +151,7 @@ def test_batch_invariant_path_gives_a_token_the_same_bits_in_any_batch(dtype):
         request_slots = [rng.choice(other_slots) for _ in range(num_before)] + [slot]
         request_slots += [rng.choice(other_slots) for _ in range(num_after)]
         mapping = build_lora_mapping(request_slots, np.ones(len(request_slots), dtype=np.int64))
-        add_lora(y, x, slots.lora_a[(0, MODULE)], slots.lora_b[(0, MODULE)], slots.ranks, mapping, batch_invariant=True)
+        add_lora(y, x, operands(slots, True), mapping, batch_invariant=True)
         return y[num_before]
 
     alone = run(0, 0, 0, [None])

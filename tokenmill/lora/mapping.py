@@ -19,10 +19,12 @@ class LoRAMapping:
     token_indices: [N] int64, positions in the step's [T] token batch; tokens of one slot are
         contiguous here and keep their batch order. Base-model tokens are absent (they pay nothing).
     segments: (slot, start, end) per slot present: ``token_indices[start:end]`` use ``slot``.
+    single_slot: the slot when every token of the step uses it (token_indices is then 0..T-1), else None.
     """
 
     token_indices: torch.Tensor
     segments: tuple[tuple[int, int, int], ...]
+    single_slot: int | None = None
 
     @property
     def num_lora_tokens(self) -> int:
@@ -48,4 +50,5 @@ def build_lora_mapping(
     token_indices = lora_tokens[np.argsort(token_slot[lora_tokens], kind="stable")]  # (N,) grouped by slot
     seg_slots, starts, counts = np.unique(token_slot[token_indices], return_index=True, return_counts=True)
     segments = tuple((int(s), int(b), int(b + c)) for s, b, c in zip(seg_slots, starts, counts))  # per slot
-    return LoRAMapping(torch.from_numpy(token_indices).to(device), segments)
+    single_slot = segments[0][0] if len(segments) == 1 and len(token_indices) == len(token_slot) else None
+    return LoRAMapping(torch.from_numpy(token_indices).to(device), segments, single_slot)

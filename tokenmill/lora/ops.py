@@ -5,7 +5,8 @@ over all output slices at once, then one expand ``h @ B_slot.T`` whose B is bloc
 slices and carries each slice's scale. Base-model tokens are never read or written. Slot weights
 are zero-padded to the largest rank R; the default path multiplies only the slot's own rank r. With
 ``batch_invariant`` (deterministic mode) both GEMMs run in the batch-invariant C kernel over the
-padded R, so a token's delta depends only on its own row and its adapter, never on the batch.
+padded R, so a token's delta depends only on its own row and its adapter, never on the batch (and
+the one-adapter shortcut, which skips the gather, computes the same rows).
 ``add_lora_reference`` is the slow per-token specification, written from the unpacked per-slice
 weights, that the fast path is tested against.
 """
@@ -20,36 +21,49 @@ from tokenmill.lora.adapter import LoRASliceWeights
 from tokenmill.lora.mapping import LoRAMapping
 
 
+SlotOperands = tuple[torch.Tensor, torch.Tensor]  # (A [r * n, in], B [out, r * n]) of one slot
+
+
+def slot_operands(lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int, rank: int) -> SlotOperands:
+    """Views of one slot's packed weights as the two GEMM operands, over its first ``rank`` ranks.
+
+    lora_a: [S, R, n, in]: ``lora_a[s, k, i]`` is row k of slot s's A for output slice i (zero for
+        k at or above the adapter's rank on that slice).
+    lora_b: [S, out, R, n]: ``lora_b[s, o, k, i]`` is ``scale_i * B_i[o - offset_i, k]`` for the
+        columns o of slice i and zero elsewhere (block-diagonal over the slices).
+    Returns A [rank * n, in] (contiguous) and B [out, rank * n] (contiguous when rank == R).
+    """
+    _, _, num_slices, in_features = lora_a.shape
+    a = lora_a[slot, :rank].view(rank * num_slices, in_features)  # (r * n, in)
+    b = lora_b[slot, :, :rank].reshape(lora_b.shape[1], rank * num_slices)  # (out, r * n), a view
+    return a, b
+
+
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    ranks: Sequence[int],
+    operands: Sequence[SlotOperands | None],
     mapping: LoRAMapping,
     batch_invariant: bool = False,
 ) -> None:
-    """y += the delta of each token's adapter, in place.
+    """y += the delta of each token's adapter, in place: ``(x @ A.T) @ B.T`` per slot segment.
 
     Args:
         y: [T, out] the base projection's output (x's dtype).
         x: [T, in] its input.
-        lora_a: [S, R, n, in]: ``lora_a[s, k, i]`` is row k of slot s's A for output slice i (rows
-            k >= the adapter's rank on that slice are zero).
-        lora_b: [S, out, R, n]: ``lora_b[s, o, k, i]`` is ``scale_i * B_i[o - offset_i, k]`` for the
-            columns o of slice i, and zero for every other column (block-diagonal over the slices).
-        ranks: [S] the rank of each slot's adapter (the largest over its modules; 0: empty).
+        operands: [S] each slot's ``slot_operands`` (None: empty slot); with ``batch_invariant``
+            they must span the full padded rank R (contiguous, as the C kernel needs).
         mapping: the step's tokens with an adapter, grouped by slot.
-        batch_invariant: run both GEMMs in the batch-invariant kernel over the full padded rank R.
+        batch_invariant: run both GEMMs in the batch-invariant kernel.
     """
-    num_slots, max_rank, num_slices, in_features = lora_a.shape
-    out_features = lora_b.shape[1]
+    if mapping.single_slot is not None:  # every token, one adapter: no gather, no scatter
+        a, b = operands[mapping.single_slot]
+        y.add_(bi_linear(bi_linear(x, a), b) if batch_invariant else (x @ a.t()) @ b.t())
+        return
     xs = x.index_select(0, mapping.token_indices)  # (N, in), grouped by slot
-    delta = torch.empty(xs.shape[0], out_features, dtype=y.dtype, device=y.device)  # (N, out)
+    delta = torch.empty(xs.shape[0], y.shape[1], dtype=y.dtype, device=y.device)  # (N, out)
     for slot, start, end in mapping.segments:  # one iteration per adapter in the step
-        rank = max_rank if batch_invariant else ranks[slot]
-        a = lora_a[slot, :rank].view(rank * num_slices, in_features)  # (r * n, in), contiguous
-        b = lora_b[slot, :, :rank].reshape(out_features, rank * num_slices)  # (out, r * n), a view
+        a, b = operands[slot]
         if batch_invariant:
             delta[start:end] = bi_linear(bi_linear(xs[start:end], a), b)  # (t, r * n) -> (t, out)
         else:

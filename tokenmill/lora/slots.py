@@ -12,7 +12,7 @@ import torch
 
 from tokenmill.lora.adapter import BaseModelShapes, LoRAAdapter
 from tokenmill.lora.mapping import LoRAMapping
-from tokenmill.lora.ops import add_lora
+from tokenmill.lora.ops import SlotOperands, add_lora, slot_operands
 
 ModuleKey = tuple[int, str]  # (layer index, fused module name such as "self_attn.qkv_proj")
 
@@ -27,7 +27,9 @@ class LoRASlots:
         dtype, device: of the stacked weights (the model's).
 
     Attributes:
-        lora_a / lora_b: per ModuleKey, [S, R, n, in] / [S, out, R, n] (see ``ops.add_lora``).
+        lora_a / lora_b: per ModuleKey, [S, R, n, in] / [S, out, R, n] (see ``ops.slot_operands``).
+        operands / full_operands: per ModuleKey, [S] views of each slot's GEMM operands over its
+            adapter's rank / over the padded rank R (deterministic mode); None for an empty slot.
         ranks: [S] rank of each slot's adapter (0 when empty).
         lora_ids: [S] the ``lora_int_id`` each slot holds, None when empty.
         mapping: the current step's token -> slot mapping (set by the model runner), None when no
@@ -50,6 +52,8 @@ class LoRASlots:
                                                          device=device)
                 self.lora_b[(layer, name)] = torch.zeros(max_loras, shape.out_features, max_lora_rank, n, dtype=dtype,
                                                          device=device)
+        self.operands: dict[ModuleKey, list[SlotOperands | None]] = {k: [None] * max_loras for k in self.lora_a}
+        self.full_operands: dict[ModuleKey, list[SlotOperands | None]] = {k: [None] * max_loras for k in self.lora_a}
         self.ranks: list[int] = [0] * max_loras
         self.lora_ids: list[int | None] = [None] * max_loras
         self.mapping: LoRAMapping | None = None
@@ -73,6 +77,9 @@ class LoRASlots:
             self.lora_a[(layer, name)][slot, :rank, shard].copy_(weights.lora_a)  # (r, in)
             scaled_b = weights.lora_b.float() * weights.scale  # (size, r)
             self.lora_b[(layer, name)][slot, offset : offset + size, :rank, shard].copy_(scaled_b)
+        for key in self.lora_a:
+            self.operands[key][slot] = slot_operands(self.lora_a[key], self.lora_b[key], slot, adapter.rank)
+            self.full_operands[key][slot] = slot_operands(self.lora_a[key], self.lora_b[key], slot, self.max_lora_rank)
         self.ranks[slot] = adapter.rank
         self.lora_ids[slot] = adapter.lora_request.lora_int_id
 
@@ -93,4 +100,5 @@ class ModuleLoRA:
         slots = self.slots
         if slots.mapping is None:
             return
-        add_lora(y, x, slots.lora_a[self.key], slots.lora_b[self.key], slots.ranks, slots.mapping, batch_invariant)
+        operands = slots.full_operands if batch_invariant else slots.operands
+        add_lora(y, x, operands[self.key], slots.mapping, batch_invariant)
