@@ -205,18 +205,19 @@ def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None, device: torc
 
 
 def _load_gguf(path: Path, dtype: str, max_model_len: int | None, device: torch.device) -> LoadedModel:
-    from tokenmill.models import gguf_loader  # needs the `gguf` package, only for GGUF files
+    from tokenmill.models import gguf_cache, gguf_loader  # needs the `gguf` package, only for GGUF files
 
     torch_dtype = resolve_dtype(dtype, None, device)
     # transformers rebuilds the tokenizer by re-reading the file's metadata (seconds of Python);
     # overlap that with dequantization, which spends its time in numpy/torch kernels.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        tokenizer_future = pool.submit(gguf_loader.load_gguf_tokenizer, path)
+        tokenizer_future = pool.submit(gguf_cache.cached_tokenizer, path,
+                                       lambda: gguf_loader.load_gguf_tokenizer(path))
         reader = gguf_loader.open_gguf(path)
         config = gguf_loader.gguf_to_hf_config(reader)
         check_sliding_window(config, max_model_len)
         model = _build_model(config, torch_dtype, device)
-        model.load_weights(gguf_loader.iter_gguf_weights(reader, config))
+        model.load_weights(gguf_cache.cached_weights(path, lambda: gguf_loader.iter_gguf_weights(reader, config)))
         del reader
         tokenizer = tokenizer_future.result()
     return LoadedModel(
