@@ -45,24 +45,32 @@ class CompiledConstraint:
 
 
 class Matcher(ABC):
-    """One sequence's position in its constraint. Not thread-safe; owned by one request."""
+    """One sequence's position in its constraint. Not thread-safe; owned by one request.
+
+    ``matcher`` is the library's own matcher object; both libraries name their rollback and reset
+    the same, so those two delegate here.
+    """
+
+    def __init__(self, matcher: object) -> None:
+        self.matcher = matcher
 
     @abstractmethod
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False (state unchanged) if the constraint forbids it."""
 
-    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (speculative decoding's rejected drafts)."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)  # type: ignore[attr-defined]
 
     @abstractmethod
     def is_terminated(self) -> bool:
         """True when the output is complete: the constraint admits no further token (or the
         end-of-sequence token was accepted). The request then finishes with ``stop``."""
 
-    @abstractmethod
     def reset(self) -> None:
         """Back to the start of the constraint (nothing accepted)."""
+        self.matcher.reset()  # type: ignore[attr-defined]
 
 
 class StructuredOutputBackend(ABC):

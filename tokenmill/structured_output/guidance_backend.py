@@ -32,7 +32,7 @@ class GuidanceMatcher(Matcher):
     """An ``llguidance.LLMatcher`` behind the Matcher interface."""
 
     def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> None:
-        self.matcher = matcher
+        super().__init__(matcher)
         self.eos_token_ids = eos_token_ids
 
     def accept_token(self, token_id: int) -> bool:
@@ -45,19 +45,8 @@ class GuidanceMatcher(Matcher):
             allowed = not self.matcher.is_stopped() and self.matcher.validate_tokens([token_id]) == 1
         return allowed and bool(self.matcher.consume_token(token_id)) and not self.matcher.is_error()
 
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.matcher.rollback(num_tokens)
-
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
-
-    def reset(self) -> None:
-        self.matcher.reset()
-
-    @property
-    def error(self) -> str:
-        return self.matcher.get_error()
 
 
 class GuidanceBackend(StructuredOutputBackend):

@@ -26,21 +26,14 @@ class XgrammarMatcher(Matcher):
     compact JSON, where no raw control character and no special token can ever be valid."""
 
     def __init__(self, matcher: xgrammar.GrammarMatcher, json_only: bool = False) -> None:
-        self.matcher = matcher
+        super().__init__(matcher)
         self.json_only = json_only
 
     def accept_token(self, token_id: int) -> bool:
         return bool(self.matcher.accept_token(token_id))
 
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.matcher.rollback(num_tokens)
-
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
-
-    def reset(self) -> None:
-        self.matcher.reset()
 
 
 class XgrammarBackend(StructuredOutputBackend):
