@@ -23,6 +23,7 @@ from tokenmill.config import ConfigError, SchedulerConfig
 from tokenmill.engine.llm import build_engine_config
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.layers import batch_invariant
+from tokenmill.lora.request import LoRAModulePath, parse_lora_module
 from tokenmill.scheduler import Scheduler
 
 NEW_TOKENS = 10
@@ -389,3 +390,71 @@ def test_lora_settings_are_validated_naming_the_flag():
     assert (config.lora.max_loras, config.lora.max_lora_rank, config.lora.host_capacity) == (3, 16, 3)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, "/x")
+
+
+# ---- adapters across restarts, runtime add/remove, --lora-modules ---------------------------
+def test_disk_kv_tier_keeps_each_adapters_blocks_across_restarts_whatever_its_id(tiny, tmp_path):
+    """Blocks saved to the disk tier under adapter "qv" (id 1) are found again after a restart where
+    "qv" has id 7 and id 1 now names another adapter ("all"): block hashes carry the adapter's
+    content digest, not its id. The hit gives the same tokens as computing afresh."""
+    base, loras = tiny
+    prompt = {"prompt_token_ids": random_prompts(1, seed=9, lo=24, hi=25)[0]}
+    kwargs = dict(model=base, dtype="float32", num_threads=1, num_kv_blocks=64, block_size=4, enable_lora=True,
+                  max_loras=2, kv_offload_disk_path=str(tmp_path / "kv"))
+    qv_first = LoRARequest("qv", 1, loras["qv"].lora_path)
+    with LLM(**kwargs) as llm:
+        fresh = llm.generate(prompt, greedy(4), lora_request=qv_first)[0]
+        assert fresh.num_cached_tokens == 0 and fresh.lora_request == qv_first
+    qv_later, other = LoRARequest("qv-renamed", 7, loras["qv"].lora_path), LoRARequest("all", 1, loras["all"].lora_path)
+    with LLM(**kwargs) as llm:
+        assert llm.generate(prompt, greedy(4), lora_request=other)[0].num_cached_tokens == 0
+        again = llm.generate(prompt, greedy(4), lora_request=qv_later)[0]
+        assert again.num_cached_tokens == 20 and llm.engine.kv_store.disk.stats.hits >= 5
+        assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_add_and_remove_lora_at_run_time(tiny):
+    """``add_lora`` reads and registers an adapter ahead of use (False for an id already there);
+    ``remove_lora`` refuses while a request of it is unfinished, then frees its slot and host entry and
+    retires the id: a later request with it is refused, the same adapter under a new id serves again."""
+    base, loras = tiny
+    llm = LLM(model=base, dtype="float32", num_threads=1, num_kv_blocks=256, enable_lora=True, max_loras=2)
+    engine, qv = llm.engine, loras["qv"]
+    assert engine.add_lora(qv) and not engine.add_lora(qv)
+    assert engine.list_loras() == {qv.lora_int_id} and engine.lora_manager.stats()["disk_loads"] == 1
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, greedy(3), lora_request=qv)
+    engine.step()
+    assert engine.lora_requests_in_flight(qv.lora_int_id) == 1
+    assert engine.lora_adapters_by_state() == (["qv"], [])
+    with pytest.raises(ValueError, match="in flight"):
+        engine.remove_lora(qv.lora_int_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert qv.lora_int_id in engine.lora_manager.resident_lora_ids
+    assert engine.remove_lora(qv.lora_int_id) and not engine.remove_lora(qv.lora_int_id)
+    manager = engine.lora_manager
+    assert qv.lora_int_id not in manager.resident_lora_ids and manager.host_lora_ids == [] and not engine.list_loras()
+    with pytest.raises(ValueError, match="removed"):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(3), lora_request=qv)
+    renewed = LoRARequest("qv", 99, qv.lora_path)
+    before = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(3), lora_request=renewed)[0]
+    assert before.outputs[0].token_ids == LLM(model=base, dtype="float32", num_threads=1, num_kv_blocks=64,
+                                              enable_lora=True).generate({"prompt_token_ids": [5, 6, 7]}, greedy(3),
+                                                                         lora_request=qv)[0].outputs[0].token_ids
+    llm.engine.check_integrity()
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(model=base, dtype="float32", num_threads=1, num_kv_blocks=16).engine.add_lora(qv)
+
+
+def test_lora_modules_flag_spellings():
+    assert parse_lora_module("sql=/a/b") == LoRAModulePath("sql", "/a/b")
+    assert parse_lora_module('{"name": "sql", "path": "/a", "base_model_name": "m"}') == LoRAModulePath("sql", "/a", "m")
+    for bad, why in [("sql", "name=path"), ("=/a", "name"), ("sql=", "path"), ('{"name": "x"}', "path"),
+                     ('{"name": "x", "path": "/a", "rank": 2}', "expected"), ("{bad json", "JSON")]:
+        with pytest.raises(ValueError, match=why):
+            parse_lora_module(bad)
+    from tokenmill.cli.main import main
+
+    assert main(["serve", "--lora-modules", "a=/x"]) == 2  # needs --enable-lora: refused before any loading
+    with pytest.raises(SystemExit):
+        main(["serve", "--enable-lora", "--lora-modules", "nonsense"])

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.lora.request import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -51,6 +53,7 @@ class RequestOutput:
 
     ``prompt_logprobs[0]`` is None (the first prompt token has no context).
     ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
+    ``lora_request`` is the adapter the request ran with (None: the base model).
     """
 
     request_id: str
@@ -61,3 +64,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    lora_request: LoRARequest | None = None

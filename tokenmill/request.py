@@ -47,7 +47,8 @@ class Request:
     ``generator`` is a seeded torch.Generator owned by the sampler (None = global RNG).
     ``grammar`` is the structured-output matcher (``tokenmill.structured_output.Matcher``) of a
     constrained request, advanced on each accepted token; None when unconstrained.
-    ``lora_request`` is the adapter the request runs with (None: the base model).
+    ``lora_request`` is the adapter the request runs with (None: the base model); ``lora_digest`` the
+    hash of its content (``LoRAAdapter.digest``), which its prefix-cache block hashes carry.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class Request:
         generator: object | None = None,
         grammar: object | None = None,
         lora_request: LoRARequest | None = None,
+        lora_digest: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -73,6 +75,7 @@ class Request:
         self.generator = generator
         self.grammar = grammar
         self.lora_request = lora_request
+        self.lora_digest = lora_digest
         self.error: str | None = None  # why a FINISHED_ERROR request failed
 
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -42,6 +42,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                         help='constrained decoding, e.g. \'{"backend": "xgrammar"}\'; backends: auto (= guidance, '
                              "llguidance), guidance, xgrammar")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve PEFT LoRA adapters, many in one batch (CPU)")
+    parser.add_argument("--max-loras", type=int, default=1,
+                        help="adapter slots: the most distinct adapters in one step (others wait their turn)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters kept loaded in host memory, LRU (default: --max-loras)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -56,6 +63,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_offload_disk_size=args.kv_offload_disk_size, kv_offload_disk_drive_size=args.kv_offload_disk_drive_size,
         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         cpu_kernels=args.cpu_kernels, structured_outputs_config=args.structured_outputs_config,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 

@@ -29,6 +29,16 @@ def seconds(text: str) -> float:
     return value
 
 
+def lora_module(text: str):
+    """argparse type for --lora-modules: ``name=path`` or ``{"name", "path", "base_model_name"}``."""
+    from tokenmill.lora.request import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def register(subparsers) -> None:
     """Add the ``serve`` subcommand (all engine flags plus the server's own)."""
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -47,6 +57,14 @@ def register(subparsers) -> None:
                         help='accept tool_choice "auto" and parse tool calls out of the output (needs --tool-call-parser)')
     parser.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                         help="tool-call format of the model: hermes (<tool_call>{json}</tool_call>, ChatML models)")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=[], type=lora_module,
+                        metavar="NAME=PATH",
+                        help='LoRA adapters served as model NAME (needs --enable-lora): name=path, or JSON '
+                             '\'{"name": ..., "path": ..., "base_model_name": ...}\'; repeatable')
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="no INFO log line per finished request")
     parser.set_defaults(func=cmd_serve)
 
 
@@ -86,6 +104,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_engine_kwargs(engine_kwargs(args))  # bad flags: a one-line error before the port is bound
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        flag = "--lora-modules" if args.lora_modules else "--allow-runtime-lora-updating"
+        raise ValueError(f"{flag} needs --enable-lora")
 
     config = ServerConfig(
         served_model_name=args.served_model_name or default_served_model_name(args.model),
@@ -97,5 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        lora_modules=tuple(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        enable_log_requests=not args.disable_log_requests,
     )
     return run_server(config)

@@ -183,7 +183,9 @@ class LLMEngine:
                 raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
             if self.lora_manager is None:
                 raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine started with enable_lora=True")
-            self.lora_manager.register(lora_request)  # reads and checks the adapter before anything is queued
+            lora_digest = self.lora_manager.register(lora_request).digest  # read and checked before anything is queued
+        else:
+            lora_digest = None
         constraint = params.structured_outputs
         if constraint is not None:
             self.structured_output_manager.compile(constraint)  # raises before anything is queued
@@ -197,7 +199,7 @@ class LLMEngine:
             children.append(
                 Request(child_id, token_ids, params, self.loaded.eos_token_ids, max_tokens,
                         arrival_time=arrival_time, cache_salt=cache_salt, generator=generator, grammar=grammar,
-                        lora_request=lora_request)
+                        lora_request=lora_request, lora_digest=lora_digest)
             )
         self.output_processor.add_request(request_id, text, children)
         for child in children:
@@ -221,6 +223,44 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    # ---- adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------
+    def _lora(self):
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        return self.lora_manager
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read, check and register an adapter ahead of its requests (kept in the host cache).
+
+        Returns False if its id is already registered. Raises ValueError without ``enable_lora``;
+        ``LoRAAdapterError`` (a ValueError naming the adapter and the reason) if it is refused."""
+        manager = self._lora()
+        return manager.add(manager.check(lora_request))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter no unfinished request uses; its id is retired.
+
+        Returns False if the id is not registered. Raises ValueError while a request still uses it."""
+        if self.lora_requests_in_flight(lora_int_id):
+            raise ValueError(f"adapter {lora_int_id} still has requests in flight")
+        return self._lora().remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the registered adapters."""
+        return {r.lora_int_id for r in self._lora().list_loras()}
+
+    def lora_requests_in_flight(self, lora_int_id: int) -> int:
+        """Unfinished sequences (running or waiting) that use adapter ``lora_int_id``."""
+        return sum(r.lora_int_id == lora_int_id for queue in (self.scheduler.running, self.scheduler.waiting)
+                   for r in queue)
+
+    def lora_adapters_by_state(self) -> tuple[list[str], list[str]]:
+        """Names of the adapters of running and of waiting sequences (each name once, sorted)."""
+        def names(requests) -> list[str]:
+            return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
+
+        return names(self.scheduler.running), names(self.scheduler.waiting)
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

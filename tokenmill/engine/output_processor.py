@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from tokenmill.detokenizer import IncrementalDetokenizer
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.request import Request
 from tokenmill.token_strings import TokenStrings
@@ -37,6 +38,7 @@ class _ParentState:
     first_scheduled_time: float | None = None
     num_finished: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    lora_request: LoRARequest | None = None
 
 
 class OutputProcessor:
@@ -62,6 +64,7 @@ class OutputProcessor:
             prompt_token_ids=children[0].prompt_token_ids,
             sequences=sequences,
             arrival_time=children[0].arrival_time,
+            lora_request=children[0].lora_request,
         )
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -165,6 +168,7 @@ class OutputProcessor:
                     prompt_logprobs=parent.prompt_logprobs,
                     num_cached_tokens=parent.num_cached_tokens,
                     metrics=dict(parent.metrics),
+                    lora_request=parent.lora_request,
                 )
             )
         return outputs, to_stop

@@ -45,9 +45,14 @@ class KVCacheManager:
         return self.block_pool.usage()
 
     def _extra_keys(self, request: Request) -> tuple:
-        """cache_salt and the adapter: two adapters (or an adapter and the base model) never share KV."""
+        """cache_salt and the adapter: two adapters (or an adapter and the base model) never share KV.
+
+        The adapter is keyed by its content digest when known (set by the engine), so blocks kept in
+        the disk tier stay with their adapter across restarts whatever id or name it gets; else by id and name."""
         keys = (request.cache_salt,) if request.cache_salt else ()
-        if request.lora_request is not None:
+        if request.lora_digest is not None:
+            keys += (f"lora:{request.lora_digest}",)
+        elif request.lora_request is not None:
             keys += (f"lora:{request.lora_request.lora_int_id}:{request.lora_request.lora_name}",)
         return keys
 

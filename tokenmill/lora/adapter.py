@@ -7,6 +7,7 @@ base model's shapes come in as a ``BaseModelShapes``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -101,11 +102,15 @@ class LoRASliceWeights:
 @dataclass(frozen=True)
 class LoRAAdapter:
     """A validated adapter. ``weights`` maps (layer, fused module, slice) to that projection's A/B;
-    ``rank`` is the largest rank over them."""
+    ``rank`` is the largest rank over them. ``digest`` (hex sha256 of every slice's position, scale,
+    dtype, shape and A/B bytes) names what the adapter computes, whatever its name, id or path: the
+    prefix cache and the KV tiers key blocks by it, so KV kept on disk across restarts is found again
+    for the same adapter and never for another one that took its id."""
 
     lora_request: LoRARequest
     rank: int
     weights: dict[tuple[int, str, int], LoRASliceWeights]
+    digest: str = ""
 
     @property
     def num_bytes(self) -> int:
@@ -176,7 +181,19 @@ def load_adapter(lora_request: LoRARequest, shapes: BaseModelShapes, max_lora_ra
         alpha = _pattern_value(alpha_pattern, module, lora_alpha)
         scale = alpha / (math.sqrt(rank) if use_rslora else rank)
         weights[(layer, fused, shard)] = LoRASliceWeights(lora_a.contiguous(), lora_b.contiguous(), float(scale))
-    return LoRAAdapter(lora_request, max(w.rank for w in weights.values()), weights)
+    return LoRAAdapter(lora_request, max(w.rank for w in weights.values()), weights, adapter_digest(weights))
+
+
+def adapter_digest(weights: dict[tuple[int, str, int], LoRASliceWeights]) -> str:
+    """Hex sha256 of an adapter's content: each slice's (layer, module, slice), scale, and A/B dtype, shape and bytes."""
+    digest = hashlib.sha256()
+    for key in sorted(weights):
+        w = weights[key]
+        digest.update(repr((key, w.scale)).encode())
+        for tensor in (w.lora_a, w.lora_b):
+            digest.update(repr((str(tensor.dtype), tuple(tensor.shape))).encode())
+            digest.update(tensor.contiguous().view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def _peft_path(proj: str) -> str:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from tokenmill.config import LoRAConfig
-from tokenmill.lora.adapter import FUSED_MODULES, BaseModelShapes, FusedModuleShape, LoRAAdapter, load_adapter
+from tokenmill.lora.adapter import (FUSED_MODULES, BaseModelShapes, FusedModuleShape, LoRAAdapter, LoRAAdapterError,
+                                    load_adapter)
 from tokenmill.lora.request import LoRARequest
 from tokenmill.lora.slots import LoRASlots
 
@@ -50,7 +51,9 @@ class LoRAManager:
 
     Counters (cumulative): ``num_disk_loads`` (adapters read from disk), ``num_host_evictions``,
     ``num_slot_loads`` (adapters copied into a slot), ``num_slot_evictions`` (a resident adapter
-    replaced by another).
+    replaced by another), ``num_removed`` (adapters removed with ``remove``).
+
+    Engine thread only, except ``check`` (reads files, touches no state).
     """
 
     def __init__(self, config: LoRAConfig, model: nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -64,29 +67,86 @@ class LoRAManager:
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, least recent first
         self._slot_lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(config.max_loras))
         self._registered: dict[int, LoRARequest] = {}
+        self._retired: set[int] = set()  # ids of removed adapters: never served again
         self.num_disk_loads = 0
         self.num_host_evictions = 0
         self.num_slot_loads = 0
         self.num_slot_evictions = 0
+        self.num_removed = 0
         logger.info("LoRA: %d slots of rank %d (%.1f MiB), %d adapters kept in host memory", config.max_loras,
                     config.max_lora_rank, self.slots.num_bytes / 2**20, config.host_capacity)
 
     # ---- intake --------------------------------------------------------------------------
-    def register(self, lora_request: LoRARequest) -> None:
+    def register(self, lora_request: LoRARequest) -> LoRAAdapter:
         """Check an incoming request's adapter, reading it into the host cache if it is not there.
 
+        Returns the adapter (its ``digest`` keys the request's prefix-cache blocks).
+
         Raises:
-            ValueError: the id already names another adapter (name or path), or the adapter is
-                refused (``adapter.LoRAAdapterError``: the message names the adapter and why).
+            ValueError: the id already names another adapter (name or path), or names a removed one.
+            LoRAAdapterError (a ValueError): the adapter is refused (the message names it and why).
         """
-        known = self._registered.get(lora_request.lora_int_id)
+        self._check_id(lora_request)
+        adapter = self._host_adapter(lora_request)
+        self._registered[lora_request.lora_int_id] = lora_request
+        return adapter
+
+    def check(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and validate an adapter without registering it (safe from any thread: no state is touched).
+
+        Raises:
+            LoRAAdapterError: refused (see ``adapter.load_adapter``).
+        """
+        return load_adapter(lora_request, self.shapes, self.config.max_lora_rank)
+
+    def add(self, adapter: LoRAAdapter) -> bool:
+        """Register an adapter read by ``check`` and keep it in the host cache (vLLM's ``add_lora``).
+
+        Returns False if its id was already registered (the adapter is then left as it was).
+
+        Raises:
+            ValueError: the id names another adapter, or a removed one.
+        """
+        lora_request = adapter.lora_request
+        self._check_id(lora_request)
+        if lora_request.lora_int_id in self._registered:
+            return False
+        self._host[lora_request.lora_int_id] = adapter
+        self.num_disk_loads += 1  # ``check`` read it
+        self._evict_host()
+        self._registered[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget an adapter: out of its slot, the host cache and the registry; its id is retired
+        (a later request with it is refused). The caller makes sure no request still uses it.
+        Returns False if the id was not registered."""
+        if self._registered.pop(lora_int_id, None) is None:
+            return False
+        self._retired.add(lora_int_id)
+        self._host.pop(lora_int_id, None)
+        for slot, resident in enumerate(self.slots.lora_ids):
+            if resident == lora_int_id:
+                self.slots.lora_ids[slot] = None  # an empty slot: never in a mapping, reused first
+                self.slots.ranks[slot] = 0
+        self.num_removed += 1
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters, by id."""
+        return [self._registered[i] for i in sorted(self._registered)]
+
+    def _check_id(self, lora_request: LoRARequest) -> None:
+        lora_id = lora_request.lora_int_id
+        if lora_id in self._retired:
+            raise LoRAAdapterError(lora_request.lora_name, f"lora_int_id {lora_id} belongs to an adapter that was "
+                                   "removed; load it again under a new id")
+        known = self._registered.get(lora_id)
         if known is not None and known != lora_request:
             raise ValueError(
-                f"lora_int_id {lora_request.lora_int_id} already names adapter {known.lora_name!r} at "
+                f"lora_int_id {lora_id} already names adapter {known.lora_name!r} at "
                 f"{known.lora_path!r}; adapter {lora_request.lora_name!r} at {lora_request.lora_path!r} needs another id"
             )
-        self._host_adapter(lora_request)
-        self._registered[lora_request.lora_int_id] = lora_request
 
     # ---- placement between steps ---------------------------------------------------------
     def activate(self, lora_requests: Sequence[LoRARequest | None]) -> list[int | None]:
@@ -125,13 +185,16 @@ class LoRAManager:
         if adapter is not None:
             self._host.move_to_end(lora_id)
             return adapter
-        adapter = load_adapter(lora_request, self.shapes, self.config.max_lora_rank)
+        adapter = self.check(lora_request)
         self.num_disk_loads += 1
         self._host[lora_id] = adapter
+        self._evict_host()
+        return adapter
+
+    def _evict_host(self) -> None:
         while len(self._host) > self.config.host_capacity:
             self._host.popitem(last=False)
             self.num_host_evictions += 1
-        return adapter
 
     # ---- state -----------------------------------------------------------------------------
     @property

@@ -34,6 +34,7 @@ from tokenmill.server.errors import APIError, error_response, install_error_hand
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenmill.server.serving_chat import create_chat_completion, render_chat
 from tokenmill.server.serving_completions import create_completion
+from tokenmill.server.serving_lora import lora_router
 from tokenmill.server.state import ServerConfig, ServerState
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,27 @@ def engine_status(engine) -> dict:
         "config": dataclasses.asdict(engine.config),
         "kv_cache": kv_cache_snapshot(engine),
         "structured_outputs": structured_outputs_snapshot(engine.structured_output_manager),
+        "lora": lora_snapshot(engine),
+    }
+
+
+def lora_snapshot(engine) -> dict | None:
+    """Adapters registered, resident in slots and in host memory, and the load/evict counters (None: LoRA off)."""
+    manager = engine.lora_manager
+    if manager is None:
+        return None
+    names = {r.lora_int_id: r.lora_name for r in manager.list_loras()}
+    running, waiting = engine.lora_adapters_by_state()
+    return {
+        "max_loras": manager.config.max_loras,
+        "max_lora_rank": manager.config.max_lora_rank,
+        "max_cpu_loras": manager.config.host_capacity,
+        "registered": [{"lora_int_id": i, "lora_name": n} for i, n in sorted(names.items())],
+        "slots": [names.get(i, i) for i in manager.resident_lora_ids],
+        "host": [names.get(i, i) for i in manager.host_lora_ids],
+        "running_lora_adapters": running,
+        "waiting_lora_adapters": waiting,
+        **manager.stats(),
     }
 
 
@@ -135,22 +157,25 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
     install_error_handlers(app)
     v1 = APIRouter(prefix="/v1", dependencies=_api_key_check(config.api_key))
 
-    def model_card() -> dict:
-        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill"}
-        if state.engine.is_healthy:
-            card["max_model_len"] = state.max_model_len
-        return card
+    def model_cards() -> list[dict]:
+        """The base model, then each LoRA adapter (``parent``: its base model)."""
+        max_model_len = state.max_model_len if state.engine.is_healthy else None
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+                "root": config.engine_kwargs.get("model") or state.model_name, "parent": None}
+        if max_model_len is not None:
+            card["max_model_len"] = max_model_len
+        return [card, *state.adapters.cards(max_model_len)]
 
     @v1.get("/models")
     async def list_models() -> dict:
-        """The served model."""
-        return {"object": "list", "data": [model_card()]}
+        """The served model and its LoRA adapters."""
+        return {"object": "list", "data": model_cards()}
 
     @v1.get("/models/{model:path}")
     async def get_model(model: str) -> dict:
-        """One model by name (404 unless it is the served one)."""
+        """One model or adapter by name (404 unless it is served)."""
         state.check_model(model)
-        return model_card()
+        return next(card for card in model_cards() if card["id"] == model)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, raw_request: Request):
@@ -162,6 +187,7 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
         """OpenAI chat completions."""
         return await create_chat_completion(body, raw_request, state)
 
+    v1.include_router(lora_router(state, config.allow_runtime_lora_updating))
     app.include_router(v1)
 
     @app.get("/health")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tokenmill.engine.llm import LLM
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import EngineStats, RequestMetricsTracker
@@ -40,6 +41,7 @@ class EngineRequest:
     params: SamplingParams
     prompt: str | None = None
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -105,6 +107,8 @@ class AsyncEngine:
         engine_kwargs: keyword arguments of ``LLM(...)`` (model, dtype, max_model_len, ...).
         tracker: per-request latency/counter metrics, updated from the engine thread.
         on_load_failure: called (from the engine thread) if the engine cannot be built.
+        on_loaded: called with the LLM on the engine thread once it is built, before it serves (an
+            exception there is a load failure).
     """
 
     def __init__(
@@ -112,8 +116,10 @@ class AsyncEngine:
         engine_kwargs: dict,
         tracker: RequestMetricsTracker | None = None,
         on_load_failure: Callable[[BaseException], None] | None = None,
+        on_loaded: Callable[[LLM], None] | None = None,
     ) -> None:
         self._engine_kwargs = engine_kwargs
+        self._on_loaded = on_loaded
         self._tracker = tracker
         self._on_load_failure = on_load_failure
         self._commands: queue.Queue = queue.Queue()
@@ -207,12 +213,16 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.llm = LLM(**self._engine_kwargs)
+            if self._on_loaded is not None:
+                self._on_loaded(self.llm)
         except BaseException as exc:  # noqa: BLE001 - reported through /health and on_load_failure
             if isinstance(exc, ValueError):  # a bad setting: the message says which; no traceback
                 logger.error("engine failed to load: %s", exc)
             else:
                 logger.exception("engine failed to load")
             self.error = exc
+            if self.llm is not None:  # built, but its startup hook failed: release its KV tiers
+                self.llm.close()
             self._fail_pending(EngineDeadError(f"engine failed to load: {exc}"))
             self._load_ended.set()
             if self._on_load_failure is not None:
@@ -286,7 +296,8 @@ class AsyncEngine:
         try:
             for r in command.requests:
                 engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, r.params,
-                                   arrival_time=command.arrival_time, cache_salt=r.cache_salt)
+                                   arrival_time=command.arrival_time, cache_salt=r.cache_salt,
+                                   lora_request=r.lora_request)
                 added.append(r.request_id)
         except Exception as exc:  # noqa: BLE001 - a rejected request, handed to the caller
             engine.abort_request(added)
@@ -349,7 +360,17 @@ class AsyncEngine:
             structured_output_requests=dict(constraints.requests_by_kind),
             structured_output_mask_seconds=constraints.mask_seconds_total,
             structured_output_mask_steps=constraints.mask_steps_total,
+            **self._lora_stats(engine),
         )
+
+    @staticmethod
+    def _lora_stats(engine) -> dict:
+        manager = engine.lora_manager
+        if manager is None:
+            return {}
+        running, waiting = engine.lora_adapters_by_state()
+        return dict(max_lora=manager.config.max_loras, running_lora_adapters=tuple(running),
+                    waiting_lora_adapters=tuple(waiting), lora_counters=manager.stats())
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -7,6 +7,7 @@ publishes after every step.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -16,6 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenmill.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -38,6 +41,10 @@ class EngineStats:
     structured_output_requests: dict[str, int] = field(default_factory=dict)  # constraint kind -> sequences
     structured_output_mask_seconds: float = 0.0  # time spent filling next-token bitmasks
     structured_output_mask_steps: int = 0  # steps that filled one
+    max_lora: int | None = None  # adapter slots (None: LoRA off)
+    running_lora_adapters: tuple[str, ...] = ()  # names of the adapters of running / waiting sequences
+    waiting_lora_adapters: tuple[str, ...] = ()
+    lora_counters: dict[str, int] = field(default_factory=dict)  # LoRAManager.stats()
 
 
 class _EngineStatsCollector(Collector):
@@ -68,6 +75,31 @@ class _EngineStatsCollector(Collector):
             yield counter
         yield from self._kv_offload(stats)
         yield from self._structured_output(stats)
+        yield from self._lora(stats)
+
+    def _lora(self, stats: EngineStats) -> Iterator[Metric]:
+        """vLLM's ``lora_requests_info`` (adapters in use as labels, the scrape time as value) and the
+        adapter load / eviction counters (label ``tier``: "host" memory, device "slot")."""
+        if stats.max_lora is None:
+            return
+        info = GaugeMetricFamily(
+            "tokenmill:lora_requests_info", "LoRA adapters of running and waiting requests (comma-separated "
+            "labels) and the slot count; the value is the time of the scrape.",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
+                         str(stats.max_lora)], time.time())
+        yield info
+        counters = stats.lora_counters
+        for name, doc, values in (
+            ("lora_adapter_loads", "LoRA adapters loaded: read from disk into host memory (tier=host) or copied "
+             "into a device slot (tier=slot).", (("host", "disk_loads"), ("slot", "slot_loads"))),
+            ("lora_adapter_evictions", "LoRA adapters evicted from host memory (tier=host) or replaced in a "
+             "device slot (tier=slot).", (("host", "host_evictions"), ("slot", "slot_evictions"))),
+        ):
+            counter = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name", "tier"])
+            for tier, key in values:
+                counter.add_metric([self._model_name, tier], counters.get(key, 0))
+            yield counter
 
     def _structured_output(self, stats: EngineStats) -> Iterator[Metric]:
         """Constrained sequences by constraint kind, and the bitmask-filling time."""
@@ -158,6 +190,7 @@ class _Tracked:
     first_child_id: str
     arrival_time: float
     prompt_counted: bool = False
+    first_token_time: float | None = None
     last_token_time: float | None = None
 
 
@@ -165,11 +198,15 @@ class RequestMetricsTracker:
     """Per-request latency bookkeeping. Engine thread only (it reads the scheduler between steps).
 
     Queue time (arrival to first scheduling) comes from the engine's RequestOutput.metrics; TTFT
-    and inter-token latency are measured when outputs carrying new tokens leave the engine.
+    and inter-token latency are measured when outputs carrying new tokens leave the engine. With
+    ``log_requests``, each finished request gets one INFO line: id, model (``base_model_name``), LoRA
+    adapter name (``-`` for none), token counts, finish reasons, TTFT and end-to-end latency.
     """
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, log_requests: bool = False, base_model_name: str = "") -> None:
         self.metrics = metrics
+        self.log_requests = log_requests
+        self.base_model_name = base_model_name
         self._tracked: dict[str, _Tracked] = {}
 
     def on_added(self, engine, request_id: str, arrival_time: float) -> None:
@@ -207,6 +244,7 @@ class RequestMetricsTracker:
                 m.generation_tokens.inc(num_new)
                 if tracked.last_token_time is None:
                     m.time_to_first_token.observe(now - tracked.arrival_time)
+                    tracked.first_token_time = now
                 else:
                     m.inter_token_latency.observe(now - tracked.last_token_time)
                 tracked.last_token_time = now
@@ -214,4 +252,16 @@ class RequestMetricsTracker:
                 m.e2e_request_latency.observe(now - tracked.arrival_time)
                 for completion in output.outputs:
                     m.count_finished(completion.finish_reason or "abort")
+                if self.log_requests:
+                    self._log_finished(output, tracked, now)
                 self.on_finished(output.request_id)
+
+    def _log_finished(self, output: RequestOutput, tracked: _Tracked, now: float) -> None:
+        lora = output.lora_request
+        ttft = "-" if tracked.first_token_time is None else f"{tracked.first_token_time - tracked.arrival_time:.3f}s"
+        logger.info(
+            "request %s finished: model=%s lora=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d "
+            "finish_reason=%s ttft=%s e2e=%.3fs", output.request_id,
+            self.base_model_name, "-" if lora is None else lora.lora_name,
+            len(output.prompt_token_ids), output.num_cached_tokens, sum(len(c.token_ids) for c in output.outputs),
+            ",".join(c.finish_reason or "abort" for c in output.outputs), ttft, now - tracked.arrival_time)

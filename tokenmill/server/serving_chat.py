@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.chat_prompt import ContentSpecialTokensError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import EngineRequest, RequestStream
 from tokenmill.server.errors import APIError
@@ -81,7 +82,7 @@ def _parses_tool_calls(tool_request: ToolRequest | None) -> bool:
 
 
 async def _engine_request(
-    body: ChatCompletionRequest, state: ServerState, request_id: str
+    body: ChatCompletionRequest, state: ServerState, request_id: str, lora_request: LoRARequest | None
 ) -> tuple[EngineRequest, ToolRequest | None]:
     use_completion_name = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if use_completion_name else body.max_tokens
@@ -105,24 +106,25 @@ async def _engine_request(
     token_ids = await asyncio.to_thread(render_chat, state, body.messages, body.add_generation_prompt,
                                         body.allow_special_tokens_in_content, tool_request)
     check_length(len(token_ids), max_tokens, state.max_model_len, "messages", max_tokens_param)
-    return EngineRequest(request_id, token_ids, params, None, body.cache_salt), tool_request
+    return EngineRequest(request_id, token_ids, params, None, body.cache_salt, lora_request), tool_request
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, state: ServerState):
     """Validate, queue, and answer (JSON or SSE) one chat completions request."""
-    state.check_model(body.model)
+    lora_request = state.check_model(body.model)
+    model = body.model or state.model_name
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    request, tool_request = await _engine_request(body, state, response_id)
+    request, tool_request = await _engine_request(body, state, response_id, lora_request)
     stream = await state.submit([request], "messages")
     created = int(time.time())
     if body.stream:
-        header = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+        header = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
         return StreamingResponse(sse_stream(_stream_events(body, state, stream, header, tool_request), stream),
                                  media_type="text/event-stream")
     output = (await state.collect(stream, raw_request))[response_id]
     choices = await asyncio.to_thread(_choices, body, state, output, tool_request)  # long logprobs take a while
     return JSONResponse({"id": response_id, "object": "chat.completion", "created": created,
-                         "model": state.model_name, "choices": choices, "usage": usage([output])})
+                         "model": model, "choices": choices, "usage": usage([output])})
 
 
 def _choices(

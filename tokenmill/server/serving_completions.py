@@ -15,6 +15,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import EngineRequest, RequestStream
 from tokenmill.server.errors import APIError
@@ -31,7 +32,9 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     return list(prompt)
 
 
-def _engine_requests(body: CompletionRequest, state: ServerState, response_id: str) -> list[EngineRequest]:
+def _engine_requests(
+    body: CompletionRequest, state: ServerState, response_id: str, lora_request: LoRARequest | None
+) -> list[EngineRequest]:
     """Validate and tokenize every prompt (blocking: run it in a worker thread)."""
     if body.suffix is not None:
         raise APIError("suffix is not supported (no fill-in-the-middle); leave it unset", param="suffix")
@@ -57,17 +60,18 @@ def _engine_requests(body: CompletionRequest, state: ServerState, response_id: s
         if text is None and body.echo:
             text = state.decode(token_ids)
         request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
-        requests.append(EngineRequest(request_id, token_ids, params, text, body.cache_salt))
+        requests.append(EngineRequest(request_id, token_ids, params, text, body.cache_salt, lora_request))
     return requests
 
 
 async def create_completion(body: CompletionRequest, raw_request: Request, state: ServerState):
     """Validate, queue, and answer (JSON or SSE) one completions request."""
-    state.check_model(body.model)
+    lora_request = state.check_model(body.model)
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = await asyncio.to_thread(_engine_requests, body, state, response_id)
+    requests = await asyncio.to_thread(_engine_requests, body, state, response_id, lora_request)
     stream = await state.submit(requests, "prompt")
-    header = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
+    header = {"id": response_id, "object": "text_completion", "created": int(time.time()),
+              "model": body.model or state.model_name}
     if body.stream:
         events = _stream_events(body, state, requests, stream, header)
         return StreamingResponse(sse_stream(events, stream), media_type="text/event-stream")

@@ -12,11 +12,14 @@ from typing import AsyncIterator, Callable
 
 from fastapi import Request
 
+from tokenmill.lora.adapter import LoRAAdapterError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import AsyncEngine, EngineDeadError, EngineRequest, RequestStream
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import RequestMetricsTracker, ServerMetrics
 from tokenmill.server.openai_format import SSE_DONE, sse
+from tokenmill.server.serving_lora import LoRAModulePath, ServedAdapters
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output import ConstraintError
 from tokenmill.token_strings import TokenStrings
@@ -40,6 +43,11 @@ class ServerConfig:
         enable_auto_tool_choice: accept ``tool_choice: "auto"`` (the default with tools) and parse
             tool calls out of free text with ``tool_call_parser``.
         tool_call_parser: the tool-call format; only ``hermes`` (``<tool_call>{...}</tool_call>``).
+        lora_modules: adapters served from the start (``--lora-modules``; needs ``enable_lora`` in
+            ``engine_kwargs``), each reached with ``model: name``.
+        allow_runtime_lora_updating: enable ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+        enable_log_requests: one INFO log line per finished request (id, model or adapter, tokens,
+            finish reason, latency).
     """
 
     served_model_name: str
@@ -51,6 +59,9 @@ class ServerConfig:
     allow_special_tokens_in_content: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    allow_runtime_lora_updating: bool = False
+    enable_log_requests: bool = True
 
 
 class ServerState:
@@ -61,7 +72,12 @@ class ServerState:
         self.model_name = config.served_model_name
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats)
-        self.engine = AsyncEngine(config.engine_kwargs, RequestMetricsTracker(self.metrics), on_load_failure)
+        self.adapters = ServedAdapters(self.model_name, config.lora_modules,
+                                       enabled=bool(config.engine_kwargs.get("enable_lora")))
+        tracker = RequestMetricsTracker(self.metrics, log_requests=config.enable_log_requests,
+                                        base_model_name=self.model_name)
+        self.engine = AsyncEngine(config.engine_kwargs, tracker, on_load_failure,
+                                  on_loaded=lambda llm: self.adapters.register_static(llm.engine))
         self._token_strings: TokenStrings | None = None
 
     # ---- facts of the loaded engine (raise 503 until it is loaded) ---------------------------
@@ -112,11 +128,9 @@ class ServerState:
         except ConstraintError as exc:
             raise APIError(f"{param}: {exc.reason}", param=param) from None
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is None or the served name."""
-        if model is not None and model != self.model_name:
-            raise APIError(f"model {model!r} does not exist; this server serves {self.model_name!r}", 404,
-                           "not_found_error", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names (None: the base model, or no ``model``); 404 naming ``model`` otherwise."""
+        return self.adapters.resolve(model)
 
     # ---- talking to the engine -----------------------------------------------------------------
     async def submit(self, requests: list[EngineRequest], prompt_param: str) -> RequestStream:
@@ -125,6 +139,8 @@ class ServerState:
             return await self.engine.add(requests)
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, "service_unavailable_error") from None
+        except LoRAAdapterError as exc:  # unloaded between the name lookup and the queueing
+            raise APIError(str(exc), 404, "not_found_error", param="model", code="model_not_found") from None
         except ValueError as exc:
             raise APIError(str(exc), param=prompt_param) from None
 
