@@ -1,7 +1,9 @@
 """LoRAMapping: which adapter slot each token of a step uses, as segments of tokens grouped by slot.
 
 Built once per step by the model runner from per-request slot ids and query lengths with numpy
-(no loop over tokens); every LoRA-hooked layer of the forward reads the same mapping.
+(no loop over tokens); every LoRA-hooked layer of the forward reads the same mapping. On a CUDA
+device the token indices and the segment table the Triton kernels read travel in one pinned,
+non-blocking copy; on CPU nothing beyond the token indices is built.
 """
 from __future__ import annotations
 
@@ -20,15 +22,31 @@ class LoRAMapping:
         contiguous here and keep their batch order. Base-model tokens are absent (they pay nothing).
     segments: (slot, start, end) per slot present: ``token_indices[start:end]`` use ``slot``.
     single_slot: the slot when every token of the step uses it (token_indices is then 0..T-1), else None.
+    segment_table: [3, G] int64 on token_indices' device, rows (slot, start, end) of ``segments``, for
+        the Triton kernels (``triton_ops.py``); built by ``build_lora_mapping`` on a non-CPU device,
+        None otherwise (``device_segment_table`` then builds it on demand).
     """
 
     token_indices: torch.Tensor
     segments: tuple[tuple[int, int, int], ...]
     single_slot: int | None = None
+    segment_table: torch.Tensor | None = None
 
     @property
     def num_lora_tokens(self) -> int:
         return int(self.token_indices.shape[0])
+
+    @property
+    def max_segment_len(self) -> int:
+        """Tokens in the longest segment (host-side: sizes the kernels' grids without a device sync)."""
+        return max((end - start for _, start, end in self.segments), default=0)
+
+    def device_segment_table(self) -> torch.Tensor:
+        """``segment_table``, or (a mapping built for CPU) a new one on token_indices' device."""
+        if self.segment_table is not None:
+            return self.segment_table
+        table = torch.tensor(self.segments, dtype=torch.int64).reshape(-1, 3).t()  # (3, G)
+        return table.contiguous().to(self.token_indices.device)
 
 
 def build_lora_mapping(
@@ -51,4 +69,13 @@ def build_lora_mapping(
     seg_slots, starts, counts = np.unique(token_slot[token_indices], return_index=True, return_counts=True)
     segments = tuple((int(s), int(b), int(b + c)) for s, b, c in zip(seg_slots, starts, counts))  # per slot
     single_slot = segments[0][0] if len(segments) == 1 and len(token_indices) == len(token_slot) else None
-    return LoRAMapping(torch.from_numpy(token_indices).to(device), segments, single_slot)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return LoRAMapping(torch.from_numpy(token_indices), segments, single_slot)
+    # One host buffer [token_indices (N) | slots (G) | starts (G) | ends (G)], one non-blocking copy.
+    host = torch.from_numpy(np.concatenate((token_indices, seg_slots, starts, starts + counts)))  # (N + 3G,)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    packed = host.to(device, non_blocking=True)
+    num_lora = len(token_indices)
+    return LoRAMapping(packed[:num_lora], segments, single_slot, packed[num_lora:].view(3, len(segments)))

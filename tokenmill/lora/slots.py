@@ -2,11 +2,14 @@
 
 Per target module (layer, fused module) one stacked A [S, R, n, in] and one block-diagonal B
 [S, out, R, n] (each slice's scale folded in) hold every slot's weights zero-padded to
-``max_lora_rank`` R, so a step's forward reads them in place (layout: ``ops.add_lora``). Which
+``max_lora_rank`` R, so a step's forward reads them in place (layout: ``ops.add_lora``; on CUDA,
+or with ``use_triton``, the Triton kernels of ``triton_ops.py`` read the same tensors). Which
 adapter a slot holds, and when to replace it, is the manager's business (``manager.py``); this file
 only stores, copies and applies.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -31,6 +34,10 @@ class LoRASlots:
         operands / full_operands: per ModuleKey, [S] views of each slot's GEMM operands over its
             adapter's rank / over the padded rank R (deterministic mode); None for an empty slot.
         ranks: [S] rank of each slot's adapter (0 when empty).
+        device_ranks: [S] int32 on the device, ``ranks`` as loaded, for the Triton kernels (a slot
+            emptied by the manager keeps its last rank here: no mapping names an empty slot).
+        use_triton: apply adapters with the Triton kernels even on CPU (tests, under triton's
+            interpreter; the CUDA runner sets it); CUDA inputs always take that path.
         lora_ids: [S] the ``lora_int_id`` each slot holds, None when empty.
         mapping: the current step's token -> slot mapping (set by the model runner), None when no
             token of the step uses an adapter.
@@ -55,6 +62,8 @@ class LoRASlots:
         self.operands: dict[ModuleKey, list[SlotOperands | None]] = {k: [None] * max_loras for k in self.lora_a}
         self.full_operands: dict[ModuleKey, list[SlotOperands | None]] = {k: [None] * max_loras for k in self.lora_a}
         self.ranks: list[int] = [0] * max_loras
+        self.device_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        self.use_triton = False
         self.lora_ids: list[int | None] = [None] * max_loras
         self.mapping: LoRAMapping | None = None
 
@@ -81,6 +90,7 @@ class LoRASlots:
             self.operands[key][slot] = slot_operands(self.lora_a[key], self.lora_b[key], slot, adapter.rank)
             self.full_operands[key][slot] = slot_operands(self.lora_a[key], self.lora_b[key], slot, self.max_lora_rank)
         self.ranks[slot] = adapter.rank
+        self.device_ranks[slot] = adapter.rank
         self.lora_ids[slot] = adapter.lora_request.lora_int_id
 
     def hook(self, layer: int, name: str) -> ModuleLoRA:
@@ -100,5 +110,16 @@ class ModuleLoRA:
         slots = self.slots
         if slots.mapping is None:
             return
+        if x.is_cuda or slots.use_triton:  # deterministic mode (batch_invariant) is CPU-only
+            _add_lora_triton()(y, x, slots.lora_a[self.key], slots.lora_b[self.key], slots.device_ranks, slots.mapping)
+            return
         operands = slots.full_operands if batch_invariant else slots.operands
         add_lora(y, x, operands[self.key], slots.mapping, batch_invariant)
+
+
+@functools.cache
+def _add_lora_triton():
+    """``triton_ops.add_lora_triton``, imported on first use (importing it imports triton)."""
+    from tokenmill.lora.triton_ops import add_lora_triton
+
+    return add_lora_triton

@@ -6,7 +6,10 @@ device-side metadata, and RMSNorm, SiLU-and-multiply and RoPE in fused Triton ke
 (``layers/triton_elementwise.py``); decode-only steps run at padded batch sizes over static buffers
 (``padded_decode``) and replay a CUDA graph per size (``cuda_graph``) unless ``enforce_eager``;
 the KV pool is sized by a profiling forward (``gpu_memory``); sampled tokens come back in one
-transfer. It also runs on CPU (no graphs, no profiling) so tests can drive the same code paths,
+transfer. With a ``lora_manager`` the adapters run in the Triton shrink/expand kernels
+(``lora/triton_ops.py``); a step whose requests use adapters runs eagerly (decode steps padded as
+usual, no graph replay: the graphs are captured without LoRA), a step without any replays as
+before. It also runs on CPU (no graphs, no profiling) so tests can drive the same code paths,
 with ``attention_backend="torch"`` or with Triton under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from tokenmill.attention import build_attention_metadata, triton_attention
 from tokenmill.config import CacheConfig, ConfigError, SchedulerConfig
+from tokenmill.lora.mapping import build_lora_mapping
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.runner.cuda_graph import DecodeGraphs
 from tokenmill.runner.gpu_memory import GRAPH_MEMORY_RESERVE, kv_cache_budget_bytes, profile_memory
@@ -58,6 +62,7 @@ class CudaModelRunner(ModelRunner):
         gpu_memory_utilization: fraction of device memory for weights + activations + KV cache.
         enforce_eager: never capture CUDA graphs (decode steps still run padded, so tokens match).
         attention_backend: "triton" (always on CUDA) or "torch" (CPU tests: the reference backend).
+        lora_manager: a ``LoRAManager`` whose hooks are on the model (adapters enabled), or None.
 
     Raises:
         ValueError: triton missing, an unknown backend, or no memory left for the KV cache.
@@ -71,6 +76,7 @@ class CudaModelRunner(ModelRunner):
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         attention_backend: str = "triton",
+        lora_manager=None,
     ) -> None:
         device = loaded.device
         if attention_backend not in ATTENTION_BACKENDS:
@@ -81,6 +87,10 @@ class CudaModelRunner(ModelRunner):
             if not triton_attention.available():
                 raise ValueError("the CUDA runner needs the `triton` package (pip install triton)")
             enable_triton_kernels(loaded.model)
+            if lora_manager is not None:
+                lora_manager.slots.use_triton = True  # always so on CUDA; also under the CPU interpreter
+        if lora_manager is not None:
+            lora_manager.slots.mapping = None  # the profiling step and the captured graphs run without LoRA
         if device.type == "cuda":
             torch.cuda.set_device(device)
         assert scheduler.max_model_len is not None, "max_model_len must be resolved before the runner is built"
@@ -99,7 +109,7 @@ class CudaModelRunner(ModelRunner):
         # (None on CPU: sized from kv_cache_memory_gib.) The extra block after the pool is the
         # padding block of padded decode rows.
         super().__init__(loaded, block_size, num_kv_blocks, cache.kv_cache_memory_gib, device=device,
-                         num_padding_blocks=1, use_cpu_kernels=False)
+                         num_padding_blocks=1, use_cpu_kernels=False, lora_manager=lora_manager)
         self.kernel_choice = (f"{attention_backend} attention, "
                               + ("eager decode" if enforce_eager else "CUDA graphs for decode"))
         self.padding_block_id = self.num_kv_blocks
@@ -151,7 +161,7 @@ class CudaModelRunner(ModelRunner):
             sampler(logits, SamplingMetadata.build(rows, loaded.vocab_size, device=loaded.device))
 
         profile = profile_memory(dummy_step, loaded.device)
-        del temp_caches, temp_cache
+        temp_caches = temp_cache = None  # free the dummy cache (dummy_step closes over it, so not `del`)
         torch.cuda.empty_cache()
         reserve = 0 if enforce_eager else GRAPH_MEMORY_RESERVE
         budget = kv_cache_budget_bytes(profile, utilization, reserve)
@@ -173,10 +183,16 @@ class CudaModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Decode-only steps of B <= the largest bucket rows replay (or run eagerly)
-        the padded decode at the smallest bucket >= B; every other step runs eagerly."""
+        """Run one step. Decode-only steps of B <= the largest bucket rows replay (or run eagerly,
+        e.g. when a request uses an adapter) the padded decode at the smallest bucket >= B; every
+        other step runs eagerly."""
         requests, query_lens, num_computed, input_ids, block_table = self._gather_inputs(scheduler_output)
         num_reqs = len(requests)
+        lora_mapping = None
+        if self.lora_manager is not None:  # adapters into their slots; each token's slot, on the device
+            slots = self.lora_manager.activate([r.lora_request for r in requests])
+            lora_mapping = build_lora_mapping(slots, query_lens, self.device)
+            self.lora_manager.slots.mapping = lora_mapping
         ends = num_computed + query_lens
         sample_rows = [i for i, r in enumerate(requests) if ends[i] >= r.num_tokens]
         sample_idx = np.asarray(sample_rows, dtype=np.int64)
@@ -184,7 +200,7 @@ class CudaModelRunner(ModelRunner):
         if bucket is not None:
             self.num_padded_decode_steps += 1
             self.decode_buffers.load(input_ids, num_computed, block_table, bucket, sample_idx)
-            if self.graphs is not None:
+            if self.graphs is not None and lora_mapping is None:
                 hidden = self.graphs.replay(bucket)  # (bucket, hidden)
             else:
                 hidden = run_padded_decode(self.model, self.kv_caches, self.decode_buffers, bucket)
