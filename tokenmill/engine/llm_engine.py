@@ -45,8 +45,8 @@ class LLMEngine:
             from tokenmill.runner.deterministic import check_deterministic_supported
 
             check_deterministic_supported(torch.float32, self.device)
-        if config.lora is not None and self.device.type != "cpu":
-            raise ConfigError("`enable_lora` runs on the CPU backend only in this version; pass device='cpu'")
+        if config.lora is not None and self.device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"`enable_lora` runs on the CPU and CUDA backends, not {self.device.type}")
         self.loaded = load_model(config.model, config.dtype, device=self.device)
         self.tokenizer = self.loaded.tokenizer
         model_max = self.loaded.max_position_embeddings
@@ -77,7 +77,7 @@ class LLMEngine:
 
             self.runner = CudaModelRunner(
                 self.loaded, config.cache, self.scheduler_config, config.gpu_memory_utilization,
-                enforce_eager=config.enforce_eager,
+                enforce_eager=config.enforce_eager, lora_manager=self.lora_manager,
             )
         if self.runner.num_kv_tokens < max_model_len:
             # One request must always fit in the pool, or it would wait (or be preempted) forever.
