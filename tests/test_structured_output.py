@@ -20,10 +20,8 @@ import re
 
 import jsonschema
 import pytest
-from safetensors.torch import save_file
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.models import gguf_loader
 from tokenmill.models.default_model import default_model_path
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output import ConstraintError
@@ -127,17 +125,9 @@ def assert_valid_json(completion, schema: dict) -> None:
 # ---------------------------------------------------------------- engines
 
 @pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory) -> str:
-    """The embedded GGUF's tensors, as tokenmill dequantizes them, in a Hugging Face directory."""
-    path = default_model_path()
-    out = tmp_path_factory.mktemp("smollm2")
-    reader = gguf_loader.open_gguf(path)
-    config = gguf_loader.gguf_to_hf_config(reader)
-    tensors = {name: weight.contiguous() for name, weight in gguf_loader.iter_gguf_weights(reader, config)}
-    save_file(tensors, str(out / "model.safetensors"))
-    config.save_pretrained(out)
-    gguf_loader.load_gguf_tokenizer(path).save_pretrained(out)
-    return str(out)
+def smollm2_dir() -> str:
+    """The embedded GGUF (its dequantized tensors and tokenizer come from the per-machine GGUF cache)."""
+    return str(default_model_path())
 
 
 @pytest.fixture(scope="module", params=["guidance", "xgrammar"])

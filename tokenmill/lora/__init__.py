@@ -3,7 +3,8 @@
 ``request.py`` (LoRARequest), ``adapter.py`` (PEFT loading and validation, mapped onto the fused
 projections), ``slots.py`` (device slots: stacked, rank-padded A/B per module; the Linear hook),
 ``manager.py`` (host LRU, slot LRU, counters), ``mapping.py`` (per-step token -> slot segments),
-``ops.py`` (batched shrink/expand and its per-token reference), ``step_adapters.py`` (the
+``ops.py`` (batched shrink/expand and its per-token reference), ``triton_ops.py`` (the same on
+CUDA as Triton kernels), ``step_adapters.py`` (the
 scheduler's per-step adapter limit, pure Python). Never imports the engine or the server; this
 ``__init__`` stays torch-free so the scheduler and the KV cache manager can import from the package.
 """

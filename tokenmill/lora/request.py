@@ -1,4 +1,5 @@
-"""LoRARequest: which adapter a request runs with (vLLM's field names). Pure Python."""
+"""LoRARequest: which adapter a request runs with (vLLM's field names), and the ``--lora-modules``
+spellings (``LoRAModulePath``). Pure Python."""
 from __future__ import annotations
 
 import json
