@@ -79,7 +79,8 @@ class Policy(ABC):
     """A routing policy. The front end calls ``select`` for each request with the healthy workers
     (never empty: it raises NoWorkerAvailable itself), then ``on_dispatched`` once the request is
     sent, and ``on_finished`` when it ends (success, error or abort); ``on_worker_removed`` when a
-    worker leaves the registry or fails its health checks."""
+    worker leaves the registry or fails its health checks, ``on_worker_added`` when one becomes routable;
+    ``housekeeping`` periodically and ``close`` at shutdown. Every hook but ``select`` defaults to nothing."""
 
     name: str = ""
 
@@ -95,3 +96,14 @@ class Policy(ABC):
 
     def on_worker_removed(self, worker_id: str) -> None:
         """Forget everything about ``worker_id``."""
+
+    def on_worker_added(self, worker: WorkerView) -> None:
+        """``worker`` became routable: it joined the registry healthy, or passed its health checks again
+        after ``on_worker_removed`` (its cache may have been lost in between)."""
+
+    def housekeeping(self) -> None:
+        """Periodic maintenance (tree eviction...), called on the event loop every
+        ``--eviction-interval`` seconds; must stay as cheap as ``select``'s budget allows."""
+
+    def close(self) -> None:
+        """Release what the policy holds (threads, sockets) when the router shuts down."""
