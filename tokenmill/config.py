@@ -251,6 +251,90 @@ class StructuredOutputsConfig:
         return cls(**value)
 
 
+KV_EVENTS_PUBLISHERS = ("zmq", "null")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events (vLLM's ``--kv-events-config``, same field names): the engine reports every
+    block that enters or leaves a KV tier, so a router can keep a global index (docs/kv_events.md).
+
+    Args:
+        enable_kv_cache_events: publish events at all (off: no collector, zero cost).
+        publisher: ``zmq`` (ZeroMQ PUB socket) or ``null`` (collect and drop; for tests).
+        endpoint: where the PUB socket binds (``tcp://*:5557``; ``tcp://*:*`` picks a free port,
+            reported in ``/debug/status``).
+        replay_endpoint: where a ROUTER socket binds to serve the recent batches to a subscriber
+            that missed some (None: no replay).
+        buffer_steps: batches (engine steps with events) kept for replay.
+        hwm: ZeroMQ high-water mark of the PUB socket, in messages (per subscriber).
+        max_queue_size: batches waiting between the engine thread and the publisher thread; a
+            batch that finds the queue full is dropped (counted), never waited for.
+        topic: the first frame of every published message (subscribers filter on it).
+
+    Raises:
+        ConfigError: an unknown publisher, a malformed endpoint or a count out of range.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ConfigError(f"`kv_events_config` enable_kv_cache_events must be true or false, "
+                              f"got {self.enable_kv_cache_events!r}")
+        if self.publisher not in KV_EVENTS_PUBLISHERS:
+            raise ConfigError(f"`kv_events_config` publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if value is None and name == "replay_endpoint":
+                continue
+            if not isinstance(value, str) or not re.fullmatch(r"(tcp|ipc)://\S+", value):
+                raise ConfigError(f"`kv_events_config` {name} must be a ZeroMQ endpoint such as 'tcp://*:5557' or "
+                                  f"'ipc:///tmp/kv-events', got {value!r}")
+        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+            raise ConfigError("`kv_events_config` replay_endpoint must differ from endpoint")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ConfigError(f"`kv_events_config` {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.topic, str):
+            raise ConfigError(f"`kv_events_config` topic must be a string, got {self.topic!r}")
+
+    @classmethod
+    def from_value(cls, value: "KVEventsConfig | dict | str | None") -> "KVEventsConfig":
+        """From a config, a dict, its JSON text (``'{"enable_kv_cache_events": true}'``) or None (off).
+
+        Raises:
+            ConfigError: not JSON, not an object, an unknown key or a bad value.
+        """
+        import dataclasses
+        import json
+
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ConfigError("`kv_events_config` must be JSON, e.g. "
+                                  f"'{{\"enable_kv_cache_events\": true}}': {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"`kv_events_config` must be a JSON object, got {value!r}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ConfigError(f"`kv_events_config` has unknown keys {unknown}; known: {known}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine. ``model`` is a path, a GGUF file or None (embedded default).
@@ -265,6 +349,7 @@ class EngineConfig:
     (tokenmill.runner.cpu_kernels); False puts every layer on torch's ops (deterministic mode
     needs them, so the two together are refused).
     ``lora``: multi-LoRA settings (None: LoRA off, ``enable_lora=False``).
+    ``kv_events_config``: KV cache events for a KV-aware router (off by default; docs/kv_events.md).
     """
 
     model: str | None = None
@@ -281,6 +366,7 @@ class EngineConfig:
     cpu_kernels: bool = True
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora: LoRAConfig | None = None
+    kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):

@@ -49,6 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
     parser.add_argument("--max-cpu-loras", type=int, default=None,
                         help="adapters kept loaded in host memory, LRU (default: --max-loras)")
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help='publish KV cache events for a KV-aware router, e.g. \'{"enable_kv_cache_events": true, '
+                             '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (docs/kv_events.md)')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -64,7 +67,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         cpu_kernels=args.cpu_kernels, structured_outputs_config=args.structured_outputs_config,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras,
+        max_cpu_loras=args.max_cpu_loras, kv_events_config=args.kv_events_config,
     )
 
 

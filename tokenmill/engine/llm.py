@@ -9,6 +9,7 @@ from tqdm import tqdm
 from tokenmill.config import (
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     LoRAConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
@@ -49,6 +50,9 @@ class LLM:
         max_loras: adapter slots: the most distinct adapters in one step (others wait their turn).
         max_lora_rank: the largest adapter rank accepted (slot weights are padded to it).
         max_cpu_loras: adapters kept loaded in host memory (LRU; default ``max_loras``).
+        kv_events_config: KV cache events for a KV-aware router, vLLM's fields
+            (``{"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", ...}``; a dict, its JSON
+            text or a ``KVEventsConfig``; docs/kv_events.md).
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        kv_events_config: dict | str | KVEventsConfig | None = None,
     ) -> None:
         config = build_engine_config(
             model=model, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -91,7 +96,7 @@ class LLM:
             kv_offload_disk_drive_size=kv_offload_disk_drive_size, device=device,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, cpu_kernels=cpu_kernels,
             structured_outputs_config=structured_outputs_config, enable_lora=enable_lora, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, kv_events_config=kv_events_config,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -227,6 +232,7 @@ def build_engine_config(
     max_loras: int = 1,
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
+    kv_events_config: dict | str | KVEventsConfig | None = None,
 ) -> EngineConfig:
     """The EngineConfig for ``LLM(**kwargs)`` (same keyword names), without loading anything.
 
@@ -246,6 +252,7 @@ def build_engine_config(
         cpu_kernels=cpu_kernels,
         structured_outputs_config=StructuredOutputsConfig.from_value(structured_outputs_config),
         lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
+        kv_events_config=KVEventsConfig.from_value(kv_events_config),
         cache=CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
