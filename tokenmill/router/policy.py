@@ -52,6 +52,9 @@ class WorkerView:
     is_tokenmill: a tokenmill worker (publishes KV events, accepts tokenmill's extra fields); foreign
         OpenAI servers get only the policies that need nothing from them.
     block_size: the worker's KV block size, when known (tokenmill workers).
+    kv_events_endpoint, kv_events_replay_endpoint: where the worker publishes its KV events and serves
+        replays, as addresses the router can connect to (``tokenmill.router.kv_index.kv_event_endpoints``
+        reads them from the worker's ``/debug/status``); None when it publishes none.
     """
 
     worker_id: str
@@ -61,6 +64,8 @@ class WorkerView:
     running_requests: int
     is_tokenmill: bool = False
     block_size: int | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
 
 @dataclass(frozen=True)
