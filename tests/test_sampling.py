@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
+from tokenmill.sampling.metadata import position_seed
 from tokenmill.sampling.penalties import apply_penalties
 from tokenmill.sampling.top_k_top_p import apply_min_p, apply_top_k_top_p
 from tokenmill.sampling_params import SamplingParams
@@ -31,6 +32,7 @@ def make_row(
         prompt_token_ids=prompt or [],
         output_token_ids=output or [],
         generator=generator,
+        seed=seed,
         stop_token_ids=stop or set(),
     )
 
@@ -100,6 +102,41 @@ def test_seeded_rows_reproduce_across_batch_composition_and_position():
     assert run(1, others[:2]) == alone
     different = [run(0, [], seed=s) for s in range(5)]
     assert any(tokens != alone for tokens in different)
+
+
+def test_a_seeded_draw_depends_only_on_the_seed_and_the_position():
+    """The draw at sequence position p uses position_seed(seed, p): a row whose prompt already holds
+    the earlier output samples what the row with that output samples (how a stream is resumed
+    elsewhere); another position or seed draws other noise."""
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(5))
+    params = dict(temperature=1.0)
+
+    def token(seed: int, prompt: list[int], output: list[int]) -> int:
+        return int(sample([make_row(seed=seed, prompt=prompt, output=output, **params)], logits).sampled_token_ids[0])
+
+    assert token(9, [1, 2, 3], [4, 5]) == token(9, [1, 2, 3, 4, 5], []) == token(9, [7, 7, 7, 7], [8])
+    assert len({token(9, [1] * n, []) for n in range(1, 12)}) > 3
+    assert len({token(s, [1, 2], []) for s in range(10)}) > 3
+    assert position_seed(9, 5) != position_seed(9, 6) and 0 <= position_seed(2**64 - 1, 10**9) < 2**64
+
+
+def test_seeded_generation_resumes_exactly_from_prompt_plus_output(tmp_path):
+    """A seeded request re-sent as prompt + its first k tokens (sequence j of n as seed + j, n = 1)
+    continues with exactly the tokens the uninterrupted run produced."""
+    from tests.tiny_models import make_tiny_model
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model=str(make_tiny_model("llama", tmp_path / "m")), dtype="float32", num_threads=1, num_kv_blocks=64)
+    prompt = [5, 17, 300, 42, 9]
+    full = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=1.0, top_p=0.9, seed=77, n=2,
+                                                                     max_tokens=16, ignore_eos=True))[0]
+    for j, completion in enumerate(full.outputs):
+        for k in (1, 6):
+            resumed = llm.generate({"prompt_token_ids": prompt + completion.token_ids[:k]},
+                                   SamplingParams(temperature=1.0, top_p=0.9, seed=77 + j, max_tokens=16 - k,
+                                                  ignore_eos=True))[0]
+            assert resumed.outputs[0].token_ids == completion.token_ids[k:], (j, k)
+    assert full.outputs[0].token_ids != full.outputs[1].token_ids
 
 
 def test_greedy_seeded_row_does_not_advance_its_generator():

@@ -14,6 +14,8 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.stats_logger import StatsLogger
 from tokenmill.kv_cache import KVCacheManager
+from tokenmill.kv_events import KVEventCollector
+from tokenmill.kv_events.publisher import build_kv_event_publisher
 from tokenmill.kv_offload import build_kv_store
 from tokenmill.lora import LoRARequest
 from tokenmill.lora.manager import LoRAManager
@@ -94,10 +96,16 @@ class LLMEngine:
             self.config = replace(self.config, scheduler=self.scheduler_config)
         # Host-RAM / disk tiers below the pool (None when off); torch-side, so built here, not in kv_cache/.
         self.kv_store = build_kv_store(config.cache, self.runner.kv_cache, self.loaded, max_model_len)
+        # KV events (docs/kv_events.md): the pool, the manager and the tiers report into one collector.
+        kv_events = KVEventCollector(config.cache.block_size) if config.kv_events_config.enable_kv_cache_events else None
+        if kv_events is not None and not config.cache.enable_prefix_caching:
+            logger.warning("KV events are on but prefix caching is off: no block is ever cached, so none is reported")
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-            lower_tiers=self.kv_store,
+            lower_tiers=self.kv_store, kv_events=kv_events,
         )
+        if self.kv_store is not None and kv_events is not None:
+            self.kv_store.set_kv_events(kv_events)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output_manager = StructuredOutputManager(
@@ -105,6 +113,7 @@ class LLMEngine:
         )
         self.stats_logger = StatsLogger()
         self.model_name = self.loaded.model_path
+        self.kv_events = build_kv_event_publisher(config.kv_events_config, kv_events)  # binds its sockets: last
         logger.info(
             "engine ready in %.1fs: %s (%s), max_model_len=%d, %d KV tokens",
             time.perf_counter() - t0, self.loaded.model_path, self.loaded.dtype, max_model_len, self.runner.num_kv_tokens,
@@ -192,13 +201,14 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.runner.device).manual_seed((params.seed + i) % 2**64)
+            generator, seed = None, None
+            if params.seed is not None:  # re-seeded by position before each draw (sampling/metadata.py)
+                seed = (params.seed + i) % 2**64
+                generator = torch.Generator(device=self.runner.device)
             grammar = None if constraint is None else self.structured_output_manager.new_matcher(constraint)
             children.append(
                 Request(child_id, token_ids, params, self.loaded.eos_token_ids, max_tokens,
-                        arrival_time=arrival_time, cache_salt=cache_salt, generator=generator, grammar=grammar,
+                        arrival_time=arrival_time, cache_salt=cache_salt, generator=generator, seed=seed, grammar=grammar,
                         lora_request=lora_request, lora_digest=lora_digest)
             )
         self.output_processor.add_request(request_id, text, children)
@@ -265,6 +275,12 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns a RequestOutput for every request with news."""
+        outputs = self._step()
+        if self.kv_events is not None:
+            self.kv_events.publish_pending()  # the step's KV events, as one batch (never blocks)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         if self.kv_store is not None:  # copies to / from the lower KV tiers, before the forward
             self.kv_store.transfer(scheduler_output.blocks_to_offload, scheduler_output.blocks_to_load)
@@ -289,12 +305,14 @@ class LLMEngine:
     def close(self, save_cached: bool = True) -> None:
         """Release the KV tiers: with a disk tier, write every cached block held only in the pool or
         in RAM to disk (``save_cached``; skip it after a crash, when block data may be stale),
-        flush and sync the disk writer and release its directory lock. Idempotent."""
+        flush and sync the disk writer and release its directory lock. Idempotent. With KV events,
+        a last batch says every block is gone, and the publisher's sockets are released."""
         self.structured_output_manager.close()
-        if self.kv_store is None:
-            return
-        offload = self.kv_cache_manager.offload
-        self.kv_store.close(offload.cached_blocks() if save_cached and offload is not None else None)
+        if self.kv_store is not None:
+            offload = self.kv_cache_manager.offload
+            self.kv_store.close(offload.cached_blocks() if save_cached and offload is not None else None)
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def check_integrity(self) -> None:
         """Assert the KV pool's invariants (free + cached + in use == total, nothing leaked)."""

@@ -190,6 +190,7 @@ class ModelRunner:
                 prompt_token_ids=requests[i].prompt_token_ids,
                 output_token_ids=requests[i].output_token_ids,
                 generator=requests[i].generator,
+                seed=requests[i].seed,
                 stop_token_ids=requests[i].eos_token_ids | set(requests[i].sampling_params.stop_token_ids or ()),
                 min_tokens_exempt=i in exempt,
             )

@@ -14,6 +14,23 @@ from tokenmill.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing logits by them would overflow.
 GREEDY_TEMPERATURE_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The RNG seed of a seeded request's draw at sequence ``position`` (its index in prompt + output):
+    SplitMix64's finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom number generators",
+    2014) over ``seed`` and ``position``, a 64-bit unsigned int.
+
+    Keying every draw by position (rather than advancing one stream) makes a seeded continuation
+    independent of where it started: a request re-sent elsewhere as prompt + the tokens generated so
+    far samples the same next tokens (the router resumes broken streams this way), and a speculative
+    verifier can draw for any position in any order.
+    """
+    x = (seed + 0x9E3779B97F4A7C15 * (position + 1)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 @dataclass
@@ -24,8 +41,10 @@ class SamplingRow:
         params: the request's SamplingParams, already resolved with ``with_defaults``.
         prompt_token_ids: the prompt, used by the repetition penalty.
         output_token_ids: tokens generated so far (before this step).
-        generator: set iff the request has a seed; it lives on the logits' device and only this
-            row's random draws advance it (greedy rows draw nothing).
+        generator: set iff the request has a seed; it lives on the logits' device. Before a
+            non-greedy row draws, it is re-seeded with ``position_seed(seed, position)`` where
+            position = len(prompt) + len(output) (greedy rows draw nothing).
+        seed: the sequence's seed (``params.seed + child index``); set with ``generator``.
         stop_token_ids: EOS ids plus ``params.stop_token_ids``; masked to ``-inf`` while
             ``len(output_token_ids) < params.min_tokens``.
         min_tokens_exempt: the row's output constraint allows only end-of-sequence tokens now, so
@@ -36,6 +55,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None
+    seed: int | None = None
     stop_token_ids: set[int] = field(default_factory=set)
     min_tokens_exempt: bool = False
 
@@ -171,9 +191,12 @@ class SamplingMetadata:
         if mask_rows:
             min_tokens_mask = (to_device(mask_rows, torch.int64), to_device(mask_tokens, torch.int64))
 
-        generators = {
-            i: row.generator for i, (row, g) in enumerate(zip(rows, greedy)) if row.generator is not None and not g
-        }
+        generators = {}
+        for i, (row, g) in enumerate(zip(rows, greedy)):
+            if row.generator is not None and not g:
+                assert row.seed is not None, "a seeded row needs its seed"
+                row.generator.manual_seed(position_seed(row.seed, len(row.prompt_token_ids) + len(row.output_token_ids)))
+                generators[i] = row.generator
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=to_device([p.temperature for p in params], torch.float32),
