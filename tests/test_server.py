@@ -65,6 +65,32 @@ def test_completions_equal_offline_generate(server, llm, tiny_path):
         assert got.usage.prompt_tokens_details.cached_tokens is not None
 
 
+def test_return_token_ids_streamed_and_not(server, llm, tiny_path):
+    """vLLM's ``return_token_ids``: the prompt's ids once (first chunk / the response) and each choice's
+    generated ids, whole or as per-chunk deltas that join to the whole; equal to the offline engine's."""
+    want = llm.generate(PROMPTS[2], greedy(10))[0]
+    client = server.client()
+    extra = {"return_token_ids": True}
+    whole = client.completions.create(model=tiny_path, prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                      extra_body=extra).model_dump()["choices"][0]
+    assert (whole["prompt_token_ids"], whole["token_ids"]) == (want.prompt_token_ids, want.outputs[0].token_ids)
+    chunks = [c.model_dump()["choices"][0] for c in client.completions.create(
+        model=tiny_path, prompt=PROMPTS[2], max_tokens=10, temperature=0, stream=True, extra_body=extra)]
+    assert chunks[0]["prompt_token_ids"] == want.prompt_token_ids
+    assert [t for c in chunks for t in c.get("token_ids") or []] == want.outputs[0].token_ids
+    chat_want = llm.chat(CHAT, greedy(8))[0]
+    chat = client.chat.completions.create(model=tiny_path, messages=CHAT, max_tokens=8, temperature=0,
+                                          extra_body=extra).model_dump()
+    assert chat["prompt_token_ids"] == chat_want.prompt_token_ids
+    assert chat["choices"][0]["token_ids"] == chat_want.outputs[0].token_ids
+    events = [c.model_dump() for c in client.chat.completions.create(
+        model=tiny_path, messages=CHAT, max_tokens=8, temperature=0, stream=True, extra_body=extra)]
+    assert events[0]["prompt_token_ids"] == chat_want.prompt_token_ids
+    assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == chat_want.outputs[0].token_ids
+    plain = client.completions.create(model=tiny_path, prompt=PROMPTS[2], max_tokens=3, temperature=0)
+    assert "token_ids" not in plain.model_dump()["choices"][0]
+
+
 def test_streamed_completion_joins_to_non_streamed(server, llm, tiny_path):
     want = llm.generate(PROMPTS[1], greedy(16))[0]
     chunks = list(server.client().completions.create(

@@ -101,6 +101,7 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
 
     @property
     def include_usage(self) -> bool:

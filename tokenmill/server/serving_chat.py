@@ -119,12 +119,16 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     created = int(time.time())
     if body.stream:
         header = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
-        return StreamingResponse(sse_stream(_stream_events(body, state, stream, header, tool_request), stream),
+        return StreamingResponse(sse_stream(_stream_events(body, state, stream, header, tool_request,
+                                                   request.prompt_token_ids), stream),
                                  media_type="text/event-stream")
     output = (await state.collect(stream, raw_request))[response_id]
     choices = await asyncio.to_thread(_choices, body, state, output, tool_request)  # long logprobs take a while
-    return JSONResponse({"id": response_id, "object": "chat.completion", "created": created,
-                         "model": model, "choices": choices, "usage": usage([output])})
+    body_json = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+                 "choices": choices, "usage": usage([output])}
+    if body.return_token_ids:
+        body_json["prompt_token_ids"] = output.prompt_token_ids
+    return JSONResponse(body_json)
 
 
 def _choices(
@@ -145,19 +149,23 @@ def _choices(
                            "tool_calls": [call.to_openai() for call in extracted.tool_calls]}
                 if finish_reason == "stop":
                     finish_reason = "tool_calls"
-        choices.append({"index": completion.index, "message": message, "logprobs": logprobs,
-                        "finish_reason": finish_reason, "stop_reason": completion.stop_reason})
+        choice = {"index": completion.index, "message": message, "logprobs": logprobs,
+                  "finish_reason": finish_reason, "stop_reason": completion.stop_reason}
+        if body.return_token_ids:
+            choice["token_ids"] = completion.token_ids
+        choices.append(choice)
     return choices
 
 
 async def _stream_events(
     body: ChatCompletionRequest, state: ServerState, stream: RequestStream, header: dict,
-    tool_request: ToolRequest | None = None,
+    tool_request: ToolRequest | None = None, prompt_token_ids: list[int] | None = None,
 ) -> AsyncIterator[dict]:
     parsers = {i: HermesStreamParser() for i in range(body.n)} if _parses_tool_calls(tool_request) else None
+    prompt_ids = {"prompt_token_ids": prompt_token_ids} if body.return_token_ids else {}
     for i in range(body.n):
-        yield {**header, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}]}
+        yield {**header, **prompt_ids, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]}
     finished: set[int] = set()
     final = None
     async for output in stream:
@@ -180,11 +188,16 @@ async def _stream_events(
                     deltas += parser.finish()
                     if finish_reason == "stop" and parser.has_tool_calls:
                         finish_reason = "tool_calls"
-            if logprobs and not deltas:
+            token_ids = completion.delta_token_ids if body.return_token_ids else None
+            if (logprobs or token_ids) and not deltas:
                 deltas = [{}]
             for delta in deltas:
-                choices.append({"index": completion.index, "delta": delta, "logprobs": logprobs,
-                                "finish_reason": None, "stop_reason": None})
+                choice = {"index": completion.index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": None, "stop_reason": None}
+                if token_ids is not None:  # the step's new tokens ride on its first delta
+                    choice["token_ids"] = token_ids
+                    token_ids = []
+                choices.append(choice)
                 logprobs = None
             if finish_reason is not None:  # the finish reason comes alone, after the last content
                 finished.add(completion.index)

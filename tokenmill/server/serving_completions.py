@@ -97,8 +97,11 @@ def _choices(
                 logprobs = builder.take()
             if body.echo:
                 text = request.prompt + text
-            choices.append({"index": i * body.n + completion.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+            choice = {"index": i * body.n + completion.index, "text": text, "logprobs": logprobs,
+                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+            if body.return_token_ids:
+                choice.update(prompt_token_ids=output.prompt_token_ids, token_ids=completion.token_ids)
+            choices.append(choice)
     return choices
 
 
@@ -129,10 +132,15 @@ async def _stream_events(
                 if not logprobs["tokens"]:
                     logprobs = None
             index = p * body.n + completion.index
-            if text or logprobs:
+            if text or logprobs or (body.return_token_ids and completion.delta_token_ids):
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None,
+                          "stop_reason": None}
+                if body.return_token_ids:  # the prompt in a choice's first chunk, then each chunk's new tokens
+                    if key not in started:
+                        choice["prompt_token_ids"] = output.prompt_token_ids
+                    choice["token_ids"] = completion.delta_token_ids
                 started.add(key)
-                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None,
-                                "stop_reason": None})
+                choices.append(choice)
             if completion.finish_reason is not None:  # the finish reason comes alone, after the last text
                 started.add(key)
                 finished.add(key)
