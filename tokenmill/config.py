@@ -297,7 +297,7 @@ class KVEventsConfig:
             if not isinstance(value, str) or not re.fullmatch(r"(tcp|ipc)://\S+", value):
                 raise ConfigError(f"`kv_events_config` {name} must be a ZeroMQ endpoint such as 'tcp://*:5557' or "
                                   f"'ipc:///tmp/kv-events', got {value!r}")
-        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint and not self.endpoint.endswith(":*"):
             raise ConfigError("`kv_events_config` replay_endpoint must differ from endpoint")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)

@@ -6,7 +6,12 @@ indexed by hash until they are reused (evicted), least recently freed first.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+from tokenmill.kv_events.events import MEDIUM_POOL
+
+if TYPE_CHECKING:
+    from tokenmill.kv_events.collector import KVEventCollector
 
 EVICTION_HISTORY = 4096  # evicted hashes kept for inspection (tests, /debug)
 
@@ -94,6 +99,8 @@ class BlockPool:
         self.evicted_block_hashes: deque[int] = deque(maxlen=EVICTION_HISTORY)
         # Called with (block_id, block_hash) when a cached block is reused (the lower KV tiers' hook).
         self.on_evict: Callable[[int, int], None] | None = None
+        # KV events (tokenmill.kv_events): cached hashes leaving the pool are reported here; None: off.
+        self.kv_events: KVEventCollector | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -124,6 +131,8 @@ class BlockPool:
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
             self.evicted_block_hashes.append(block.block_hash)
+            if self.kv_events is not None:
+                self.kv_events.block_removed((block.block_hash,), MEDIUM_POOL)
             if self.on_evict is not None:
                 self.on_evict(block.block_id, block.block_hash)
         block.block_hash = None
@@ -135,14 +144,16 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
-        """Index a full block by its hash (first writer wins; a duplicate keeps its own content)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> bool:
+        """Index a full block by its hash (first writer wins; a duplicate keeps its own content).
+        Returns whether the block was indexed now."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached_block_hash_to_block:
-            return
+            return False
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
+        return True
 
     def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the tail of the free list in the
@@ -160,6 +171,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.all_cleared(MEDIUM_POOL)
         return True
 
     def check_integrity(self) -> None:

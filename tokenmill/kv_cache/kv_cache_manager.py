@@ -5,10 +5,15 @@ caching: full blocks are indexed by chained hashes; a hit reuses the longest cac
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenmill.kv_cache.block_hash import extend_block_hashes
 from tokenmill.kv_cache.block_pool import BlockPool, KVCacheBlock
 from tokenmill.kv_cache.offload_planner import LowerTiers, OffloadPlanner
 from tokenmill.request import Request
+
+if TYPE_CHECKING:
+    from tokenmill.kv_events.collector import KVEventCollector
 
 
 class KVCacheManager:
@@ -20,14 +25,18 @@ class KVCacheManager:
         enable_caching: automatic prefix caching on/off.
         lower_tiers: KV tiers below the pool (host RAM, disk), or None. Prefix hits then continue
             into them and evicted cached blocks are written back to them (see OffloadPlanner).
+        kv_events: where blocks entering and leaving the pool are reported (KV events), or None.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, lower_tiers: LowerTiers | None = None
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, lower_tiers: LowerTiers | None = None,
+        kv_events: KVEventCollector | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.kv_events = kv_events
+        self.block_pool.kv_events = kv_events
         self.offload: OffloadPlanner | None = None
         if lower_tiers is not None and enable_caching:
             self.offload = OffloadPlanner(self.block_pool, lower_tiers)
@@ -82,6 +91,10 @@ class KVCacheManager:
             more = self.offload.extend_hits(request.request_id, request.block_hashes[len(hits) : max_hit_blocks], hits)
             if more is None:
                 return [], 0
+            if more and self.kv_events is not None:  # blocks promoted from a lower tier are in the pool now
+                first = len(hits)
+                self._report_stored(request, [first + j for j, b in enumerate(more)
+                                              if b.block_hash == request.block_hashes[first + j]])
             hits += more
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
@@ -128,9 +141,27 @@ class KVCacheManager:
         self._update_block_hashes(request)
         num_full = num_tokens // self.block_size
         start = self.num_cached_blocks.get(request.request_id, 0)
+        stored: list[int] | None = [] if self.kv_events is not None else None
         for i in range(start, num_full):
-            self.block_pool.cache_block(req_blocks[i], request.block_hashes[i])
+            if self.block_pool.cache_block(req_blocks[i], request.block_hashes[i]) and stored is not None:
+                stored.append(i)
         self.num_cached_blocks[request.request_id] = max(start, num_full)
+        if stored:
+            self._report_stored(request, stored)
+
+    def _report_stored(self, request: Request, indices: list[int]) -> None:
+        """One BlockStored (pool) per run of consecutive block indices of ``request`` just cached."""
+        lora = request.lora_request
+        lora_id, lora_name = (lora.lora_int_id, lora.lora_name) if lora is not None else (None, None)
+        extra_keys, hashes, size = self._extra_keys(request), request.block_hashes, self.block_size
+        run_start = 0
+        for k in range(1, len(indices) + 1):
+            if k < len(indices) and indices[k] == indices[k - 1] + 1:
+                continue
+            a, b = indices[run_start], indices[k - 1] + 1
+            self.kv_events.block_stored(hashes[a:b], hashes[a - 1] if a > 0 else None,
+                                        request.all_token_ids[a * size : b * size], extra_keys, lora_id, lora_name)
+            run_start = k
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

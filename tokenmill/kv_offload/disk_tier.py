@@ -87,6 +87,7 @@ class DiskTier:
         self.max_delay_s = max_delay_s
         self.stats = TierStats(capacity_blocks=capacity_bytes // self.record_bytes)
         self.dropped_blocks = 0  # offered while the write buffer was full
+        self.kv_events = None  # a KVEventCollector when KV events are on (reported from every thread)
         self.enabled = False
         self.error: str | None = None
         self._cond = threading.Condition()  # guards everything below
@@ -165,6 +166,11 @@ class DiskTier:
         with self._cond:
             return len(self._index) + sum(1 for h in self._pending if h not in self._index)
 
+    def hashes(self) -> list[int]:
+        """Every block hash held (written or buffered)."""
+        with self._cond:
+            return list(self._index) + [h for h in self._pending if h not in self._index]
+
     def put(self, block_hash: int, payload: bytes, wait: bool = False) -> bool:
         """Queue one block for writing. Returns False if it is already stored, the tier is off, or
         the buffer is full (``wait=False``; the block is dropped) — never blocks unless ``wait``."""
@@ -184,6 +190,8 @@ class DiskTier:
                 self._cond.notify_all()  # the writer starts its max_delay_s clock
             self._pending[block_hash] = payload
             self._pending_bytes += len(payload)
+            if self.kv_events is not None:  # served from the buffer until written, so held from now on
+                self.kv_events.hashes_stored((block_hash,), self.name)
             if self._pending_bytes >= self.batch_bytes:
                 self._cond.notify_all()
             return True
@@ -255,9 +263,14 @@ class DiskTier:
                 logger.exception("KV offload disk writer crashed")
                 self._disable(f"the disk writer crashed: {exc!r}")
             with self._cond:
+                gone = []  # written into a segment deleted meanwhile: no longer held anywhere
                 for block_hash, payload in batch:
                     if self._pending.pop(block_hash, None) is not None:
                         self._pending_bytes -= len(payload)
+                        if block_hash not in self._index:
+                            gone.append(block_hash)
+                if gone and self.kv_events is not None:
+                    self.kv_events.block_removed(gone, self.name)
                 self._pending_since = time.monotonic() if self._pending else None
                 self._writing = False
                 self._cond.notify_all()
@@ -345,12 +358,15 @@ class DiskTier:
                 pass
             except OSError as exc:
                 logger.warning("KV offload disk tier: cannot delete %s: %s", seg.path, exc)
-        num_dropped = 0
+        dropped = []
         for h in seg.hashes:
             entry = self._index.get(h)
             if entry is not None and entry[0] is seg:
                 del self._index[h]
-                num_dropped += 1
+                dropped.append(h)
+        num_dropped = len(dropped)
+        if self.kv_events is not None:
+            self.kv_events.block_removed([h for h in dropped if h not in self._pending], self.name)
         self._segments.pop(seg.seg_id, None)
         self._used -= seg.size
         self.stats.evictions += num_dropped
@@ -405,6 +421,8 @@ class DiskTier:
             elif self._index.get(block_hash) == (seg, offset):
                 del self._index[block_hash]
                 self.stats.blocks_stored = len(self._index)
+                if self.kv_events is not None and block_hash not in self._pending:
+                    self.kv_events.block_removed((block_hash,), self.name)
         logger.warning("KV offload disk tier: block %016x in %s is unusable (%s); dropped, it will be recomputed",
                        block_hash, seg.path, problem)
         return None
@@ -420,6 +438,8 @@ class DiskTier:
             self._pending.clear()
             self._pending_bytes = 0
             self.stats.blocks_stored = 0
+            if self.kv_events is not None:
+                self.kv_events.all_cleared(self.name)
             self._cond.notify_all()
         logger.error("KV offload disk tier disabled: %s; serving continues without it", message)
 

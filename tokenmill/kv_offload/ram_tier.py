@@ -34,6 +34,7 @@ class RamTier:
         self._slots: OrderedDict[int, int] = OrderedDict()  # block_hash -> slot, least recently used first
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))  # pop() gives the lowest slot
         self.stats = TierStats(capacity_blocks=capacity_blocks)
+        self.kv_events = None  # a KVEventCollector when KV events are on: stores and evictions are reported
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slots
@@ -82,6 +83,10 @@ class RamTier:
             self.slab.index_copy_(0, torch.tensor(slots, dtype=torch.int64), data.to(self.slab.device))
         for h, slot in zip(block_hashes, slots):
             self._slots[h] = slot
+        if self.kv_events is not None:
+            if victims:
+                self.kv_events.block_removed([h for h, _ in victims], self.name)
+            self.kv_events.hashes_stored(block_hashes, self.name)
         self.stats.bytes_written += len(slots) * self.block_bytes
         self.stats.evictions += len(evicted)
         self.stats.blocks_stored = len(self._slots)

@@ -62,6 +62,16 @@ class TieredKVStore:
         self.transfer_seconds = 0.0  # engine-thread time spent in per-step copies
         self.load_wait_seconds = 0.0  # engine-thread time spent waiting for disk reads (nothing else to run)
 
+    def set_kv_events(self, collector) -> None:
+        """Report every block stored in or evicted from the RAM and disk tiers to ``collector`` (a
+        ``tokenmill.kv_events.KVEventCollector``); the disk's blocks from an earlier run are reported now."""
+        if self.ram is not None:
+            self.ram.kv_events = collector
+        if self.disk is not None:
+            self.disk.kv_events = collector
+            if self._disk_on:
+                collector.hashes_stored(self.disk.hashes(), self.disk.name)
+
     @property
     def _disk_on(self) -> bool:
         return self.disk is not None and self.disk.enabled

@@ -93,6 +93,9 @@ def engine_status(engine) -> dict:
         "kv_cache": kv_cache_snapshot(engine),
         "structured_outputs": structured_outputs_snapshot(engine.structured_output_manager),
         "lora": lora_snapshot(engine),
+        # What a KV-aware router needs: the block size it hashes prompts with, and where events are published.
+        "block_size": engine.config.cache.block_size,
+        "kv_events": engine.kv_events.status() if engine.kv_events is not None else {"enabled": False},
     }
 
 
