@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
 
-    for name, module in (("serve", "tokenmill.cli.serve"), ("bench", "tokenmill.cli.bench"), ("plan", "tokenmill.cli.plan")):
+    for name, module in (("serve", "tokenmill.cli.serve"), ("bench", "tokenmill.cli.bench"), ("plan", "tokenmill.cli.plan"),
+                         ("router", "tokenmill.cli.router")):
         try:
             mod = __import__(module, fromlist=["register"])
         except ImportError:

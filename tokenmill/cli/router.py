@@ -1,0 +1,67 @@
+"""`tokenmill router --worker-urls URL...`: the OpenAI-compatible front over several workers (see
+tokenmill/router/ and docs/router.md). Imports nothing heavy until the command runs."""
+from __future__ import annotations
+
+import argparse
+
+from tokenmill.cli.serve import port_number, seconds
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def register(subparsers) -> None:
+    """Add the ``router`` subcommand."""
+    from tokenmill.router.policies import POLICY_NAMES
+
+    parser = subparsers.add_parser("router", help="route OpenAI requests over several workers (tokenmill or any "
+                                                  "OpenAI-compatible server)")
+    parser.add_argument("--worker-urls", nargs="+", default=[], metavar="URL",
+                        help="workers' base URLs, e.g. http://127.0.0.1:8001 (more can be added with POST /workers)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=port_number, default=30000)
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="cache_aware",
+                        help="routing policy (default cache_aware, as SGLang's router); kv_aware needs tokenmill "
+                             "workers publishing KV events")
+    parser.add_argument("--cache-threshold", type=float, default=0.5,
+                        help="cache_aware: smallest prefix-match ratio that sends a request to the matching worker")
+    parser.add_argument("--balance-abs-threshold", type=int, default=32,
+                        help="cache_aware: load is imbalanced when max - min running requests exceeds this ...")
+    parser.add_argument("--balance-rel-threshold", type=float, default=1.0001,
+                        help="... and max exceeds this times min; then the least loaded worker is chosen")
+    parser.add_argument("--max-tree-size", type=int, default=2**24,
+                        help="cache_aware: characters of request text remembered per worker (LRU eviction)")
+    parser.add_argument("--eviction-interval", type=positive_seconds, default=60.0,
+                        help="cache_aware: seconds between evictions of the prefix trees")
+    parser.add_argument("--load-cap-epsilon", type=float, default=0.25,
+                        help="session affinity (and kv_aware): a worker over (1 + eps) x the mean outstanding "
+                             "tokens takes no request it would otherwise be bound to")
+    parser.add_argument("--health-check-interval", type=positive_seconds, default=10.0,
+                        help="seconds between health checks of every worker (GET /health)")
+    parser.add_argument("--request-timeout", type=positive_seconds, default=1800.0,
+                        help="longest wait in seconds for a worker's next bytes")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer <key>' on /v1 and /workers; sent on to the workers")
+    parser.add_argument("--seed", type=int, default=None, help="seed of power_of_two's random choices")
+    parser.set_defaults(func=cmd_router)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    """Run the router until SIGINT/SIGTERM; returns the exit code (bad settings raise ValueError: exit 2)."""
+    from tokenmill.router.app import RouterConfig, run_router
+    from tokenmill.router.policies import PolicyConfig
+
+    policy = PolicyConfig(name=args.policy, cache_threshold=args.cache_threshold,
+                          balance_abs_threshold=args.balance_abs_threshold,
+                          balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
+                          eviction_interval=args.eviction_interval, load_cap_epsilon=args.load_cap_epsilon,
+                          seed=args.seed)
+    config = RouterConfig(worker_urls=tuple(args.worker_urls), policy=policy, host=args.host, port=args.port,
+                          api_key=args.api_key, health_check_interval=args.health_check_interval,
+                          request_timeout=args.request_timeout)
+    return run_router(config)

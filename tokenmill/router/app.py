@@ -1,0 +1,307 @@
+"""The router's FastAPI app: OpenAI routes forwarded to workers, worker management, health and metrics.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``
+(the union of the healthy workers' models), ``GET/POST /workers``, ``DELETE /workers/{id}``,
+``GET /health`` (200 while a worker is healthy) and ``GET /metrics``. The API key, when set, guards
+``/v1`` and ``/workers`` and is sent on to the workers. The router reads of a request body only what
+routing needs (prompt text, token budget, session); everything else is the worker's to validate.
+Never imports torch, transformers or the engine: a router starts in about a second.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx2 as httpx
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.router.metrics import RouterMetrics
+from tokenmill.router.policies import PolicyConfig, make_policy
+from tokenmill.router.policy import RouteRequest
+from tokenmill.router.proxy import Proxy, openai_error
+from tokenmill.router.workers import HEALTH_TIMEOUT_S, DuplicateWorker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_MAX_TOKENS_ESTIMATE = 256  # chat without a budget may run to max_model_len; count this much
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router's settings (the flags of ``tokenmill router``)."""
+
+    worker_urls: tuple[str, ...] = ()
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    health_check_interval: float = 10.0
+    request_timeout: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if not self.health_check_interval > 0:
+            raise ValueError(f"health_check_interval must be > 0, got {self.health_check_interval}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+
+
+class RouterError(Exception):
+    """A client error the router answers itself, as an OpenAI error body."""
+
+    def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status_code, self.type, self.param = message, status_code, type, param
+
+
+# ---- what routing needs from a request body -------------------------------------------------------
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_text(token_ids: list[int]) -> str:
+    """Token ids as text the prefix tree can match (a prefix of ids is a prefix of this text)."""
+    return "".join(f"{t} " for t in token_ids)
+
+
+def _message_text(message: object, i: int) -> str:
+    if not isinstance(message, dict):
+        raise RouterError(f"messages[{i}] must be an object, got {type(message).__name__}", param=f"messages[{i}]")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    raise RouterError(f"messages[{i}].content must be a string, a list of parts or null", param=f"messages[{i}].content")
+
+
+def route_request(kind: str, body: dict, session_header: str | None) -> RouteRequest:
+    """The ``RouteRequest`` of a completions (``kind="completions"``) or chat body.
+
+    ``text``: the (first) prompt, token ids written as numbers, or the messages' contents joined by
+    newlines. ``num_prompt_tokens``: exact for token-id prompts, else ``len(text) // 4``.
+    ``max_tokens``: the output budget times ``n`` (chat without one counts CHAT_MAX_TOKENS_ESTIMATE).
+
+    Raises:
+        RouterError: a field routing reads is missing or of the wrong type (400 naming it).
+    """
+    for name in ("stream",):
+        if name in body and not isinstance(body[name], bool):
+            raise RouterError(f"{name} must be a boolean, got {body[name]!r}", param=name)
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not _is_int(n) or n < 1:
+        raise RouterError(f"n must be an integer >= 1, got {n!r}", param="n")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise RouterError(f"user must be a string, got {user!r}", param="user")
+    prompt_token_ids = None
+    if kind == "completions":
+        if "prompt" not in body:
+            raise RouterError("prompt is required", param="prompt")
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            prompts: list = [prompt]
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p)) for p in prompt):
+            prompts = prompt
+        else:
+            raise RouterError("prompt must be a string, a list of strings, token ids, or lists of token ids",
+                              param="prompt")
+        texts = [p if isinstance(p, str) else _token_text(p) for p in prompts]
+        num_prompt_tokens = sum(len(p) if isinstance(p, list) else len(p) // 4 for p in prompts)
+        if len(prompts) == 1 and isinstance(prompts[0], list):
+            prompt_token_ids = tuple(prompts[0])
+        max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        budget_param = "max_tokens"
+        if max_tokens is None:
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+        n *= len(prompts)
+    else:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RouterError("messages must be a non-empty list", param="messages")
+        texts = ["\n".join(_message_text(m, i) for i, m in enumerate(messages))]
+        num_prompt_tokens = len(texts[0]) // 4
+        budget_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = body.get(budget_param)
+        if max_tokens is None:
+            max_tokens = CHAT_MAX_TOKENS_ESTIMATE
+    if not _is_int(max_tokens) or max_tokens < 0:
+        raise RouterError(f"{budget_param} must be an integer >= 0, got {max_tokens!r}", param=budget_param)
+    return RouteRequest(request_id=f"router-{uuid.uuid4().hex}", text=texts[0], prompt_token_ids=prompt_token_ids,
+                        num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens * n,
+                        session_id=session_header or user)
+
+
+# ---- the app --------------------------------------------------------------------------------------
+def _api_key_check(api_key: str | None) -> list:
+    if not api_key:
+        return []
+    expected = f"Bearer {api_key}".encode()
+
+    def check(request: Request) -> None:
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+            raise RouterError("missing or incorrect API key: send 'Authorization: Bearer <key>'", 401,
+                              "authentication_error")
+
+    return [Depends(check)]
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    """The router app; its lifespan opens the HTTP client, checks the workers once, and runs the health
+    and housekeeping loops.
+
+    Raises:
+        ValueError: the policy cannot be built (e.g. ``kv_aware`` missing from this build).
+    """
+    policy = make_policy(config.policy)
+    metrics = RouterMetrics()
+    client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=10.0),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                               trust_env=False)
+    registry = WorkerRegistry(client, policy, config.api_key)
+    proxy = Proxy(client, registry, policy, metrics, config.api_key)
+    for url in config.worker_urls:
+        registry.add(url)
+
+    async def housekeeping_loop() -> None:
+        while True:
+            await asyncio.sleep(config.policy.eviction_interval)
+            try:
+                policy.housekeeping()
+            except Exception:
+                logger.exception("policy housekeeping failed")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await registry.check_all()
+        tasks = [asyncio.ensure_future(registry.health_loop(config.health_check_interval)),
+                 asyncio.ensure_future(housekeeping_loop())]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            policy.close()
+            await client.aclose()
+
+    app = FastAPI(title="tokenmill router", lifespan=lifespan)
+    app.state.registry, app.state.policy, app.state.metrics = registry, policy, metrics
+    auth = _api_key_check(config.api_key)
+
+    @app.exception_handler(RouterError)
+    async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
+        return openai_error(exc.message, exc.status_code, exc.type, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return openai_error(str(exc.detail), exc.status_code, kind)
+
+    async def read_json(request: Request) -> tuple[bytes, dict]:
+        content = await request.body()
+        try:
+            body = json.loads(content)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RouterError(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise RouterError(f"request body must be a JSON object, got {type(body).__name__}")
+        return content, body
+
+    async def forward(kind: str, path: str, request: Request) -> Response:
+        content, body = await read_json(request)
+        route = route_request(kind, body, request.headers.get("x-session-id"))
+        return await proxy.forward(path, content, route, bool(body.get("stream", False)), request)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        return await forward("completions", "/v1/completions", request)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        return await forward("chat", "/v1/chat/completions", request)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict:
+        """The union of the healthy workers' models (first card of each id wins)."""
+        async def one(url: str) -> list:
+            try:
+                response = await client.get(f"{url}/v1/models", headers=registry.auth, timeout=HEALTH_TIMEOUT_S)
+                data = response.json().get("data") if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return []
+            return data if isinstance(data, list) else []
+
+        cards: dict[str, dict] = {}
+        for data in await asyncio.gather(*(one(w.url) for w in registry.routable())):
+            for card in data:
+                if isinstance(card, dict) and isinstance(card.get("id"), str):
+                    cards.setdefault(card["id"], card)
+        return {"object": "list", "data": list(cards.values())}
+
+    @app.get("/workers", dependencies=auth)
+    async def list_workers() -> dict:
+        return {"policy": policy.name, "workers": [w.as_json() for w in registry.workers.values()]}
+
+    @app.post("/workers", dependencies=auth, status_code=201)
+    async def add_worker(request: Request) -> JSONResponse:
+        """Register ``{"url": ...}``; answers 201 once its first health check ran (state in the body)."""
+        _, body = await read_json(request)
+        try:
+            worker = registry.add(body.get("url"))
+        except DuplicateWorker as exc:
+            raise RouterError(str(exc), 409, param="url") from None
+        except ValueError as exc:
+            raise RouterError(str(exc), param="url") from None
+        await registry.check(worker)
+        return JSONResponse(worker.as_json(), 201)
+
+    @app.delete("/workers/{worker_id}", dependencies=auth)
+    async def remove_worker(worker_id: str) -> dict:
+        """Unregister a worker; its requests in flight finish."""
+        try:
+            worker = registry.remove(worker_id)
+        except KeyError:
+            raise RouterError(f"no worker with id {worker_id!r}", 404, "not_found_error", "worker_id") from None
+        return {"id": worker.worker_id, "url": worker.url, "deleted": True}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if registry.routable():
+            return JSONResponse({"status": "ok", "healthy_workers": len(registry.routable())})
+        return openai_error("no healthy worker", 503, "service_unavailable_error")
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(registry.workers.values()), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_router(config: RouterConfig) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code."""
+    app = build_app(config)
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per forwarded request
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
+                                           timeout_graceful_shutdown=5))
+    for signum in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal after shutdown: ignore it
+        signal.signal(signum, lambda s, f: None)
+    logger.info("router (%s) on http://%s:%d over %d worker(s)", config.policy.name, config.host, config.port,
+                len(config.worker_urls))
+    server.run()
+    return 0
