@@ -60,17 +60,22 @@ class Worker:
     running_requests: int = 0
     is_tokenmill: bool = False
     block_size: int | None = None
+    kv_events_endpoint: str | None = None  # where a tokenmill worker publishes KV events (kv_aware subscribes)
+    kv_events_replay_endpoint: str | None = None
     last_error: str | None = None
 
     def view(self) -> WorkerView:
         return WorkerView(worker_id=self.worker_id, url=self.url, healthy=self.state == "healthy",
                           outstanding_tokens=self.outstanding_tokens, running_requests=self.running_requests,
-                          is_tokenmill=self.is_tokenmill, block_size=self.block_size)
+                          is_tokenmill=self.is_tokenmill, block_size=self.block_size,
+                          kv_events_endpoint=self.kv_events_endpoint,
+                          kv_events_replay_endpoint=self.kv_events_replay_endpoint)
 
     def as_json(self) -> dict:
         return {"id": self.worker_id, "url": self.url, "state": self.state,
                 "outstanding_tokens": self.outstanding_tokens, "running_requests": self.running_requests,
-                "is_tokenmill": self.is_tokenmill, "block_size": self.block_size, "last_error": self.last_error}
+                "is_tokenmill": self.is_tokenmill, "block_size": self.block_size,
+                "kv_events_endpoint": self.kv_events_endpoint, "last_error": self.last_error}
 
 
 class Lease:
@@ -166,8 +171,10 @@ class WorkerRegistry:
             self.policy.on_worker_added(worker.view())
 
     async def _detect(self, worker: Worker) -> None:
-        """tokenmill answers ``/debug/status`` with its engine config and KV pool; others do not."""
+        """tokenmill answers ``/debug/status`` with its engine config and KV pool (and where it publishes
+        KV events, if it does); others do not."""
         worker.is_tokenmill, worker.block_size = False, None
+        worker.kv_events_endpoint = worker.kv_events_replay_endpoint = None
         try:
             response = await self.client.get(f"{worker.url}/debug/status", headers=self.auth, timeout=HEALTH_TIMEOUT_S)
             status = response.json() if response.status_code == 200 else None
@@ -177,6 +184,12 @@ class WorkerRegistry:
             block_size = status["kv_cache"].get("block_size")
             worker.is_tokenmill = True
             worker.block_size = block_size if isinstance(block_size, int) else None
+            kv_events = status.get("kv_events")
+            if isinstance(kv_events, dict) and kv_events.get("enabled"):
+                from tokenmill.router.kv_index import kv_event_endpoints  # here only: it imports zmq
+
+                endpoints = kv_event_endpoints(status, worker.url)
+                worker.kv_events_endpoint, worker.kv_events_replay_endpoint = endpoints
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
