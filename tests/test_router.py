@@ -92,24 +92,31 @@ def stop_all(procs: list[ServerProcess]) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_path, logs):
-    """Two workers and every router of the module, all started at once (routers re-check workers every
-    0.5 s, so they admit the workers as soon as those finish loading)."""
-    workers = [ServerProcess(tiny_path, WORKER_ARGS, logs / f"worker{i}.log") for i in range(2)]
-    urls = [w.url for w in workers]
+def cluster(logs, request):
+    """Every router of the module, then (while they import) the tiny model and two workers, which the
+    routers get through ``POST /workers`` and admit as soon as they finish loading (health checks
+    every 0.5 s). Router ids follow registration order: worker-0, worker-1."""
     flaky = FlakyWorker(["503", "drop"])
     fast = ["--health-check-interval", "0.5"]
-    routers = {p: RouterProcess(urls, ["--policy", p, "--seed", "0", *fast], logs / f"router_{p}.log") for p in POLICIES}
-    routers["api_key"] = RouterProcess(urls[:1], ["--policy", "round_robin", *fast], logs / "router_key.log",
-                                       api_key="sekret")
-    routers["dynamic"] = RouterProcess(urls[:1], ["--policy", "round_robin", *fast], logs / "router_dynamic.log")
-    routers["flaky"] = RouterProcess([flaky.url, urls[0]], ["--policy", "round_robin", "--health-check-interval", "0.3"],
+    routers = {p: RouterProcess([], ["--policy", p, "--seed", "0", *fast], logs / f"router_{p}.log") for p in POLICIES}
+    routers["api_key"] = RouterProcess([], ["--policy", "round_robin", *fast], logs / "router_key.log", api_key="sekret")
+    routers["dynamic"] = RouterProcess([], ["--policy", "round_robin", *fast], logs / "router_dynamic.log")
+    routers["flaky"] = RouterProcess([flaky.url], ["--policy", "round_robin", "--health-check-interval", "0.3"],
                                      logs / "router_flaky.log")
+    workers: list[ServerProcess] = []
     try:
+        tiny_path = request.getfixturevalue("tiny_path")
+        workers.extend(ServerProcess(tiny_path, WORKER_ARGS, logs / f"worker{i}.log") for i in range(2))
+        members = {name: [w.url for w in workers] if name in POLICIES else [workers[0].url] for name in routers}
+        for name, router in routers.items():
+            router.wait_up()
+            for url in members[name]:
+                added = httpx.post(f"{router.url}/workers", json={"url": url}, headers=router.headers(), timeout=30)
+                assert added.status_code == 201, added.text
         for worker in workers:
             worker.wait_healthy()
         for router in routers.values():
-            router.wait_up().wait_workers_healthy()
+            router.wait_workers_healthy()
         yield workers, routers, flaky
     finally:
         flaky.close()

@@ -249,3 +249,37 @@ def test_kv_aware_without_its_module_is_a_clear_error():
 def test_policy_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field if field != "name" else "policy"):
         PolicyConfig(**{field: value})
+
+
+# ---- what routing reads of a request body (the router's app module; FastAPI, no torch) ------------
+def test_route_request_reads_text_budget_and_session():
+    from tokenmill.router.app import CHAT_MAX_TOKENS_ESTIMATE, route_request
+
+    chat = route_request("chat", {"messages": [{"role": "system", "content": "Be terse."},
+                                               {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                                  "max_completion_tokens": 5, "max_tokens": 99, "n": 2, "user": "u"}, None)
+    assert chat.text == "Be terse.\nHi" and chat.max_tokens == 10 and chat.session_id == "u"
+    assert chat.prompt_token_ids is None and chat.num_prompt_tokens == len("Be terse.\nHi") // 4
+    assert route_request("chat", {"messages": [{"role": "user", "content": "x"}]}, "s").max_tokens == \
+        CHAT_MAX_TOKENS_ESTIMATE
+    assert route_request("chat", {"messages": [{"role": "user", "content": "x"}], "user": "u"}, "hdr").session_id == "hdr"
+    ids = route_request("completions", {"prompt": [5, 6, 7]}, None)
+    assert ids.prompt_token_ids == (5, 6, 7) and ids.num_prompt_tokens == 3 and ids.text == "5 6 7 "
+    assert ids.max_tokens == 16  # OpenAI's completions default
+    batch = route_request("completions", {"prompt": ["abcdefgh", "abcd"], "max_tokens": 3, "n": 2}, None)
+    assert batch.text == "abcdefgh" and batch.num_prompt_tokens == 3 and batch.max_tokens == 12
+    assert batch.prompt_token_ids is None
+
+
+@pytest.mark.parametrize("kind,body,param", [
+    ("completions", {}, "prompt"), ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": [1, "a"]}, "prompt"), ("completions", {"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ("completions", {"prompt": "a", "n": 1.5}, "n"), ("chat", {"messages": [{"content": 5}]}, "messages[0].content"),
+    ("chat", {"messages": "hi"}, "messages"), ("chat", {"messages": [{}], "stream": 1}, "stream"),
+])
+def test_route_request_names_the_bad_field(kind, body, param):
+    from tokenmill.router.app import RouterError, route_request
+
+    with pytest.raises(RouterError) as info:
+        route_request(kind, body, None)
+    assert info.value.param == param and info.value.status_code == 400

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, NoReturn
 
 import anyio
 import httpx2 as httpx
@@ -112,7 +112,8 @@ class Proxy:
                 why = f"; last failure: {last.detail}" if last is not None else ""
                 return openai_error(f"no healthy worker can take the request{why}", 503, "service_unavailable_error")
             decision = self.policy.select(route, [w.view() for w in candidates])
-            worker = next(w for w in candidates if w.worker_id == decision.worker_id)
+            worker = next((w for w in candidates if w.worker_id == decision.worker_id), None)
+            assert worker is not None, f"policy {self.policy.name} chose {decision.worker_id}, not a candidate"
             tried.add(worker.worker_id)
             self.metrics.count_decision(self.policy.name, decision)
             self.metrics.requests.labels(worker.worker_id, worker.url).inc()
@@ -178,7 +179,7 @@ class Proxy:
         except httpx.TransportError as exc:
             self._fail(worker, f"response broke: {type(exc).__name__}", "read_error")
 
-    def _fail(self, worker: Worker, detail: str, reason: str):
+    def _fail(self, worker: Worker, detail: str, reason: str) -> NoReturn:
         """Mark ``worker`` unhealthy and raise ``_Retry``."""
         self.registry.mark_unhealthy(worker, detail)
         raise _Retry(reason, f"worker {worker.worker_id} failed: {detail}")
