@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -182,6 +184,16 @@ def test_workers_are_detected_as_tokenmill_with_their_block_size(workers, router
     for w in listed.values():
         assert w["state"] == "healthy" and w["is_tokenmill"] is True and w["block_size"] == 16
         assert w["outstanding_tokens"] == 0 and w["running_requests"] == 0
+
+
+def test_least_load_spreads_concurrent_requests_by_outstanding_tokens(routers, tiny_path):
+    router = routers["least_load"]
+    body = {"model": tiny_path, "prompt": "Spread the load", "max_tokens": 40, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda _: router.post("/v1/completions", body), range(4)))
+    assert all(r.status_code == 200 for r in responses)
+    assert sorted(Counter(r.headers[WORKER_HEADER] for r in responses).values()) == [2, 2]
+    assert all(w["outstanding_tokens"] == 0 for w in router.workers().values())  # every lease released
 
 
 # ---- streaming, disconnects -----------------------------------------------------------------------

@@ -213,6 +213,11 @@ def build_app(config: RouterConfig) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return openai_error(str(exc.detail), exc.status_code, kind)
 
+    @app.exception_handler(Exception)
+    async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return openai_error(f"internal router error: {type(exc).__name__}: {exc}", 500, "internal_server_error")
+
     async def read_json(request: Request) -> tuple[bytes, dict]:
         content = await request.body()
         try:
