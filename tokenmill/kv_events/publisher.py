@@ -98,6 +98,7 @@ class ZmqEventPublisher:
             raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)  # publisher thread only
         self.next_seq = 0  # written by the publisher thread
+        self.num_batches = 0  # engine thread: batches handed to the publisher thread (numbered 0, 1, ... there)
         self.dropped_batches = 0  # engine thread: queue full
         self.num_replays = 0
         self._closed = False
@@ -115,6 +116,7 @@ class ZmqEventPublisher:
             return
         try:
             self._push.send(encode_batch(time.time(), events, self.instance), zmq.NOBLOCK)
+            self.num_batches += 1
         except zmq.Again:
             self.dropped_batches += 1
             if self.dropped_batches == 1:
@@ -142,7 +144,8 @@ class ZmqEventPublisher:
     def status(self) -> dict:
         return {"enabled": True, "publisher": "zmq", "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
                 "topic": self.config.topic, "block_size": self.collector.block_size, "next_seq": self.next_seq,
-                "dropped_batches": self.dropped_batches, "num_replays": self.num_replays}
+                "num_batches": self.num_batches, "dropped_batches": self.dropped_batches,
+                "num_replays": self.num_replays}
 
     # ---- publisher thread ------------------------------------------------------------------------
     def _run(self) -> None:

@@ -16,9 +16,10 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load_file, save_file
+if TYPE_CHECKING:  # torch only where weights are read or written: the router reads tokenizers without it
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ def entry_dir(path: Path) -> Path:
 def cached_weights(path: Path, produce: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for a GGUF file: from the cache when present, else from ``produce()``
     (then stored for next time). The tensors are exactly those ``produce`` yields."""
+    from safetensors.torch import load_file, save_file
+
     entry = entry_dir(path)
     weights = entry / _WEIGHTS
     if weights.is_file():

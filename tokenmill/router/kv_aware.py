@@ -1,0 +1,147 @@
+"""``kv_aware``: route to the worker whose KV cache already holds the request's prompt blocks, as
+Dynamo's KV router scores workers, under a bounded-load cap (Mirrokni, Thorup, Zadimoghaddam,
+"Consistent Hashing with Bounded Loads", SODA 2018).
+
+Cost of worker w for a request of n prompt blocks (units: KV blocks of w's block size)::
+
+    cost(w) = overlap_weight * (n - overlap(w))  +  outstanding_tokens(w) / block_size(w)
+              \\-- blocks w would have to prefill --/   \\-- its decode load, in blocks --/
+
+``overlap(w)`` is the number of leading prompt blocks w holds in any tier (the router's KVIndex, fed
+by the workers' KV events). The cap: with loads L (outstanding tokens) and a request of r tokens,
+only workers with ``L(w) <= (1 + eps) * (sum(L) + r) / G`` may take it; the least loaded worker
+always may, so there is always a choice, and every worker's load stays below ``(1 + eps) * mean + r``
+whatever the arrivals (the paper's ceil((1 + eps) m / n) for requests of size r). Ties (an idle
+fleet) go to the rendezvous-hash winner of the prompt's first block, so a new prefix has one home
+before any event arrives. Requests without token ids go to the least loaded worker under the same
+cap. Pure Python; no I/O in ``select`` (the index has its own thread); never imports torch.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from tokenmill.kv_cache.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
+from tokenmill.router.kv_index import KVIndex
+from tokenmill.router.policy import Decision, Policy, RouteRequest, WorkerView
+
+DEFAULT_BLOCK_SIZE = 16  # assumed for workers whose block size is unknown (tokenmill's default)
+
+
+def request_block_hashes(token_ids: tuple[int, ...] | list[int], block_size: int, extra_keys: tuple = ()) -> list[int]:
+    """The chained hashes a tokenmill worker gives the prompt's blocks that can be prefix hits: the
+    first ``(len - 1) // block_size`` full blocks (the last prompt token is always computed)."""
+    num_blocks = max(0, len(token_ids) - 1) // block_size
+    hashes: list[int] = []
+    extend_block_hashes(hashes, list(token_ids[: num_blocks * block_size]), block_size, extra_keys)
+    return hashes
+
+
+def load_cap(workers: list[WorkerView], request_tokens: int, epsilon: float) -> float:
+    """The bounded-load cap in outstanding tokens: ``(1 + eps) x`` the mean load with this request added."""
+    return (1.0 + epsilon) * (sum(w.outstanding_tokens for w in workers) + request_tokens) / len(workers)
+
+
+def _rendezvous(key: int, worker_id: str) -> int:
+    """Highest-random-weight hash of (key, worker): the tie-break that gives each prefix a stable home."""
+    return int.from_bytes(hashlib.blake2b(f"{key}:{worker_id}".encode(), digest_size=8).digest(), "little")
+
+
+class KVAwarePolicy(Policy):
+    """Least ``overlap_weight x prefill blocks + decode blocks`` among the workers under the load cap.
+
+    Args:
+        index: the global KV index (None: a new one, owned and closed by this policy).
+        overlap_weight: weight of a block to prefill against a block of decode load (Dynamo's
+            ``overlap_score_weight``); 0 ignores the cache (least load under the cap).
+        epsilon: the cap's slack: no worker above ``(1 + epsilon) x`` the mean load takes a request.
+        endpoints: worker_id or URL -> (endpoint, replay_endpoint) for workers whose view does not say
+            where they publish (the router's ``--kv-events-endpoints``).
+    """
+
+    name = "kv_aware"
+
+    def __init__(self, index: KVIndex | None = None, overlap_weight: float = 1.0, epsilon: float = 0.25,
+                 endpoints: dict[str, tuple[str, str | None]] | None = None) -> None:
+        if overlap_weight < 0:
+            raise ValueError(f"overlap_weight must be >= 0, got {overlap_weight}")
+        if epsilon < 0:
+            raise ValueError(f"epsilon must be >= 0, got {epsilon}")
+        self._owns_index = index is None
+        self.index = index if index is not None else KVIndex()
+        self.overlap_weight = overlap_weight
+        self.epsilon = epsilon
+        self.endpoints = dict(endpoints or {})
+
+    # ---- routing --------------------------------------------------------------------------------
+    def select(self, request: RouteRequest, workers: list[WorkerView]) -> Decision:
+        cap = load_cap(workers, request.num_prompt_tokens + request.max_tokens, self.epsilon)
+        eligible = [w for w in workers if w.outstanding_tokens <= cap]
+        assert eligible, "the least loaded worker is always under the cap"
+        if request.prompt_token_ids is None:
+            best = min(eligible, key=lambda w: (w.outstanding_tokens, w.running_requests, w.worker_id))
+            return Decision(best.worker_id, "least_load")
+        extra_keys = tuple(request.extra_keys or ())
+        by_size: dict[int, tuple[list[int], dict[str, int]]] = {}  # block size -> (hashes, overlaps)
+        scored = []
+        for w in workers:
+            size = w.block_size or DEFAULT_BLOCK_SIZE
+            if size not in by_size:
+                hashes = request_block_hashes(request.prompt_token_ids, size, extra_keys)
+                ids = [v.worker_id for v in workers if (v.block_size or DEFAULT_BLOCK_SIZE) == size]
+                by_size[size] = hashes, self.index.overlaps(hashes, ids) if hashes else {}
+            hashes, overlaps = by_size[size]
+            overlap = overlaps.get(w.worker_id, 0)
+            cost = self.overlap_weight * (len(hashes) - overlap) + w.outstanding_tokens / size
+            scored.append((cost, w, overlap, size))
+        eligible_ids = {id(w) for w in eligible}
+        tie_key: list[int] = []  # computed on the first tie only
+
+        def pick(items: list[tuple]) -> tuple:
+            low = min(item[0] for item in items)
+            tied = [item for item in items if item[0] == low]
+            if len(tied) == 1:
+                return tied[0]
+            if not tie_key:
+                tie_key.append(self._prefix_key(request, workers))
+            return max(tied, key=lambda item: _rendezvous(tie_key[0], item[1].worker_id))
+
+        best_any = pick(scored)
+        _, best, overlap, size = pick([item for item in scored if id(item[1]) in eligible_ids])
+        if best is not best_any[1]:
+            reason = "load_cap"
+        else:
+            reason = "kv_overlap" if overlap else "cache_miss"
+        return Decision(best.worker_id, reason, expected_hit_tokens=overlap * size)
+
+    @staticmethod
+    def _prefix_key(request: RouteRequest, workers: list[WorkerView]) -> int:
+        """The rendezvous key: the hash of the prompt's first block (at the smallest block size)."""
+        size = min((w.block_size or DEFAULT_BLOCK_SIZE) for w in workers)
+        return hash_block_tokens(ROOT_HASH, list(request.prompt_token_ids[:size]), tuple(request.extra_keys or ()))
+
+    # ---- workers --------------------------------------------------------------------------------
+    def add_worker(self, worker_id: str, endpoint: str, replay_endpoint: str | None = None) -> None:
+        """Subscribe to a worker's KV events."""
+        self.index.add_worker(worker_id, endpoint, replay_endpoint)
+
+    def on_worker_added(self, worker: WorkerView) -> None:
+        endpoint, replay = worker.kv_events_endpoint, worker.kv_events_replay_endpoint
+        if endpoint is None:
+            endpoint, replay = self.endpoints.get(worker.worker_id) or self.endpoints.get(worker.url) or (None, None)
+        if endpoint is not None:
+            self.index.add_worker(worker.worker_id, endpoint, replay)
+
+    def on_worker_removed(self, worker_id: str) -> None:
+        self.index.remove_worker(worker_id)
+
+    def close(self) -> None:
+        if self._owns_index:
+            self.index.close()
+
+
+def build_policy(config) -> KVAwarePolicy:
+    """The policy from the router's ``PolicyConfig`` (``load_cap_epsilon``; ``kv_overlap_weight`` and
+    ``kv_events_endpoints`` when it has them)."""
+    return KVAwarePolicy(overlap_weight=getattr(config, "kv_overlap_weight", 1.0),
+                         epsilon=getattr(config, "load_cap_epsilon", 0.25),
+                         endpoints=getattr(config, "kv_events_endpoints", None))
