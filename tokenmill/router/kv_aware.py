@@ -18,6 +18,7 @@ cap. Pure Python; no I/O in ``select`` (the index has its own thread); never imp
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 
 from tokenmill.kv_cache.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
@@ -41,9 +42,21 @@ def load_cap(workers: list[WorkerView], request_tokens: int, epsilon: float) -> 
     return (1.0 + epsilon) * (sum(w.outstanding_tokens for w in workers) + request_tokens) / len(workers)
 
 
+_MASK64 = 2**64 - 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _worker_seed(worker_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(worker_id.encode(), digest_size=8).digest(), "little")
+
+
 def _rendezvous(key: int, worker_id: str) -> int:
-    """Highest-random-weight hash of (key, worker): the tie-break that gives each prefix a stable home."""
-    return int.from_bytes(hashlib.blake2b(f"{key}:{worker_id}".encode(), digest_size=8).digest(), "little")
+    """Highest-random-weight hash of (key, worker) (SplitMix64's finaliser over key xor the worker's
+    seed): the tie-break that gives each prefix a stable home whatever the order of the workers."""
+    x = (key ^ _worker_seed(worker_id)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 class KVAwarePolicy(Policy):
