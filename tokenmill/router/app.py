@@ -231,7 +231,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def forward(kind: str, path: str, request: Request) -> Response:
         content, body = await read_json(request)
         route = route_request(kind, body, request.headers.get("x-session-id"))
-        return await proxy.forward(path, content, route, bool(body.get("stream", False)), request)
+        return await proxy.forward(path, content, route, bool(body.get("stream", False)), request, body)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:

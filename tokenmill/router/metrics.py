@@ -30,8 +30,10 @@ class RouterMetrics:
         self.decisions = counter("routing_decisions", "Routing decisions by policy and reason.", ["policy", "reason"])
         self.estimated_hit_tokens = counter("estimated_prefix_hit_tokens",
                                             "Prompt tokens the policy expected the chosen worker to hold.", ["policy"])
-        self.retries = counter("retries", "Requests retried on another worker before their first byte, by cause.",
+        self.retries = counter("retries", "Requests retried on another worker before their first token, by cause.",
                                ["reason"])
+        self.resumptions = counter("resumptions", "Stream choices resumed on another worker after their worker "
+                                   "failed mid-stream (every attempt counted).", [])
         self.errors = counter("request_errors", "Requests the router answered with an error of its own, by cause.",
                               ["reason"])
         self.running = gauge("worker_running_requests", "Requests routed to the worker and not finished.",
