@@ -563,3 +563,31 @@ def test_kv_aware_routes_each_tenants_repeats_to_the_worker_holding_its_blocks(w
             assert hit >= decision.expected_hit_tokens if decision.worker_id == home[0] else hit >= 0
     finally:
         policy.close()
+
+
+def test_router_process_with_kv_aware_sends_each_repeat_to_the_worker_holding_its_prefix(workers, tiny_llama,
+                                                                                          tmp_path):
+    from tests.test_router import WORKER_HEADER, RouterProcess
+
+    router = RouterProcess([w.url for w in workers], ["--policy", "kv_aware"], tmp_path / "router.log")
+    try:
+        router.wait_up()
+        router.wait_workers_healthy()
+        assert all(w["kv_events_endpoint"] for w in router.workers().values())
+        prefixes = {t: [random.Random(100 + t).randrange(100, 40000) for _ in range(80)] for t in range(4)}
+
+        def complete(tenant: int, question: int):
+            prompt = prefixes[tenant] + [random.Random(question).randrange(100, 40000) for _ in range(10)]
+            response = router.post("/v1/completions", {"model": tiny_llama, "prompt": prompt, "max_tokens": 2,
+                                                       "temperature": 0})
+            assert response.status_code == 200, response.text
+            return response.headers[WORKER_HEADER], response.json()["usage"]
+
+        home = {t: complete(t, question=t)[0] for t in prefixes}
+        time.sleep(0.5)  # the workers' events reach the router's index
+        for t in prefixes:
+            worker, usage = complete(t, question=10 + t)
+            assert worker == home[t]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 5 * SERVER_BLOCK_SIZE  # the 80-token prefix
+    finally:
+        router.stop()
