@@ -41,6 +41,8 @@ def lora_module(text: str):
 
 def register(subparsers) -> None:
     """Add the ``serve`` subcommand (all engine flags plus the server's own)."""
+    from tokenmill.router.policies import POLICY_NAMES
+
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
@@ -65,7 +67,26 @@ def register(subparsers) -> None:
                         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="no INFO log line per finished request")
+    parser.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
+                        help="serve N engine replicas behind a router on --port (threads divided between them)")
+    parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                        help="replicas as local processes (mp) or Ray actors (ray: pip install tokenmill[ray])")
+    parser.add_argument("--ray-address", default=None,
+                        help="ray backend: the cluster to join (default: a local Ray instance on 127.0.0.1)")
+    parser.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES,
+                        help="routing policy of the data-parallel router (see tokenmill router)")
     parser.set_defaults(func=cmd_serve)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def default_served_model_name(model: str | None) -> str:
@@ -122,4 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         enable_log_requests=not args.disable_log_requests,
     )
+    if args.data_parallel_size > 1:
+        from tokenmill.router.replicas import run_data_parallel
+
+        return run_data_parallel(config, args)
     return run_server(config)

@@ -1,0 +1,224 @@
+"""Data-parallel serving: N engine replicas and the router over them, in one command.
+
+``tokenmill serve MODEL --data-parallel-size N`` lands here. Each replica is a ``tokenmill serve``
+server (``run_server``) in its own spawned process on a free port of 127.0.0.1, with the CPU threads
+divided between the replicas; with ``--distributed-executor-backend ray`` each replica process is
+started by a Ray actor instead, on whichever node Ray places it. Once every replica answers
+``/health``, the router runs in this process on ``--port``. SIGINT/SIGTERM stop the router, then every
+replica (a replica also gets SIGTERM if this process dies: no orphans). Owns processes only: no
+routing and no engine code here.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0  # a replica's graceful shutdown, then SIGKILL
+RAY_OBJECT_STORE_BYTES = 100 * 1024**2  # a local Ray instance's object store: small, to fit a laptop
+RAY_MISSING = "--distributed-executor-backend ray needs Ray: pip install tokenmill[ray]"
+PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def split_threads(total: int | None, replicas: int) -> int:
+    """CPU threads of each replica: ``total`` (default: every core) divided evenly, at least 1."""
+    total = total or os.cpu_count() or 1
+    return max(1, total // replicas)
+
+
+def replica_config(config: Any, port: int, num_threads: int, host: str = "127.0.0.1") -> Any:
+    """``config`` (a ``ServerConfig``) for one replica: its own address and thread count."""
+    return dataclasses.replace(config, host=host, port=port,
+                               engine_kwargs={**config.engine_kwargs, "num_threads": num_threads})
+
+
+def _die_with_parent() -> None:
+    """Linux: ask for SIGTERM when the process that started us dies (a killed router leaves no replica)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _replica_main(config: Any, args: argparse.Namespace) -> None:
+    """A spawned replica process: logging as the parent has it, then ``run_server`` until SIGTERM."""
+    _die_with_parent()
+    from tokenmill.cli.logging_setup import configure_logging
+    from tokenmill.server.api_server import run_server
+
+    configure_logging(args)
+    raise SystemExit(run_server(config))
+
+
+def start_replica(config: Any, args: argparse.Namespace) -> multiprocessing.Process:
+    """Spawn one replica process serving ``config``."""
+    process = multiprocessing.get_context("spawn").Process(target=_replica_main, args=(config, args),
+                                                           name=f"tokenmill-replica-{config.port}")
+    process.start()
+    return process
+
+
+def stop_processes(processes: list[multiprocessing.Process], timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM every live process, wait up to ``timeout`` for all, then SIGKILL the rest."""
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def wait_healthy(urls: list[str], alive: Callable[[], str | None], api_key: str | None = None) -> None:
+    """Poll each replica's ``/health`` until all answer 200.
+
+    Raises:
+        RuntimeError: a replica exited first (``alive`` returns why, or None while all run).
+    """
+    import httpx2 as httpx
+
+    pending = list(urls)
+    while pending:
+        why = alive()
+        if why is not None:
+            raise RuntimeError(why)
+        try:
+            if httpx.get(f"{pending[0]}/health", timeout=2, trust_env=False).status_code == 200:
+                logger.info("replica %s is up", pending.pop(0))
+                continue
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
+class RayReplica:
+    """A Ray actor that runs one replica process on its node (``ray.remote`` wraps it lazily)."""
+
+    def __init__(self) -> None:
+        self.process: multiprocessing.Process | None = None
+
+    def start(self, config: Any, args: argparse.Namespace) -> str:
+        """Start serving on a free port of this node; returns the replica's URL."""
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+        config = dataclasses.replace(config, host=host, port=free_port(host))
+        self.process = start_replica(config, args)
+        return f"http://{host}:{config.port}"
+
+    def exit_code(self) -> int | None:
+        return self.process.exitcode if self.process is not None else None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_processes([self.process])
+
+
+def _router_config(args: argparse.Namespace, urls: list[str]):
+    from tokenmill.router.app import RouterConfig
+    from tokenmill.router.policies import PolicyConfig
+
+    return RouterConfig(worker_urls=tuple(urls), policy=PolicyConfig(name=args.policy), host=args.host,
+                        port=args.port, api_key=args.api_key)
+
+
+def _stop_on_signal(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM while replicas load: unwind through the cleanup
+
+
+def run_data_parallel(config: Any, args: argparse.Namespace) -> int:
+    """Start ``args.data_parallel_size`` replicas of ``config``, then the router on ``config``'s port;
+    returns the exit code once SIGINT/SIGTERM stopped the router and every replica."""
+    from tokenmill.router.app import run_router
+
+    size = args.data_parallel_size
+    threads = split_threads(config.engine_kwargs.get("num_threads"), size)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stop_on_signal)
+    if args.distributed_executor_backend == "ray":
+        return _run_on_ray(config, args, threads)
+    processes: list[multiprocessing.Process] = []
+    try:
+        configs = [replica_config(config, free_port(), threads) for _ in range(size)]
+        processes = [start_replica(c, args) for c in configs]
+        urls = [f"http://127.0.0.1:{c.port}" for c in configs]
+        logger.info("%d replicas of %d threads each: %s", size, threads, " ".join(urls))
+
+        def alive() -> str | None:
+            dead = [p for p in processes if not p.is_alive()]
+            return f"replica {dead[0].name} exited with {dead[0].exitcode} while loading" if dead else None
+
+        wait_healthy(urls, alive)
+        return run_router(_router_config(args, urls))
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        stop_processes(processes)
+
+
+def _run_on_ray(config: Any, args: argparse.Namespace, threads: int) -> int:
+    """Replicas as Ray actors (``--ray-address`` or a small local instance), the router here."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError(RAY_MISSING) from None
+    from tokenmill.router.app import run_router
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        if args.ray_address:
+            ray.init(address=args.ray_address)
+        else:
+            ray.init(_node_ip_address="127.0.0.1", object_store_memory=RAY_OBJECT_STORE_BYTES,
+                     include_dashboard=False,
+                     num_cpus=max(os.cpu_count() or 1, threads * args.data_parallel_size))
+    actor_class = ray.remote(num_cpus=threads)(RayReplica)
+    actors = []
+    try:
+        actors = [actor_class.remote() for _ in range(args.data_parallel_size)]
+        urls = ray.get([a.start.remote(replica_config(config, 0, threads), args) for a in actors])
+        logger.info("%d Ray replicas of %d threads each: %s", len(urls), threads, " ".join(urls))
+
+        def alive() -> str | None:
+            codes = ray.get([a.exit_code.remote() for a in actors])
+            dead = [(url, code) for url, code in zip(urls, codes) if code is not None]
+            return f"replica {dead[0][0]} exited with {dead[0][1]} while loading" if dead else None
+
+        wait_healthy(urls, alive)
+        return run_router(_router_config(args, urls))
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        try:
+            ray.get([a.stop.remote() for a in actors], timeout=STOP_TIMEOUT_S + 5)
+        except Exception:  # a dead actor: its replica got SIGTERM with it
+            logger.exception("stopping the Ray replicas")
+        for actor in actors:
+            ray.kill(actor)
+        if started_ray:
+            ray.shutdown()
