@@ -4,21 +4,26 @@ SIGKILL one of two workers in the middle of 32 concurrent streams (completions a
 seeded): every stream completes, each equals an undisturbed run (text and finish_reason), and the
 router's metrics count the resumptions. A worker that fails after a chat stream's role chunk, before the
 first token, is retried with nothing repeated. With no healthy worker left the client gets a clean error:
-a 503 before the stream starts, an SSE error event mid-stream.
+a 503 before the stream starts, an SSE error event mid-stream. ``tokenmill serve --data-parallel-size 2``
+(local processes, and Ray actors when the ray extra is installed) serves through its router and leaves
+no process behind after SIGTERM.
 """
 from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx2 as httpx
+import psutil
 import pytest
 
-from tests.server_fixtures import ServerProcess
+from tests.server_fixtures import REPO, ServerProcess, free_port
 from tests.test_router import RouterProcess, stop_all
 from tests.tiny_models import make_tiny_model
 
@@ -46,18 +51,28 @@ def cluster(tmp_path_factory):
         stop_all([router, *workers])
 
 
-def request_of(i: int, model: str) -> tuple[str, dict]:
-    """Request ``i`` of the load: completions or chat, greedy or seeded, all streamed."""
+def request_of(i: int, model: str, stop: str | None = None) -> tuple[str, dict]:
+    """Request ``i`` of the load, all streamed: completions or chat, greedy or seeded; some with n = 2,
+    token ids, usage, or a stop string that comes late in the output."""
     sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": 1000 + i}
     body = {"model": model, "max_tokens": MAX_TOKENS, "stream": True, **sampling}
+    if i in (1, 5, 7):
+        body["n"] = 2
+    if i in (2, 3, 4, 9):
+        body["return_token_ids"] = True
+    if i in (0, 2, 5):
+        body["stream_options"] = {"include_usage": True}
+    if i == 8 and stop is not None:
+        body["stop"] = [stop]
     if i % 4 < 2:
         return "/v1/completions", {**body, "prompt": f"Request {i}: the story of a"}
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": f"Tell story {i}."}]}
 
 
 def stream(url: str, path: str, body: dict, progress: list[int] | None = None, i: int = 0) -> dict:
-    """Read one SSE stream: text, finish reason, role chunks, errors and whether it ended with [DONE]."""
-    out = {"text": "", "finish_reason": None, "roles": 0, "errors": [], "done": False}
+    """Read one SSE stream: per choice its text, finish reason and token ids (when asked for); role
+    chunks, usage, errors and whether it ended with [DONE]."""
+    out = {"choices": {}, "roles": 0, "usage": None, "errors": [], "done": False}
     with httpx.stream("POST", url + path, json=body, timeout=120) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
@@ -71,32 +86,45 @@ def stream(url: str, path: str, body: dict, progress: list[int] | None = None, i
             if "error" in event:
                 out["errors"].append(event["error"])
                 continue
+            if event.get("usage"):
+                out["usage"] = event["usage"]
+            if body.get("return_token_ids") is not True:
+                assert "token_ids" not in data, data  # the router's own request for them stays hidden
             for choice in event["choices"]:
+                got = out["choices"].setdefault(choice["index"], {"text": "", "finish_reason": None, "token_ids": []})
                 if "delta" in choice:
                     out["roles"] += "role" in choice["delta"]
                     text = choice["delta"].get("content") or ""
                 else:
                     text = choice["text"]
-                assert "token_ids" not in choice and "prompt_token_ids" not in event, event
-                out["text"] += text
+                got["token_ids"] += choice.get("token_ids") or []
+                got["text"] += text
                 if text and progress is not None:
                     progress[i] += 1
-                out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
+                got["finish_reason"] = choice["finish_reason"] or got["finish_reason"]
     return out
+
+
+def counts(usage: dict | None) -> dict | None:
+    """A usage block's token counts (its cached tokens depend on the worker that served the request)."""
+    return usage and {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
 def test_sigkill_mid_stream_every_stream_completes_as_undisturbed(cluster):
     model, workers, router, _ = cluster
-    load = [request_of(i, model) for i in range(32)]
+    late = stream(workers[0].url, "/v1/completions", request_of(8, model)[1])["choices"][0]["text"]
+    stop = late[len(late) * 3 // 4:][:3]
+    load = [request_of(i, model, stop) for i in range(32)]
     with ThreadPoolExecutor(32) as pool:
         reference = list(pool.map(lambda r: stream(router.url, *r), load))
-    assert all(r["done"] and r["finish_reason"] and not r["errors"] for r in reference)
+    assert all(r["done"] and not r["errors"] for r in reference)
+    assert reference[8]["choices"][0]["finish_reason"] == "stop"
 
     progress = [0] * 32
     with ThreadPoolExecutor(32) as pool:
         futures = [pool.submit(stream, router.url, path, body, progress, i) for i, (path, body) in enumerate(load)]
         deadline = time.monotonic() + 60
-        while sum(p >= 3 for p in progress) < 24:  # most streams have sent text: kill in the middle
+        while sum(p >= 12 for p in progress) < 24:  # most streams are well under way: kill in the middle
             assert time.monotonic() < deadline, progress
             time.sleep(0.005)
         victim = workers[1]
@@ -105,8 +133,9 @@ def test_sigkill_mid_stream_every_stream_completes_as_undisturbed(cluster):
         results = [f.result() for f in futures]
     for i, (got, want) in enumerate(zip(results, reference)):
         assert got["done"] and not got["errors"], (i, got)
-        assert (got["text"], got["finish_reason"]) == (want["text"], want["finish_reason"]), (i, load[i])
-        assert got["roles"] == (1 if "messages" in load[i][1] else 0), (i, got)  # no repeated role chunk
+        assert got["choices"] == want["choices"], (i, load[i])  # text, finish reason, token ids
+        assert counts(got["usage"]) == counts(want["usage"]), (i, load[i])
+        assert got["roles"] == (load[i][1].get("n", 1) if "messages" in load[i][1] else 0), (i, got)
     metrics = router.metrics()
     assert metrics.get("tokenmill_router:resumptions_total", 0) > 0, metrics
     assert router.workers()[victim.url]["state"] == "unhealthy"
@@ -152,8 +181,7 @@ def test_worker_dying_before_first_token_is_retried_without_repeating_the_role_c
                 "messages": [{"role": "user", "content": "Hi"}]}
         want = stream(workers[0].url, "/v1/chat/completions", body)
         got = stream(router.url, "/v1/chat/completions", body)  # round robin: the fake first
-        assert (got["text"], got["finish_reason"], got["roles"], got["done"]) == (
-            want["text"], want["finish_reason"], 1, True)
+        assert (got["choices"], got["roles"], got["done"]) == (want["choices"], 1, True)
         assert router.metrics()["tokenmill_router:retries_total{reason=stream_error}"] == 1
     finally:
         router.stop()
@@ -175,7 +203,76 @@ def test_no_healthy_worker_left_is_a_clean_error(cluster):
         survivor.proc.send_signal(signal.SIGKILL)
         broken = future.result()
     assert len(broken["errors"]) == 1 and broken["errors"][0]["code"] == 503, broken
-    assert broken["finish_reason"] is None
+    assert broken["choices"][0]["finish_reason"] is None
     response = httpx.post(f"{router.url}/v1/completions", json={**body, "stream": False}, timeout=30)
     assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable_error"
     assert httpx.get(f"{router.url}/health", timeout=5).status_code == 503
+
+
+# ---- data-parallel replicas -----------------------------------------------------------------------
+def serve_data_parallel(model: str, backend: str, log_path) -> tuple[subprocess.Popen, str]:
+    """``tokenmill serve MODEL --data-parallel-size 2`` with its router up; returns (process, router URL)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokenmill.cli.main", "serve", model, "--port", str(port), "--data-parallel-size",
+           "2", "--distributed-executor-backend", backend, "--policy", "round_robin", *WORKER_ARGS[:2],
+           "--num-threads", "2", "--num-kv-blocks", "256", "--block-size", "16"]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
+def check_serves_then_stops_cleanly(model: str, backend: str, log_path) -> None:
+    proc, url = serve_data_parallel(model, backend, log_path)
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
+        assert len(workers) == 2 and all(w["state"] == "healthy" and w["is_tokenmill"] for w in workers), workers
+        served_by = set()
+        for _ in range(2):  # round robin: one request on each replica
+            response = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4,
+                                                                 "temperature": 0}, timeout=60)
+            assert response.status_code == 200 and response.json()["choices"][0]["text"], response.text
+            served_by.add(response.headers["x-router-worker-id"])
+        assert served_by == {"worker-0", "worker-1"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, log_path.read_text()[-3000:]
+        deadline = time.monotonic() + 20
+        while alive := [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]:
+            assert time.monotonic() < deadline, f"orphans: {[(c.pid, c.cmdline()) for c in alive]}"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_data_parallel_replicas_serve_through_the_router_and_leave_no_process(cluster):
+    model, _, _, logs = cluster
+    check_serves_then_stops_cleanly(model, "mp", logs / "data_parallel.log")
+
+
+def test_ray_replicas_serve_through_the_router_and_leave_no_process(cluster):
+    pytest.importorskip("ray", reason="the ray extra is not installed (pip install tokenmill[ray])")
+    model, _, _, logs = cluster
+    check_serves_then_stops_cleanly(model, "ray", logs / "data_parallel_ray.log")
+
+
+def test_ray_backend_without_ray_is_a_one_line_error(cluster):
+    model = cluster[0]
+    code = ("import sys; sys.modules['ray'] = None; from tokenmill.cli.main import main; "
+            f"sys.exit(main(['serve', {model!r}, '--data-parallel-size', '2', '--distributed-executor-backend', "
+            "'ray', '--dtype', 'float32']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: --distributed-executor-backend ray needs Ray: " \
+                                                     "pip install tokenmill[ray]"

@@ -277,7 +277,7 @@ class StreamState:
             else:
                 new = {"index": state.index, "text": text, "logprobs": choice.get("logprobs"),
                        "finish_reason": finish, "stop_reason": choice.get("stop_reason")}
-            if self.wants_token_ids:
+            if self.wants_token_ids and "token_ids" in choice:
                 new["token_ids"] = token_ids
             out.append(new)
         if not out:

@@ -150,6 +150,7 @@ def run_data_parallel(config: Any, args: argparse.Namespace) -> int:
     returns the exit code once SIGINT/SIGTERM stopped the router and every replica."""
     from tokenmill.router.app import run_router
 
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per health poll
     size = args.data_parallel_size
     threads = split_threads(config.engine_kwargs.get("num_threads"), size)
     for signum in (signal.SIGINT, signal.SIGTERM):
