@@ -1,12 +1,13 @@
 """Router failover end to end: real tokenmill workers (tiny Llama) die under load and no stream is lost.
 
 SIGKILL one of two workers in the middle of 32 concurrent streams (completions and chat, greedy and
-seeded): every stream completes, each equals an undisturbed run (text and finish_reason), and the
-router's metrics count the resumptions. A worker that fails after a chat stream's role chunk, before the
-first token, is retried with nothing repeated. With no healthy worker left the client gets a clean error:
-a 503 before the stream starts, an SSE error event mid-stream. ``tokenmill serve --data-parallel-size 2``
-(local processes, and Ray actors when the ray extra is installed) serves through its router and leaves
-no process behind after SIGTERM.
+seeded, n = 2, token ids, usage, a stop string): every stream completes and equals an undisturbed run
+(text, finish_reason, token ids, usage counts); requests in flight that were not streamed are retried
+whole; the router's metrics count both. A worker that fails after a chat stream's role chunk, before the
+first token, is retried with nothing repeated. With no healthy worker left the client gets a clean
+error (a 503 before the stream starts, an SSE error event mid-stream) until a worker is back and
+re-admitted. ``tokenmill serve --data-parallel-size 2`` (local processes, and Ray actors when the ray
+extra is installed) serves through its router and leaves no process behind after SIGTERM.
 """
 from __future__ import annotations
 
@@ -120,9 +121,13 @@ def test_sigkill_mid_stream_every_stream_completes_as_undisturbed(cluster):
     assert all(r["done"] and not r["errors"] for r in reference)
     assert reference[8]["choices"][0]["finish_reason"] == "stop"
 
+    whole = {"model": model, "prompt": "Not streamed:", "max_tokens": MAX_TOKENS, "temperature": 0}
+    whole_text = workers[0].post("/v1/completions", whole).json()["choices"][0]["text"]
+
     progress = [0] * 32
-    with ThreadPoolExecutor(32) as pool:
+    with ThreadPoolExecutor(36) as pool:
         futures = [pool.submit(stream, router.url, path, body, progress, i) for i, (path, body) in enumerate(load)]
+        plain = [pool.submit(router.post, "/v1/completions", whole) for _ in range(4)]  # retried whole
         deadline = time.monotonic() + 60
         while sum(p >= 12 for p in progress) < 24:  # most streams are well under way: kill in the middle
             assert time.monotonic() < deadline, progress
@@ -131,6 +136,7 @@ def test_sigkill_mid_stream_every_stream_completes_as_undisturbed(cluster):
         assert router.workers()[victim.url]["running_requests"] > 0
         victim.proc.send_signal(signal.SIGKILL)
         results = [f.result() for f in futures]
+        assert [p.result().json()["choices"][0]["text"] for p in plain] == [whole_text] * 4
     for i, (got, want) in enumerate(zip(results, reference)):
         assert got["done"] and not got["errors"], (i, got)
         assert got["choices"] == want["choices"], (i, load[i])  # text, finish reason, token ids
@@ -138,6 +144,7 @@ def test_sigkill_mid_stream_every_stream_completes_as_undisturbed(cluster):
         assert got["roles"] == (load[i][1].get("n", 1) if "messages" in load[i][1] else 0), (i, got)
     metrics = router.metrics()
     assert metrics.get("tokenmill_router:resumptions_total", 0) > 0, metrics
+    assert metrics.get("tokenmill_router:retries_total{reason=connect_error}", 0) > 0, metrics  # the plain ones
     assert router.workers()[victim.url]["state"] == "unhealthy"
 
 
@@ -188,8 +195,8 @@ def test_worker_dying_before_first_token_is_retried_without_repeating_the_role_c
         fake.server.shutdown()
 
 
-def test_no_healthy_worker_left_is_a_clean_error(cluster):
-    model, workers, router, _ = cluster
+def test_no_healthy_worker_left_is_a_clean_error_until_one_is_back(cluster):
+    model, workers, router, logs = cluster
     survivor = workers[0]
     body = {"model": model, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True,
             "prompt": "A long story"}
@@ -207,6 +214,22 @@ def test_no_healthy_worker_left_is_a_clean_error(cluster):
     response = httpx.post(f"{router.url}/v1/completions", json={**body, "stream": False}, timeout=30)
     assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable_error"
     assert httpx.get(f"{router.url}/health", timeout=5).status_code == 503
+
+    # a worker that comes back on its address is re-admitted by the health checks
+    log = open(logs / "worker_back.log", "w")
+    back = subprocess.Popen([sys.executable, "-m", "tokenmill.cli.main", "serve", model, "--port", str(survivor.port),
+                             *WORKER_ARGS], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while router.workers()[survivor.url]["state"] != "healthy":
+            assert back.poll() is None and time.monotonic() < deadline, (logs / "worker_back.log").read_text()[-2000:]
+            time.sleep(0.1)
+        again = httpx.post(f"{router.url}/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=30)
+        assert again.status_code == 200 and again.headers["x-router-worker-id"] == "worker-0", again.text
+    finally:
+        back.send_signal(signal.SIGTERM)
+        back.wait(60)
+        log.close()
 
 
 # ---- data-parallel replicas -----------------------------------------------------------------------
