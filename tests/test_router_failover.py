@@ -11,6 +11,7 @@ extra is installed) serves through its router and leaves no process behind after
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -26,6 +27,7 @@ import pytest
 
 from tests.server_fixtures import REPO, ServerProcess, free_port
 from tests.test_router import RouterProcess, stop_all
+from tokenmill.router.proxy import ClientStream, SSEEvent, StreamState, encode_event
 from tests.tiny_models import make_tiny_model
 
 WORKER_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "1024", "--block-size", "16"]
@@ -299,3 +301,87 @@ def test_ray_backend_without_ray_is_a_one_line_error(cluster):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "error: --distributed-executor-backend ray needs Ray: " \
                                                      "pip install tokenmill[ray]"
+
+
+# ---- the resume bookkeeping, without workers ------------------------------------------------------
+def event(obj: dict) -> SSEEvent:
+    return SSEEvent(encode_event(obj), obj=obj)
+
+
+def test_token_ids_the_client_did_not_ask_for_are_removed_and_recorded():
+    state = StreamState("chat", {"messages": [], "n": 1})
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
+    role = {**head, "prompt_token_ids": [1, 2], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                               "logprobs": None, "finish_reason": None}]}
+    assert json.loads(state.observe(event(role))[6:]) == {**head, "choices": role["choices"]}
+    held = {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None, "token_ids": [5]}]}
+    assert state.observe(event(held)) == b""  # only token ids (text held back by the detokenizer): dropped
+    text = {**head, "choices": [{"index": 0, "delta": {"content": "ab"}, "logprobs": None, "finish_reason": None,
+                                 "token_ids": [6]}]}
+    assert "token_ids" not in state.observe(event(text)).decode()
+    assert (state.chat_prompt_token_ids, state.choices[0].token_ids, state.choices[0].text) == ([1, 2], [5, 6], ["ab"])
+
+
+def test_resumed_completion_chunks_become_the_clients_chat_chunks_minus_what_it_has():
+    state = StreamState("chat", {"messages": [], "n": 2, "seed": 10, "max_tokens": 20, "min_tokens": 5,
+                                 "temperature": 0.7})
+    state.header = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
+    state.chat_prompt_token_ids = [1, 2]
+    choice = state.choice(1)
+    choice.token_ids, choice.text = [5, 6, 7], ["abc"]
+    body = state.resume_body(choice, [1, 2], 2)
+    assert {k: body[k] for k in ("prompt", "max_tokens", "min_tokens", "seed", "n", "temperature")} == {
+        "prompt": [1, 2, 5, 6], "max_tokens": 18, "min_tokens": 3, "seed": 11, "n": 1, "temperature": 0.7}
+    skip = [2, 1]  # token 7 ("bc..." of it) is regenerated: the client has "bc" of its text already
+    out = state.translate({"choices": [{"index": 0, "text": "bcd", "token_ids": [7, 8], "finish_reason": None}]},
+                          choice, skip)
+    chunk = json.loads(out[6:])
+    assert chunk == {**state.header, "choices": [{"index": 1, "delta": {"content": "d"}, "logprobs": None,
+                                                  "finish_reason": None, "stop_reason": None}]}
+    assert (skip, choice.token_ids, "".join(choice.text)) == ([0, 0], [5, 6, 7, 8], "abcd")
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_cut_regenerates_text_held_back_at_it_only_when_that_is_exact(deterministic):
+    """Tokens a b c decode to "A", "AB", "AB\\ufffd" (c: half a character); the client has "AB"."""
+    async def detokenize(worker, token_ids, headers) -> str:
+        return {(): "", (1,): "A", (1, 2): "AB", (1, 2, 3): "AB\ufffd"}[tuple(token_ids)]
+
+    sampling = {"temperature": 0} if deterministic else {"temperature": 1.0}
+    stream = object.__new__(ClientStream)
+    stream.state = StreamState("completions", {"prompt": "x", **sampling})
+    stream.proxy = type("FakeProxy", (), {"detokenize": staticmethod(detokenize)})()
+    stream.upstream_headers = {}
+    choice = stream.state.choice(0)
+    choice.token_ids, choice.text = [1, 2, 3], ["A", "B"]
+    sent: list[bytes] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message["body"])
+
+    cut = asyncio.run(stream._cut(send, None, choice, [9]))
+    if deterministic:  # back to "AB" after b: c is regenerated, its text comes whole with the next token
+        assert cut == (2, [0, 1]) and not sent
+    else:  # after c: nothing held back can be sent whole (it ends in half a character)
+        assert cut == (3, [0, 0]) and not sent
+
+
+def test_unseeded_sampling_sends_text_held_back_at_the_cut_at_once():
+    """Tokens a b c decode to "AB", "ABC" and the client has "AB" ("C" held back as a possible stop)."""
+    async def detokenize(worker, token_ids, headers) -> str:
+        return {(1, 2): "AB", (1, 2, 3): "ABC"}[tuple(token_ids)]
+
+    stream = object.__new__(ClientStream)
+    stream.state = StreamState("completions", {"prompt": "x", "temperature": 1.0})
+    stream.state.header = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m"}
+    stream.proxy = type("FakeProxy", (), {"detokenize": staticmethod(detokenize)})()
+    stream.upstream_headers = {}
+    choice = stream.state.choice(0)
+    choice.token_ids, choice.text = [1, 2, 3], ["AB"]
+    sent: list[bytes] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message["body"])
+
+    assert asyncio.run(stream._cut(send, None, choice, [9])) == (3, [0, 0])
+    assert [json.loads(b[6:])["choices"][0]["text"] for b in sent] == ["C"] and "".join(choice.text) == "ABC"
