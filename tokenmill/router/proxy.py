@@ -89,8 +89,8 @@ class SSEEvent:
             return self.done
         if "error" in self.obj or self.obj.get("usage"):
             return True
-        for choice in self.obj.get("choices") or ():
-            delta = choice.get("delta") or {}
+        for choice in _choices(self.obj):
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
             if (choice.get("text") or choice.get("token_ids") or choice.get("finish_reason") is not None
                     or delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")):
                 return True
@@ -129,6 +129,12 @@ class SSEReader:
                     obj = None
                 event.obj = obj if isinstance(obj, dict) else None
         return event
+
+
+def _choices(obj: dict) -> list[dict]:
+    """The well-formed choices of a chunk (a foreign worker's odd ones are passed on, not read)."""
+    choices = obj.get("choices")
+    return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
 
 
 def _empty(choice: dict) -> bool:
@@ -194,7 +200,7 @@ class StreamState:
             if not self.wants_token_ids:
                 obj = {k: v for k, v in obj.items() if k != "prompt_token_ids"}
                 changed = True
-        choices = obj.get("choices") or []
+        choices = _choices(obj)
         for i, choice in enumerate(choices):
             state = self.choice(choice.get("index", 0))
             if "prompt_token_ids" in choice:
@@ -202,8 +208,9 @@ class StreamState:
             if "token_ids" in choice:
                 state.token_ids.extend(choice["token_ids"] or ())
                 self.has_token_ids = True
-            text = choice.get("text") if self.kind == "completions" else (choice.get("delta") or {}).get("content")
-            if text:
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            text = choice.get("text") if self.kind == "completions" else delta.get("content")
+            if isinstance(text, str) and text:
                 state.text.append(text)
             if choice.get("finish_reason") is not None:
                 state.finished = True
