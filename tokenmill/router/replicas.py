@@ -192,8 +192,8 @@ def _run_on_ray(config: Any, args: argparse.Namespace, threads: int) -> int:
         if args.ray_address:
             ray.init(address=args.ray_address)
         else:
-            ray.init(_node_ip_address="127.0.0.1", object_store_memory=RAY_OBJECT_STORE_BYTES,
-                     include_dashboard=False,
+            # A one-node instance on this machine (Ray names it by the machine's address, never 127.0.0.1).
+            ray.init(object_store_memory=RAY_OBJECT_STORE_BYTES, include_dashboard=False,
                      num_cpus=max(os.cpu_count() or 1, threads * args.data_parallel_size))
     actor_class = ray.remote(num_cpus=threads)(RayReplica)
     actors = []
