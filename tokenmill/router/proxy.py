@@ -166,7 +166,8 @@ class StreamState:
         self.kind, self.body = kind, body
         self.n = body.get("n") or 1
         self.wants_token_ids = body.get("return_token_ids") is True
-        self.wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        options = body.get("stream_options")  # the worker checks its type; the router only reads it
+        self.wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         self.deterministic = body.get("temperature") == 0 or body.get("seed") is not None
         self.choices: dict[int, ChoiceState] = {}
         self.header: dict = {}  # id, object, created, model of the client's stream
