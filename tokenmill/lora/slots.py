@@ -3,7 +3,9 @@
 Per target module (layer, fused module) one stacked A [S, R, n, in] and one block-diagonal B
 [S, out, R, n] (each slice's scale folded in) hold every slot's weights zero-padded to
 ``max_lora_rank`` R, so a step's forward reads them in place (layout: ``ops.add_lora``; on CUDA,
-or with ``use_triton``, the Triton kernels of ``triton_ops.py`` read the same tensors). Which
+or with ``use_triton``, the Triton kernels of ``triton_ops.py`` read the same tensors). On CPU a
+third tensor, B^T [S, R, out] without the block-diagonal zeros, feeds the default path's expand
+(``ops.StackedOperands``); the block-diagonal B serves deterministic mode. Which
 adapter a slot holds, and when to replace it, is the manager's business (``manager.py``); this file
 only stores, copies and applies.
 """
@@ -15,7 +17,7 @@ import torch
 
 from tokenmill.lora.adapter import BaseModelShapes, LoRAAdapter
 from tokenmill.lora.mapping import LoRAMapping
-from tokenmill.lora.ops import SlotOperands, add_lora, slot_operands
+from tokenmill.lora.ops import LoRAWorkspace, SlotOperands, StackedOperands, add_lora, slot_operands
 
 ModuleKey = tuple[int, str]  # (layer index, fused module name such as "self_attn.qkv_proj")
 
@@ -31,8 +33,10 @@ class LoRASlots:
 
     Attributes:
         lora_a / lora_b: per ModuleKey, [S, R, n, in] / [S, out, R, n] (see ``ops.slot_operands``).
-        operands / full_operands: per ModuleKey, [S] views of each slot's GEMM operands over its
-            adapter's rank / over the padded rank R (deterministic mode); None for an empty slot.
+        lora_bt: per ModuleKey, [S, R, out] (see ``ops.StackedOperands``); CPU only (empty elsewhere).
+        operands: per ModuleKey, the default CPU path's ``StackedOperands`` (CPU only).
+        full_operands: per ModuleKey, [S] views of each slot's GEMM operands over the padded rank R
+            (deterministic mode); None for an empty slot.
         ranks: [S] rank of each slot's adapter (0 when empty).
         device_ranks: [S] int32 on the device, ``ranks`` as loaded, for the Triton kernels (a slot
             emptied by the manager keeps its last rank here: no mapping names an empty slot).
@@ -52,16 +56,22 @@ class LoRASlots:
         self.max_lora_rank = max_lora_rank
         self.lora_a: dict[ModuleKey, torch.Tensor] = {}
         self.lora_b: dict[ModuleKey, torch.Tensor] = {}
+        self.lora_bt: dict[ModuleKey, torch.Tensor] = {}
+        self.operands: dict[ModuleKey, StackedOperands] = {}
+        self.ranks: list[int] = [0] * max_loras
+        on_cpu = torch.device(device).type == "cpu"
+        workspace = LoRAWorkspace()  # one for all modules: the hooked layers run one at a time
         for layer in range(shapes.num_layers):
             for name, shape in shapes.modules.items():
-                n = len(shape.output_slices)
-                self.lora_a[(layer, name)] = torch.zeros(max_loras, max_lora_rank, n, shape.in_features, dtype=dtype,
-                                                         device=device)
-                self.lora_b[(layer, name)] = torch.zeros(max_loras, shape.out_features, max_lora_rank, n, dtype=dtype,
-                                                         device=device)
-        self.operands: dict[ModuleKey, list[SlotOperands | None]] = {k: [None] * max_loras for k in self.lora_a}
+                key, n, out = (layer, name), len(shape.output_slices), shape.out_features
+                self.lora_a[key] = torch.zeros(max_loras, max_lora_rank, n, shape.in_features, dtype=dtype,
+                                               device=device)
+                self.lora_b[key] = torch.zeros(max_loras, out, max_lora_rank, n, dtype=dtype, device=device)
+                if on_cpu:
+                    self.lora_bt[key] = torch.zeros(max_loras, max_lora_rank, out, dtype=dtype)
+                    self.operands[key] = StackedOperands(self.lora_a[key], self.lora_b[key], self.lora_bt[key],
+                                                         self.ranks, shape.output_slices, workspace)
         self.full_operands: dict[ModuleKey, list[SlotOperands | None]] = {k: [None] * max_loras for k in self.lora_a}
-        self.ranks: list[int] = [0] * max_loras
         self.device_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)
         self.use_triton = False
         self.lora_ids: list[int | None] = [None] * max_loras
@@ -69,7 +79,7 @@ class LoRASlots:
 
     @property
     def num_bytes(self) -> int:
-        tensors = [*self.lora_a.values(), *self.lora_b.values()]
+        tensors = [*self.lora_a.values(), *self.lora_b.values(), *self.lora_bt.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.no_grad()
@@ -80,14 +90,18 @@ class LoRASlots:
         for key in self.lora_a:
             self.lora_a[key][slot].zero_()
             self.lora_b[key][slot].zero_()
+            if key in self.lora_bt:
+                self.lora_bt[key][slot].zero_()
         for (layer, name, shard), weights in adapter.weights.items():
+            key = (layer, name)
             offset, size = self.shapes.modules[name].output_slices[shard]
             rank = weights.rank
-            self.lora_a[(layer, name)][slot, :rank, shard].copy_(weights.lora_a)  # (r, in)
+            self.lora_a[key][slot, :rank, shard].copy_(weights.lora_a)  # (r, in)
             scaled_b = weights.lora_b.float() * weights.scale  # (size, r)
-            self.lora_b[(layer, name)][slot, offset : offset + size, :rank, shard].copy_(scaled_b)
+            self.lora_b[key][slot, offset : offset + size, :rank, shard].copy_(scaled_b)
+            if key in self.lora_bt:
+                self.lora_bt[key][slot, :rank, offset : offset + size].copy_(scaled_b.t())  # (r, size)
         for key in self.lora_a:
-            self.operands[key][slot] = slot_operands(self.lora_a[key], self.lora_b[key], slot, adapter.rank)
             self.full_operands[key][slot] = slot_operands(self.lora_a[key], self.lora_b[key], slot, self.max_lora_rank)
         self.ranks[slot] = adapter.rank
         self.device_ranks[slot] = adapter.rank
