@@ -51,7 +51,8 @@ def transformers_twin(llm: LLM) -> torch.nn.Module:
     hf = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=torch.float32).eval()
     state = {}
     for name, module in loaded.model.named_modules():
-        for fused, projections in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+        for fused, projections in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                   ("gate_up_proj", ("gate_proj", "up_proj"))):
             if name.endswith(fused):
                 for proj, part in zip(projections, module.weight.split(module.output_sizes)):
                     state[f"{name[: -len(fused)]}{proj}.weight"] = part.float()
@@ -185,7 +186,8 @@ def main() -> None:
     goal = next((r for r in rows if r["num_adapters"] == 16 and r["rank"] == 8), None)
     if goal is not None:
         ratio = goal["output_tok_s"] / base_tok_s
-        print(f"16 adapters of rank 8: {ratio:.3f} of base throughput (goal >= 0.75: {'met' if ratio >= 0.75 else 'not met'})")
+        verdict = "met" if ratio >= 0.75 else "not met"
+        print(f"16 adapters of rank 8: {ratio:.3f} of base throughput (goal >= 0.75: {verdict})")
     if args.output_json:
         results = {"num_prompts": args.num_prompts, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                    "max_tokens": args.max_tokens, "max_prompt_len": args.max_prompt_len,
