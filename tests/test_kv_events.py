@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
+
 import pytest
 import zmq
 
@@ -428,6 +430,10 @@ def starting_workers(tiny_llama, tmp_path_factory):
     for proc in procs:
         proc.proc.terminate()  # both at once: each waits for its engine thread
     for proc in procs:
+        try:  # one SIGTERM each: stop() would send another to a worker still shutting down
+            proc.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
         code = proc.stop()
         assert code == 0 or not getattr(proc, "served", False), proc.log()[-3000:]
 
