@@ -231,24 +231,34 @@ class StructuredOutputsConfig:
         Raises:
             ConfigError: not JSON, not an object, or an unknown key or backend.
         """
-        import json
+        return _config_from_value(cls, value, "structured_outputs_config", '{"backend": "xgrammar"}')
 
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ConfigError(f"`structured_outputs_config` must be JSON, e.g. '{{\"backend\": \"xgrammar\"}}': "
-                                  f"{exc}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"`structured_outputs_config` must be a JSON object, got {value!r}")
-        unknown = sorted(set(value) - {"backend"})
-        if unknown:
-            raise ConfigError(f"`structured_outputs_config` has unknown keys {unknown}; known: ['backend']")
-        return cls(**value)
+
+def _config_from_value(cls, value, name: str, example: str):
+    """A frozen config dataclass ``cls`` from an instance, a dict, its JSON text or None (defaults).
+
+    Raises:
+        ConfigError naming ``name``: not JSON (with ``example``), not an object, or an unknown key.
+    """
+    import dataclasses
+    import json
+
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ConfigError(f"`{name}` must be JSON, e.g. '{example}': {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"`{name}` must be a JSON object, got {value!r}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ConfigError(f"`{name}` has unknown keys {unknown}; known: {known}")
+    return cls(**value)
 
 
 KV_EVENTS_PUBLISHERS = ("zmq", "null")
@@ -313,26 +323,7 @@ class KVEventsConfig:
         Raises:
             ConfigError: not JSON, not an object, an unknown key or a bad value.
         """
-        import dataclasses
-        import json
-
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ConfigError("`kv_events_config` must be JSON, e.g. "
-                                  f"'{{\"enable_kv_cache_events\": true}}': {exc}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"`kv_events_config` must be a JSON object, got {value!r}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ConfigError(f"`kv_events_config` has unknown keys {unknown}; known: {known}")
-        return cls(**value)
+        return _config_from_value(cls, value, "kv_events_config", '{"enable_kv_cache_events": true}')
 
 
 @dataclass(frozen=True)
