@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx2 as httpx
 import msgpack
 
 import pytest
@@ -247,6 +249,29 @@ def test_kv_event_endpoints_from_a_workers_status():
     assert kv_event_endpoints(status, "http://10.1.2.3:8000") == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")
     assert kv_event_endpoints({"kv_events": {"enabled": False}}, "http://h:1") == (None, None)
     assert kv_event_endpoints({}, "http://h:1") == (None, None)
+
+
+def test_kv_events_endpoints_flag_overrides_what_a_worker_reports():
+    from tokenmill.cli.router import parse_kv_events_endpoints
+
+    parsed = parse_kv_events_endpoints(["http://10.0.0.5:8000/=tcp://1.2.3.4:5557,tcp://1.2.3.4:5558",
+                                        "w1=tcp://5.6.7.8:9"])
+    assert parsed == {"http://10.0.0.5:8000": ("tcp://1.2.3.4:5557", "tcp://1.2.3.4:5558"), "w1": ("tcp://5.6.7.8:9", None)}
+    for bad in ["tcp://1.2.3.4:5557", "w1=", "w1=a,b,c"]:
+        with pytest.raises(ValueError, match="--kv-events-endpoints"):
+            parse_kv_events_endpoints([bad])
+    subscribed = []
+
+    class Recording(KVIndex):
+        def add_worker(self, worker_id, endpoint, replay_endpoint=None):
+            subscribed.append((worker_id, endpoint, replay_endpoint))
+
+    policy = KVAwarePolicy(Recording(), endpoints=parsed)
+    policy.on_worker_added(WorkerView("w0", "http://10.0.0.5:8000", True, 0, 0, True, 16, "tcp://10.0.0.5:1", None))
+    policy.on_worker_added(WorkerView("w1", "http://h:1", True, 0, 0, True, 16, None, None))
+    policy.on_worker_added(WorkerView("w2", "http://h:2", True, 0, 0, True, 16, "tcp://h:3", "tcp://h:4"))
+    assert subscribed == [("w0", "tcp://1.2.3.4:5557", "tcp://1.2.3.4:5558"), ("w1", "tcp://5.6.7.8:9", None),
+                          ("w2", "tcp://h:3", "tcp://h:4")]
 
 
 # ---- publisher and subscriber over ZeroMQ ------------------------------------------------------------
@@ -595,5 +620,30 @@ def test_router_process_with_kv_aware_sends_each_repeat_to_the_worker_holding_it
             worker, usage = complete(t, question=10 + t)
             assert worker == home[t]
             assert usage["prompt_tokens_details"]["cached_tokens"] == 5 * SERVER_BLOCK_SIZE  # the 80-token prefix
+
+        # Text: the router tokenizes chats with the model the workers report (as they do), so repeats of a
+        # tenant's conversation go home too, and a cache_salt (a worker-side extra key) is hashed alike.
+        def chat(tenant: int, question: str, salt: str | None = None):
+            body = {"model": tiny_llama, "messages": tenant_messages(10 + tenant, question), "max_tokens": 2,
+                    "temperature": 0}
+            if salt is not None:
+                body["cache_salt"] = salt
+            response = router.post("/v1/chat/completions", body)
+            assert response.status_code == 200, response.text
+            return response.headers[WORKER_HEADER], response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        def kv_overlap_decisions() -> float:
+            text = httpx.get(f"{router.url}/metrics", timeout=10).text
+            line = re.search(r'^tokenmill_router:routing_decisions_total\{policy="kv_aware",reason="kv_overlap"\} (\S+)$',
+                             text, re.M)
+            return float(line.group(1)) if line else 0.0
+
+        chat_home = {t: chat(t, "First question?", salt="s")[0] for t in range(4)}
+        time.sleep(0.5)
+        before = kv_overlap_decisions()
+        for t in range(4):
+            worker, cached = chat(t, f"Second question number {t}?", salt="s")
+            assert worker == chat_home[t] and cached >= 4 * SERVER_BLOCK_SIZE
+        assert kv_overlap_decisions() == before + 4  # chosen for the blocks the router hashed, not by chance
     finally:
         router.stop()

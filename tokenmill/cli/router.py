@@ -41,6 +41,15 @@ def register(subparsers) -> None:
     parser.add_argument("--load-cap-epsilon", type=float, default=0.25,
                         help="session affinity (and kv_aware): a worker over (1 + eps) x the mean outstanding "
                              "tokens takes no request it would otherwise be bound to")
+    parser.add_argument("--kv-overlap-weight", type=float, default=1.0,
+                        help="kv_aware: cost of one prompt block to prefill, in blocks of decode load (Dynamo's "
+                             "overlap score weight); 0 routes by load alone")
+    parser.add_argument("--kv-events-endpoints", nargs="+", default=[], metavar="WORKER=ENDPOINT[,REPLAY]",
+                        help="kv_aware: where a worker (URL or id) publishes KV events, when the address in its "
+                             "/debug/status is not reachable from here, e.g. http://10.0.0.5:8000=tcp://10.0.0.5:5557")
+    parser.add_argument("--tokenizer", default=None,
+                        help="kv_aware: tokenizer or model path (HF directory or GGUF) to tokenize text prompts "
+                             "with; default: the model the first tokenmill worker reports")
     parser.add_argument("--health-check-interval", type=positive_seconds, default=10.0,
                         help="seconds between health checks of every worker (GET /health)")
     parser.add_argument("--request-timeout", type=positive_seconds, default=1800.0,
@@ -49,6 +58,22 @@ def register(subparsers) -> None:
                         help="require 'Authorization: Bearer <key>' on /v1 and /workers; sent on to the workers")
     parser.add_argument("--seed", type=int, default=None, help="seed of power_of_two's random choices")
     parser.set_defaults(func=cmd_router)
+
+
+def parse_kv_events_endpoints(items: list[str]) -> dict[str, tuple[str, str | None]]:
+    """``WORKER=ENDPOINT[,REPLAY]`` items -> {worker: (endpoint, replay endpoint or None)}.
+
+    Raises:
+        ValueError: an item without ``=`` or an endpoint, naming the flag.
+    """
+    out: dict[str, tuple[str, str | None]] = {}
+    for item in items:
+        worker, sep, endpoints = item.rpartition("=")
+        parts = endpoints.split(",")
+        if not sep or not worker or not parts[0] or len(parts) > 2:
+            raise ValueError(f"--kv-events-endpoints: expected WORKER=ENDPOINT[,REPLAY], got {item!r}")
+        out[worker.rstrip("/")] = (parts[0], parts[1] if len(parts) == 2 and parts[1] else None)
+    return out
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -60,8 +85,9 @@ def cmd_router(args: argparse.Namespace) -> int:
                           balance_abs_threshold=args.balance_abs_threshold,
                           balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
                           eviction_interval=args.eviction_interval, load_cap_epsilon=args.load_cap_epsilon,
-                          seed=args.seed)
+                          seed=args.seed, kv_overlap_weight=args.kv_overlap_weight,
+                          kv_events_endpoints=parse_kv_events_endpoints(args.kv_events_endpoints) or None)
     config = RouterConfig(worker_urls=tuple(args.worker_urls), policy=policy, host=args.host, port=args.port,
                           api_key=args.api_key, health_check_interval=args.health_check_interval,
-                          request_timeout=args.request_timeout)
+                          request_timeout=args.request_timeout, tokenizer=args.tokenizer)
     return run_router(config)

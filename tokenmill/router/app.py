@@ -10,6 +10,7 @@ Never imports torch, transformers or the engine: a router starts in about a seco
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -29,6 +30,7 @@ from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import PolicyConfig, make_policy
 from tokenmill.router.policy import RouteRequest
 from tokenmill.router.proxy import Proxy, openai_error
+from tokenmill.router.tokenize import RequestTokenizer
 from tokenmill.router.workers import HEALTH_TIMEOUT_S, DuplicateWorker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,8 @@ CHAT_MAX_TOKENS_ESTIMATE = 256  # chat without a budget may run to max_model_len
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The router's settings (the flags of ``tokenmill router``)."""
+    """The router's settings (the flags of ``tokenmill router``). ``tokenizer``: the path ``kv_aware``
+    tokenizes text prompts with (None: the model the first tokenmill worker reports)."""
 
     worker_urls: tuple[str, ...] = ()
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -48,6 +51,7 @@ class RouterConfig:
     api_key: str | None = None
     health_check_interval: float = 10.0
     request_timeout: float = 1800.0
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if not self.health_check_interval > 0:
@@ -178,6 +182,23 @@ def build_app(config: RouterConfig) -> FastAPI:
     proxy = Proxy(client, registry, policy, metrics, config.api_key)
     for url in config.worker_urls:
         registry.add(url)
+    # Only kv_aware hashes prompt blocks, so only it needs the prompt's token ids.
+    tokenizer = RequestTokenizer(config.tokenizer) if config.policy.name == "kv_aware" else None
+
+    async def with_token_ids(kind: str, body: dict, route: RouteRequest) -> RouteRequest:
+        """``route`` with the prompt's token ids and the worker's prefix-cache extra keys (cache_salt)."""
+        salt = body.get("cache_salt")
+        extra_keys = (salt,) if isinstance(salt, str) and salt else ()
+        ids = route.prompt_token_ids
+        if ids is None:
+            for worker in registry.workers.values():
+                if worker.is_tokenmill:
+                    tokenizer.offer_source(worker.model_path)
+                    break
+            token_ids = await asyncio.to_thread(tokenizer.token_ids, kind, body)
+            ids = tuple(token_ids) if token_ids is not None else None
+        return dataclasses.replace(route, prompt_token_ids=ids, extra_keys=extra_keys,
+                                   num_prompt_tokens=len(ids) if ids is not None else route.num_prompt_tokens)
 
     async def housekeeping_loop() -> None:
         while True:
@@ -231,6 +252,8 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def forward(kind: str, path: str, request: Request) -> Response:
         content, body = await read_json(request)
         route = route_request(kind, body, request.headers.get("x-session-id"))
+        if tokenizer is not None:
+            route = await with_token_ids(kind, body, route)
         return await proxy.forward(path, content, route, bool(body.get("stream", False)), request, body)
 
     @app.post("/v1/completions", dependencies=auth)

@@ -67,8 +67,8 @@ class KVAwarePolicy(Policy):
         overlap_weight: weight of a block to prefill against a block of decode load (Dynamo's
             ``overlap_score_weight``); 0 ignores the cache (least load under the cap).
         epsilon: the cap's slack: no worker above ``(1 + epsilon) x`` the mean load takes a request.
-        endpoints: worker_id or URL -> (endpoint, replay_endpoint) for workers whose view does not say
-            where they publish (the router's ``--kv-events-endpoints``).
+        endpoints: worker_id or URL -> (endpoint, replay_endpoint), used instead of what the worker's view
+            says (the router's ``--kv-events-endpoints``: for addresses the worker cannot know, e.g. NAT).
     """
 
     name = "kv_aware"
@@ -138,9 +138,8 @@ class KVAwarePolicy(Policy):
         self.index.add_worker(worker_id, endpoint, replay_endpoint)
 
     def on_worker_added(self, worker: WorkerView) -> None:
-        endpoint, replay = worker.kv_events_endpoint, worker.kv_events_replay_endpoint
-        if endpoint is None:
-            endpoint, replay = self.endpoints.get(worker.worker_id) or self.endpoints.get(worker.url) or (None, None)
+        endpoint, replay = (self.endpoints.get(worker.worker_id) or self.endpoints.get(worker.url)
+                            or (worker.kv_events_endpoint, worker.kv_events_replay_endpoint))
         if endpoint is not None:
             self.index.add_worker(worker.worker_id, endpoint, replay)
 
@@ -153,8 +152,7 @@ class KVAwarePolicy(Policy):
 
 
 def build_policy(config) -> KVAwarePolicy:
-    """The policy from the router's ``PolicyConfig`` (``load_cap_epsilon``; ``kv_overlap_weight`` and
-    ``kv_events_endpoints`` when it has them)."""
-    return KVAwarePolicy(overlap_weight=getattr(config, "kv_overlap_weight", 1.0),
-                         epsilon=getattr(config, "load_cap_epsilon", 0.25),
-                         endpoints=getattr(config, "kv_events_endpoints", None))
+    """The policy from the router's ``PolicyConfig`` (``kv_overlap_weight``, ``load_cap_epsilon``,
+    ``kv_events_endpoints``)."""
+    return KVAwarePolicy(overlap_weight=config.kv_overlap_weight, epsilon=config.load_cap_epsilon,
+                         endpoints=config.kv_events_endpoints)

@@ -26,6 +26,9 @@ class PolicyConfig:
     cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size (characters per
     worker), eviction_interval (seconds): ``cache_aware``'s knobs, named and defaulted as SGLang's
     router. load_cap_epsilon: the ε of ``bounded_load_ok``. seed: ``power_of_two``'s random choices.
+    kv_overlap_weight: ``kv_aware``'s weight of a block to prefill against a block of decode load.
+    kv_events_endpoints: worker URL or id -> (KV events endpoint, replay endpoint or None), for
+    workers whose ``/debug/status`` does not give an address the router can reach.
     """
 
     name: str = "cache_aware"
@@ -36,6 +39,8 @@ class PolicyConfig:
     eviction_interval: float = 60.0
     load_cap_epsilon: float = 0.25
     seed: int | None = None
+    kv_overlap_weight: float = 1.0
+    kv_events_endpoints: dict[str, tuple[str, str | None]] | None = None
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
@@ -52,6 +57,8 @@ class PolicyConfig:
             raise ValueError(f"eviction_interval must be > 0, got {self.eviction_interval}")
         if self.load_cap_epsilon < 0:
             raise ValueError(f"load_cap_epsilon must be >= 0, got {self.load_cap_epsilon}")
+        if not self.kv_overlap_weight >= 0:
+            raise ValueError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight}")
 
 
 def request_tokens(request: RouteRequest) -> int:

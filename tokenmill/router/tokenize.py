@@ -19,8 +19,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tokenmill.engine.chat_prompt import ChatPromptRenderer
-
 logger = logging.getLogger(__name__)
 
 _MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
@@ -35,7 +33,7 @@ class RouterTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._renderer: ChatPromptRenderer | None = None
+        self._renderer: Any = None  # a ChatPromptRenderer, made on the first chat
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """A completions prompt's token ids (special tokens added, as the worker does)."""
@@ -49,7 +47,8 @@ class RouterTokenizer:
         Raises:
             ValueError: messages the template (or tools validation) rejects; the worker refuses them too.
         """
-        from tokenmill.tool_calling import conversation_for_template, parse_tools, template_supports_tools
+        from tokenmill.engine.chat_prompt import ChatPromptRenderer  # pure Python, but a package the router
+        from tokenmill.tool_calling import conversation_for_template, parse_tools, template_supports_tools  # loads late
 
         template_tools = None
         if tools:
@@ -132,3 +131,66 @@ def _models_module(name: str) -> ModuleType:
         spec.loader.exec_module(module)
         sys.modules[alias] = module
     return sys.modules[alias]
+
+
+class RequestTokenizer:
+    """The prompt token ids of an OpenAI request body, for policies that hash blocks (``kv_aware``).
+
+    The tokenizer comes from ``path`` when given (the router's ``--tokenizer``), else from the first
+    tokenmill worker that reports its model (``/debug/status`` ``config.tokenizer`` or ``config.model``;
+    None there is the embedded default model), loaded once on first use. A worker whose model path
+    does not exist on the router's host leaves the router without a tokenizer: text prompts are then
+    routed without token ids (``kv_aware`` falls back to least load under its cap), logged once.
+
+    Args:
+        path: a tokenizer or model path (HF directory or GGUF), or None to learn it from the workers.
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self._explicit = path is not None
+        self._source: tuple[str | None] | None = (path,) if path is not None else None
+        self._tokenizer: RouterTokenizer | None = None
+        self._failed = False
+
+    def offer_source(self, model_path: str | None) -> None:
+        """A tokenmill worker's model path (None: the embedded default); the first one offered is used."""
+        if self._source is None:
+            self._source = (model_path,)
+
+    def tokenizer(self) -> RouterTokenizer | None:
+        """The tokenizer, loading it on first call (blocking: call from a worker thread); None when no
+        source is known yet or loading failed."""
+        if self._tokenizer is None and self._source is not None and not self._failed:
+            try:
+                self._tokenizer = load_router_tokenizer(self._source[0])
+            except Exception as exc:  # noqa: BLE001 — any failure: route without token ids, say why once
+                self._failed = True
+                logger.warning("router tokenizer for %s unavailable (%s: %s); kv_aware routes text prompts by load "
+                               "only (pass --tokenizer PATH)", self._source[0] or "the embedded model",
+                               type(exc).__name__, exc)
+        return self._tokenizer
+
+    def token_ids(self, kind: str, body: dict) -> list[int] | None:
+        """Prompt token ids of a ``completions`` (one string prompt) or ``chat`` body, as the worker will
+        compute them; None when they cannot be known here (several prompts, no tokenizer, or a body the
+        worker will refuse — the worker names the field)."""
+        if kind == "completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                return None
+            tokenizer = self.tokenizer()
+            return tokenizer.encode_prompt(prompt) if tokenizer is not None else None
+        tokenizer = self.tokenizer()
+        if tokenizer is None:
+            return None
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return None
+        try:
+            return tokenizer.render_chat(messages, bool(body.get("add_generation_prompt", True)),
+                                         bool(body.get("allow_special_tokens_in_content") or False),
+                                         tools=body.get("tools"), tool_choice=body.get("tool_choice"))
+        except Exception:  # noqa: BLE001 — the worker validates the body and answers the client
+            return None

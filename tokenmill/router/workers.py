@@ -62,6 +62,7 @@ class Worker:
     block_size: int | None = None
     kv_events_endpoint: str | None = None  # where a tokenmill worker publishes KV events (kv_aware subscribes)
     kv_events_replay_endpoint: str | None = None
+    model_path: str | None = None  # a tokenmill worker's tokenizer or model path (None: the embedded model)
     last_error: str | None = None
 
     def view(self) -> WorkerView:
@@ -184,6 +185,9 @@ class WorkerRegistry:
             block_size = status["kv_cache"].get("block_size")
             worker.is_tokenmill = True
             worker.block_size = block_size if isinstance(block_size, int) else None
+            config = status["config"] if isinstance(status["config"], dict) else {}
+            model_path = config.get("tokenizer") or config.get("model")
+            worker.model_path = model_path if isinstance(model_path, str) else None
             kv_events = status.get("kv_events")
             if isinstance(kv_events, dict) and kv_events.get("enabled"):
                 from tokenmill.router.kv_index import kv_event_endpoints  # here only: it imports zmq

@@ -1,0 +1,238 @@
+"""Router benchmark: 2 replicas of 1 thread behind ``tokenmill router`` (one run per policy) against 1
+replica of 2 threads served directly, on a multi-tenant shared-prefix workload and on ShareGPT; plus
+the router's own overhead on time to first token.
+
+For each configuration it prints request and token throughput, median / p90 TTFT, and the prefix-cache
+hit tokens the workers report (``tokenmill:prefix_cache_hits_total``, summed over workers, difference
+across the run). Router overhead: the same short requests, one at a time, sent alternately straight to
+a worker and through a router in front of that worker; the difference of the median TTFTs (and of the
+means) is what the router adds.
+
+Every server is a real process on 127.0.0.1 running the embedded SmolLM2 GGUF (or ``--model``); the
+workers publish KV events so ``kv_aware`` can route. Run on a quiet machine: the two configurations
+share its cores in turn, never at once::
+
+    .venv/bin/python benchmarks/router.py                        # everything (~10 min on 2 cores)
+    .venv/bin/python benchmarks/router.py --policies cache_aware kv_aware --num-prompts 48
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tokenmill.bench.serve_bench import LoadConfig, run_serve_benchmark  # noqa: E402
+from tokenmill.bench.serve_client import ClientConfig, make_client, send_request  # noqa: E402
+from tokenmill.bench.workload import DatasetConfig, build_workload, load_tokenizer  # noqa: E402
+
+POLICIES = ["round_robin", "least_load", "power_of_two", "cache_aware", "kv_aware"]
+EVENTS = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}'
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A ``tokenmill`` subcommand on a free port, logging to a file; ``wait(path)`` polls until it answers."""
+
+    def __init__(self, args: list[str], log_dir: Path, name: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli.main", *args, "--port", str(self.port)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+
+    def wait(self, path: str, timeout: float = 300.0) -> Process:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.log_path.name} exited:\n{self.log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.log_path.name} not up after {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def start_worker(model: str | None, threads: int, log_dir: Path, name: str, kv_blocks: int) -> Process:
+    args = ["serve", *([model] if model else []), "--num-threads", str(threads), "--num-kv-blocks", str(kv_blocks),
+            "--kv-events-config", EVENTS, "--disable-log-requests"]
+    return Process(args, log_dir, name)
+
+
+def prefix_hits(urls: list[str]) -> float:
+    """Sum over workers of ``tokenmill:prefix_cache_hits_total`` (prompt tokens served from cache)."""
+    total = 0.0
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        total += sum(float(v) for v in re.findall(r"^tokenmill:prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$", text,
+                                                  re.M))
+    return total
+
+
+def run_workload(base_url: str, workers: list[str], workload: list, tokenizer, concurrency: int) -> dict:
+    """One timed run through ``base_url``; throughput, TTFT and the workers' prefix-hit tokens."""
+    before = prefix_hits(workers)
+    config = ClientConfig(base_url=base_url, endpoint="completions", ignore_eos=True)
+    client = make_client(config)
+    run = asyncio.run(run_serve_benchmark(client, config, LoadConfig(max_concurrency=concurrency,
+                                                                     disable_tqdm=True), workload, tokenizer))
+    m = run.metrics
+    return {"completed": m.completed, "failed": m.failed, "req_s": m.request_throughput,
+            "tok_s": m.total_token_throughput, "out_tok_s": m.output_throughput,
+            "ttft_med_ms": m.ttft.median_ms, "ttft_p90_ms": m.ttft.p90_ms,
+            "input_tokens": m.total_input_tokens, "hit_tokens": prefix_hits(workers) - before}
+
+
+def router_overhead(worker_url: str, router_url: str, tokenizer, num: int) -> dict:
+    """Median and mean TTFT of the same 16-token prompts, one at a time, alternately direct and routed."""
+    requests = build_workload(DatasetConfig(name="random", num_prompts=num, random_input_len=16,
+                                            random_output_len=1, seed=7), tokenizer)
+
+    async def ttfts(base_url: str, request) -> float:
+        config = ClientConfig(base_url=base_url, endpoint="completions", ignore_eos=True)
+        async with make_client(config) as client:
+            turn = request.turns[0]
+            reply = await send_request(client, config, turn.prompt, turn.expected_output_len, time.perf_counter())
+        assert reply.result.success, reply.result.error
+        return reply.result.ttft
+
+    direct, routed = [], []
+    for i, conv in enumerate(requests):  # alternate which goes first, so drift cancels
+        pair = [(worker_url, direct), (router_url, routed)]
+        for url, out in (pair if i % 2 == 0 else pair[::-1]):
+            out.append(asyncio.run(ttfts(url, conv)) * 1e3)
+    return {"direct_med_ms": statistics.median(direct), "routed_med_ms": statistics.median(routed),
+            "added_med_ms": statistics.median(routed) - statistics.median(direct),
+            "added_mean_ms": statistics.fmean(routed) - statistics.fmean(direct)}
+
+
+def table(rows: list[tuple[str, str, dict]]) -> str:
+    head = ("| workload | configuration | req/s | total tok/s | TTFT median ms | TTFT p90 ms | prefix-hit tokens "
+            "(of input) | failed |")
+    lines = [head, "|" + "---|" * 8]
+    for workload, name, r in rows:
+        lines.append(f"| {workload} | {name} | {r['req_s']:.2f} | {r['tok_s']:.0f} | {r['ttft_med_ms']:.0f} | "
+                     f"{r['ttft_p90_ms']:.0f} | {r['hit_tokens']:.0f} ({r['input_tokens']}) | {r['failed']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2 GGUF)")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=POLICIES)
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests per workload")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--num-groups", type=int, default=8, help="tenants (shared prefixes) of the prefix workload")
+    parser.add_argument("--prefix-len", type=int, default=384)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks per worker")
+    parser.add_argument("--overhead-requests", type=int, default=40)
+    parser.add_argument("--workloads", nargs="+", choices=["shared-prefix", "sharegpt"],
+                        default=["shared-prefix", "sharegpt"])
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+
+    tokenizer = load_tokenizer(args.model)
+    workloads = {
+        "shared-prefix": build_workload(DatasetConfig(
+            name="shared-prefix", num_prompts=args.num_prompts, shared_prefix_num_groups=args.num_groups,
+            shared_prefix_len=args.prefix_len, shared_prefix_suffix_len=32, shared_prefix_output_len=args.output_len,
+            seed=1), tokenizer),
+        "sharegpt": build_workload(DatasetConfig(name="sharegpt", num_prompts=args.num_prompts,
+                                                 sharegpt_output_len=args.output_len, sharegpt_max_prompt_len=512,
+                                                 seed=1), tokenizer),
+    }
+    rows: list[tuple[str, str, dict]] = []
+    overhead = None
+    log_dir = Path(tempfile.mkdtemp(prefix="router_bench_"))
+    print(f"logs in {log_dir}", flush=True)
+
+    # 1 replica x 2 threads, served directly (fresh process per workload: a cold prefix cache each time).
+    for name in args.workloads:
+        single = start_worker(args.model, 2, log_dir, f"single_{name}", args.kv_blocks).wait("/health")
+        try:
+            result = run_workload(single.url, [single.url], workloads[name], tokenizer, args.concurrency)
+        finally:
+            single.stop()
+        rows.append((name, "1 replica x 2 threads (direct)", result))
+        print(rows[-1], flush=True)
+
+    # 2 replicas x 1 thread behind the router, per policy (fresh workers per run: cold caches).
+    for policy in args.policies:
+        for name in args.workloads:
+            workers = [start_worker(args.model, 1, log_dir, f"{policy}_{name}_w{i}", args.kv_blocks) for i in range(2)]
+            router = None
+            try:
+                for w in workers:
+                    w.wait("/health")
+                router = Process(["router", "--policy", policy, "--worker-urls", *[w.url for w in workers]],
+                                 log_dir, f"router_{policy}_{name}").wait("/health", timeout=60)
+                result = run_workload(router.url, [w.url for w in workers], workloads[name], tokenizer,
+                                      args.concurrency)
+            finally:
+                if router is not None:
+                    router.stop()
+                for w in workers:
+                    w.stop()
+            rows.append((name, f"2 replicas x 1 thread, router {policy}", result))
+            print(rows[-1], flush=True)
+
+    # Router overhead: one worker (2 threads), the router in front of it, requests one at a time.
+    worker = start_worker(args.model, 2, log_dir, "overhead_worker", args.kv_blocks).wait("/health")
+    router = None
+    try:
+        router = Process(["router", "--policy", "cache_aware", "--worker-urls", worker.url], log_dir,
+                         "overhead_router").wait("/health", timeout=60)
+        router_overhead(worker.url, router.url, tokenizer, 4)  # warm both paths
+        overhead = router_overhead(worker.url, router.url, tokenizer, args.overhead_requests)
+    finally:
+        if router is not None:
+            router.stop()
+        worker.stop()
+
+    print()
+    print(table(rows))
+    print()
+    print(f"router overhead ({args.overhead_requests} requests, 16-token prompts, 1 output token, one at a time): "
+          f"direct median TTFT {overhead['direct_med_ms']:.2f} ms, through the router "
+          f"{overhead['routed_med_ms']:.2f} ms: +{overhead['added_med_ms']:.2f} ms median, "
+          f"+{overhead['added_mean_ms']:.2f} ms mean")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": [{"workload": w, "configuration": c, **r} for w, c, r in rows],
+                                               "overhead": overhead, "args": vars(args)}, indent=2, default=str))
+    return 0 if all(r["failed"] == 0 and not math.isnan(r["tok_s"]) for _, _, r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
