@@ -153,3 +153,21 @@ def test_concurrency_sweep_writes_table_json_and_plot(server, tiny_path, tmp_pat
     table = out[out.index("Throughput vs latency"):].splitlines()
     assert table[2].split()[0] == "1" and table[3].split()[0] == "3"
     assert result_file.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_vllm_spellings_result_dir_filename_host_port_backend(server, tiny_path, tmp_path, capsys):
+    """vLLM's ``bench serve`` spellings: ``--result-dir D --result-filename F`` writes ``D/F`` (D created),
+    ``--host``/``--port`` stand for ``--base-url``, ``--backend openai-chat`` for ``--endpoint chat`` and
+    ``--served-model-name`` for ``--model``; ``--result-file`` with ``--result-dir`` is refused naming the flag."""
+    result_dir = tmp_path / "results" / "nested"
+    args = ["--dataset", "random", "--random-input-len", "8", "--random-output-len", "3", "--num-prompts", "2",
+            "--ignore-eos", "--result-dir", str(result_dir), "--result-filename", "chat.json"]
+    code = main(["bench", "serve", "--host", "127.0.0.1", "--port", str(server.port), "--tokenizer", tiny_path,
+                 "--disable-tqdm", "--backend", "openai-chat", "--served-model-name", tiny_path, *args])
+    assert code == 0
+    record = json.loads((result_dir / "chat.json").read_text())
+    assert (record["completed"], record["failed"]) == (2, 0)
+    assert record["endpoint"] == "chat" and record["model_id"] == tiny_path
+    assert str(result_dir / "chat.json") in capsys.readouterr().out
+    assert bench(server.url, tiny_path, *args, "--result-file", str(tmp_path / "x.json")) == 2
+    assert "result_file" in capsys.readouterr().err

@@ -14,6 +14,11 @@ from tokenmill.cli.main import add_engine_args, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
+# ``--endpoint`` spellings (ours, and vLLM's API paths) -> endpoint; vLLM's ``--backend`` -> endpoint.
+ENDPOINT_SPELLINGS = {"completions": "completions", "chat": "chat",
+                      "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+BACKEND_ENDPOINTS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
+
 
 def register(subparsers) -> None:
     """Add ``bench`` with its ``serve``, ``offline`` and ``compare`` subcommands."""
@@ -21,9 +26,16 @@ def register(subparsers) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
     serve = sub.add_parser("serve", help="load-test an OpenAI-compatible server (streaming)")
-    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (with or without /v1)")
-    serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    serve.add_argument("--model", default=None, help="served model name (default: first of /v1/models)")
+    serve.add_argument("--base-url", default=None,
+                       help="server root, with or without /v1 (default: http://HOST:PORT)")
+    serve.add_argument("--host", default="127.0.0.1", help="server host when --base-url is not given")
+    serve.add_argument("--port", type=int, default=8000, help="server port when --base-url is not given")
+    serve.add_argument("--endpoint", choices=sorted(ENDPOINT_SPELLINGS), default="completions",
+                       help="completions or chat; vLLM's paths /v1/completions and /v1/chat/completions too")
+    serve.add_argument("--backend", choices=sorted(BACKEND_ENDPOINTS), default=None,
+                       help="vLLM spelling: openai / vllm (completions) or openai-chat (chat); overrides --endpoint")
+    serve.add_argument("--model", "--served-model-name", dest="model", default=None,
+                       help="served model name (default: first of /v1/models)")
     serve.add_argument("--tokenizer", default=None,
                        help="local tokenizer (model dir or .gguf) for sampling and counting (default: embedded SmolLM2)")
     serve.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY)")
@@ -38,6 +50,11 @@ def register(subparsers) -> None:
     serve.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     serve.add_argument("--save-result", action="store_true", help="write the result JSON")
     serve.add_argument("--result-file", type=Path, default=None, help="result JSON path (implies --save-result)")
+    serve.add_argument("--result-dir", type=Path, default=None,
+                       help="directory of the result JSON (implies --save-result; default: the working directory)")
+    serve.add_argument("--result-filename", default=None,
+                       help="file name of the result JSON in --result-dir (implies --save-result; default: "
+                            "tokenmill-bench-{dataset}-{endpoint}-c{N}-{date}.json)")
     serve.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
                        help="write latency histograms (sweep: throughput vs latency) to PNG (default: next to the JSON)")
     serve.add_argument("--disable-tqdm", action="store_true")
@@ -72,21 +89,44 @@ def _concurrency_levels(text: str | None) -> list[int] | None:
     return levels
 
 
+def serve_result_file(args: argparse.Namespace) -> Path | None:
+    """The result JSON path of ``bench serve``: ``--result-file``, or ``--result-dir`` / ``--result-filename``
+    as in vLLM (a missing half: the working directory, or the default name); None when none is given.
+
+    Raises:
+        ValueError: ``--result-file`` given together with ``--result-dir`` or ``--result-filename``.
+    """
+    if args.result_dir is None and args.result_filename is None:
+        return args.result_file
+    if args.result_file is not None:
+        raise ValueError("result_file: give either --result-file or --result-dir/--result-filename, not both")
+    from tokenmill.bench.results import default_result_path
+
+    endpoint = BACKEND_ENDPOINTS[args.backend] if args.backend else ENDPOINT_SPELLINGS[args.endpoint]
+    sweep = args.concurrency is not None
+    name = args.result_filename or default_result_path(
+        args.dataset_name, endpoint, None if sweep else args.max_concurrency, "-sweep" if sweep else "").name
+    return (args.result_dir or Path(".")) / name
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Run ``bench serve`` (one run, or a concurrency sweep); returns the exit code."""
     from tokenmill.bench.serve_client import ClientConfig
     from tokenmill.bench.serve_bench import LoadConfig
 
     levels = _concurrency_levels(args.concurrency)
+    args.result_file = serve_result_file(args)
+    endpoint = BACKEND_ENDPOINTS[args.backend] if args.backend else ENDPOINT_SPELLINGS[args.endpoint]
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
     for noisy in ("httpx2", "httpx", "matplotlib"):  # one INFO line per HTTP request drowns the progress bar
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    client_config = ClientConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+    client_config = ClientConfig(base_url=base_url, model=args.model, endpoint=endpoint,
                                  temperature=args.temperature, ignore_eos=args.ignore_eos, api_key=args.api_key,
                                  timeout_s=args.timeout)
     load = LoadConfig(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                       num_warmups=args.num_warmups, seed=args.seed, disable_tqdm=args.disable_tqdm)
     dataset = dataset_config(args)
-    if dataset.name == "multi-turn" and args.endpoint != "chat":
+    if dataset.name == "multi-turn" and endpoint != "chat":
         raise ValueError("endpoint: the multi-turn dataset needs --endpoint chat")
     tokenizer = load_tokenizer(args.tokenizer)
     workload = build_workload(dataset, tokenizer)
