@@ -89,6 +89,11 @@ def _concurrency_levels(text: str | None) -> list[int] | None:
     return levels
 
 
+def serve_endpoint(args: argparse.Namespace) -> str:
+    """``completions`` or ``chat``, from ``--backend`` (vLLM's names; it wins) or ``--endpoint``."""
+    return BACKEND_ENDPOINTS[args.backend] if args.backend else ENDPOINT_SPELLINGS[args.endpoint]
+
+
 def serve_result_file(args: argparse.Namespace) -> Path | None:
     """The result JSON path of ``bench serve``: ``--result-file``, or ``--result-dir`` / ``--result-filename``
     as in vLLM (a missing half: the working directory, or the default name); None when none is given.
@@ -102,7 +107,7 @@ def serve_result_file(args: argparse.Namespace) -> Path | None:
         raise ValueError("result_file: give either --result-file or --result-dir/--result-filename, not both")
     from tokenmill.bench.results import default_result_path
 
-    endpoint = BACKEND_ENDPOINTS[args.backend] if args.backend else ENDPOINT_SPELLINGS[args.endpoint]
+    endpoint = serve_endpoint(args)
     sweep = args.concurrency is not None
     name = args.result_filename or default_result_path(
         args.dataset_name, endpoint, None if sweep else args.max_concurrency, "-sweep" if sweep else "").name
@@ -116,7 +121,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     levels = _concurrency_levels(args.concurrency)
     args.result_file = serve_result_file(args)
-    endpoint = BACKEND_ENDPOINTS[args.backend] if args.backend else ENDPOINT_SPELLINGS[args.endpoint]
+    endpoint = serve_endpoint(args)
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     for noisy in ("httpx2", "httpx", "matplotlib"):  # one INFO line per HTTP request drowns the progress bar
         logging.getLogger(noisy).setLevel(logging.WARNING)

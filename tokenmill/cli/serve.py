@@ -65,8 +65,10 @@ def register(subparsers) -> None:
                              '\'{"name": ..., "path": ..., "base_model_name": ...}\'; repeatable')
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
-    parser.add_argument("--disable-log-requests", action="store_true",
-                        help="no INFO log line per finished request")
+    parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=True,
+                        help="one INFO log line per finished request (default on)")
+    parser.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                        help="same as --no-enable-log-requests")
     parser.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
                         help="serve N engine replicas behind a router on --port (threads divided between them)")
     parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
@@ -141,7 +143,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         lora_modules=tuple(args.lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-        enable_log_requests=not args.disable_log_requests,
+        enable_log_requests=args.enable_log_requests,
     )
     if args.data_parallel_size > 1:
         from tokenmill.router.replicas import run_data_parallel
