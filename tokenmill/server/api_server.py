@@ -1,8 +1,9 @@
 """The FastAPI app (routes, API-key check, lifespan of the engine thread) and ``run_server``.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions (API key checked when configured),
-/health, /version, /metrics, /tokenize, /detokenize and the debug views /debug/kv_cache and
-/debug/status (engine configuration, CPU ISA path and kernel choice, KV pool).
+/health, /version, /metrics, /tokenize, /detokenize, /tokenizer_info, the debug views /debug/kv_cache
+and /debug/status (engine configuration, CPU ISA path and kernel choice, KV pool, the /metrics counters
+as JSON), and the web page at / with its files under /static (tokenmill/server/static, public).
 Tokenizing, chat templating and detokenizing run in worker threads (``asyncio.to_thread``), so a
 large input never stalls the event loop and the requests of other clients.
 """
@@ -16,14 +17,17 @@ import logging
 import platform
 import signal
 import sys
+import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Callable
 
 import torch
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tokenmill
@@ -35,17 +39,23 @@ from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from tokenmill.server.serving_chat import create_chat_completion, render_chat
 from tokenmill.server.serving_completions import create_completion
 from tokenmill.server.serving_lora import lora_router
+from tokenmill.server.serving_sessions import sessions_router
 from tokenmill.server.state import ServerConfig, ServerState
 
 logger = logging.getLogger(__name__)
 
+STATIC_DIR = Path(__file__).with_name("static")  # the web page (plain HTML/JS/CSS, no build step)
 
-def kv_cache_snapshot(engine) -> dict:
-    """The KV pool and scheduler counts, with the result of ``check_integrity()`` (engine thread only)."""
+
+def kv_cache_snapshot(engine, check_integrity: bool = True) -> dict:
+    """The KV pool and scheduler counts, with the result of ``check_integrity()`` (O(blocks); "skipped"
+    when ``check_integrity`` is False). Engine thread only."""
     kv = engine.kv_cache_manager
+    integrity = "skipped"
     try:
-        engine.check_integrity()
-        integrity = "ok"
+        if check_integrity:
+            engine.check_integrity()
+            integrity = "ok"
     except AssertionError as exc:
         integrity = f"failed: {exc}"
     return {
@@ -75,7 +85,7 @@ def _cpu_facts() -> dict:
     }
 
 
-def engine_status(engine) -> dict:
+def engine_status(engine, check_integrity: bool = True) -> dict:
     """The engine's configuration, where it runs (device, dtype, threads, CPU model and ISA path, which
     kernels run), the KV snapshot and the structured-output state (engine thread only)."""
     runner = engine.runner
@@ -90,7 +100,7 @@ def engine_status(engine) -> dict:
         "kernels": runner.kernel_choice,
         "kernel_plan": dataclasses.asdict(plan) if plan is not None else None,
         "config": dataclasses.asdict(engine.config),
-        "kv_cache": kv_cache_snapshot(engine),
+        "kv_cache": kv_cache_snapshot(engine, check_integrity),
         "structured_outputs": structured_outputs_snapshot(engine.structured_output_manager),
         "lora": lora_snapshot(engine),
         # What a KV-aware router needs: the block size it hashes prompts with, and where events are published.
@@ -129,6 +139,19 @@ def structured_outputs_snapshot(manager) -> dict:
         "mask_steps_total": manager.mask_steps_total,
         "mask_rows_total": manager.mask_rows_total,
     }
+
+
+def tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    """What a client needs to tokenize and template like the server (vLLM's ``/tokenizer_info``; lm-eval's
+    remote tokenizer reads ``eos_token``, ``bos_token``, ``pad_token`` and ``chat_template``): special tokens
+    as strings (None when the tokenizer has none) and ids, the chat template, ``model_max_length`` (tokens)."""
+    info = {"tokenizer_class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+            "model_max_length": max_model_len, "chat_template": tokenizer.chat_template}
+    for name in ("eos", "bos", "pad", "unk"):
+        info[f"{name}_token"] = getattr(tokenizer, f"{name}_token", None)
+        info[f"{name}_token_id"] = getattr(tokenizer, f"{name}_token_id", None)
+    info["add_bos_token"] = bool(getattr(tokenizer, "add_bos_token", False))
+    return info
 
 
 def _api_key_check(api_key: str | None) -> list:
@@ -191,6 +214,7 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
         return await create_chat_completion(body, raw_request, state)
 
     v1.include_router(lora_router(state, config.allow_runtime_lora_updating))
+    v1.include_router(sessions_router(state, config.session_save_path))
     app.include_router(v1)
 
     @app.get("/health")
@@ -225,6 +249,11 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
                                                 add_special_tokens=body.add_special_tokens)
         return {"tokens": token_ids, "count": len(token_ids), "max_model_len": state.max_model_len}
 
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> dict:
+        """Special tokens, chat template and length limit of the served tokenizer (public, like /tokenize)."""
+        return tokenizer_info(state.tokenizer, state.max_model_len)
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         """Text of token ids."""
@@ -246,13 +275,24 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
             raise APIError(str(exc), 503, "service_unavailable_error") from None
 
     @app.get("/debug/status", dependencies=debug_auth)
-    async def debug_status() -> JSONResponse:
-        """Configuration, CPU ISA path and kernel choice, KV pool; read on the engine thread."""
+    async def debug_status(check_integrity: bool = True) -> JSONResponse:
+        """Configuration, CPU ISA path and kernel choice, KV pool (read on the engine thread; with
+        ``check_integrity=false`` without the O(blocks) pool check, for pollers), and ``metrics``: the
+        /metrics counters and gauges as JSON with ``time`` (Unix seconds) and ``started``."""
         try:
-            return JSONResponse(jsonable_encoder(await state.engine.call(engine_status)))
+            status = await state.engine.call(functools.partial(engine_status, check_integrity=check_integrity))
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, "service_unavailable_error") from None
+        status.update(time=time.time(), started=state.created, served_model_name=state.model_name,
+                      api_key_required=bool(config.api_key), metrics=state.metrics.snapshot())
+        return JSONResponse(jsonable_encoder(status))
 
+    @app.get("/", include_in_schema=False)
+    async def web_page() -> FileResponse:
+        """The web page: chat playground and status view (public; its API calls carry the key)."""
+        return FileResponse(STATIC_DIR / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 
 

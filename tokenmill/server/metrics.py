@@ -184,6 +184,26 @@ class ServerMetrics:
         """The Prometheus text exposition of the registry."""
         return generate_latest(self.registry)
 
+    def snapshot(self) -> dict[str, float | dict[str, float]]:
+        """The registry's samples as JSON (for ``/debug/status``): sample name without ``tokenmill:`` -> value,
+        or -> {label values joined by "," -> value} when the sample has labels besides ``model_name``.
+        Histograms give only their ``_sum`` and ``_count``; ``_created`` samples and ``*_info`` families
+        are left out."""
+        out: dict[str, float | dict[str, float]] = {}
+        for family in self.registry.collect():
+            if family.name.endswith("_info"):
+                continue
+            for sample in family.samples:
+                if sample.name.endswith(("_bucket", "_created")):
+                    continue
+                name = sample.name.removeprefix("tokenmill:")
+                labels = [v for k, v in sample.labels.items() if k != "model_name"]
+                if labels:
+                    out.setdefault(name, {})[",".join(labels)] = sample.value
+                else:
+                    out[name] = sample.value
+        return out
+
 
 @dataclass
 class _Tracked:
