@@ -65,6 +65,9 @@ def register(subparsers) -> None:
                              '\'{"name": ..., "path": ..., "base_model_name": ...}\'; repeatable')
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    parser.add_argument("--session-save-path", default=None, metavar="DIR",
+                        help="enable POST /v1/sessions/{id}/save and /restore (and DELETE): saved sessions' KV "
+                             "blocks are files under DIR (docs/sessions.md)")
     parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=True,
                         help="one INFO log line per finished request (default on)")
     parser.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
@@ -144,6 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lora_modules=tuple(args.lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         enable_log_requests=args.enable_log_requests,
+        session_save_path=args.session_save_path,
     )
     if args.data_parallel_size > 1:
         from tokenmill.router.replicas import run_data_parallel

@@ -155,6 +155,28 @@ class BlockPool:
         self.cached_block_hash_to_block[block_hash] = block
         return True
 
+    def import_cached_blocks(self, block_hashes: list[int]) -> list[KVCacheBlock] | None:
+        """Index blocks whose content arrives from outside the pool (a restored session, a KV transfer):
+        for each hash not cached yet, take a free block (evicting the least recently used), index it
+        under the hash and leave it free and cached, the chain's head evicted last.
+
+        All or nothing: None (and nothing changed) when the new hashes outnumber the free blocks.
+        Returns the blocks taken, in ``block_hashes`` order, with ``ref_cnt`` 0; the caller writes
+        their K/V before the next step runs. Hashes already cached keep their block (same hash, same
+        content) and are skipped.
+        """
+        if not self.enable_caching:
+            return None
+        wanted = [h for h in dict.fromkeys(block_hashes) if h not in self.cached_block_hash_to_block]
+        if len(wanted) > self.num_free_blocks:
+            return None
+        blocks = self.get_new_blocks(len(wanted))
+        for block, block_hash in zip(blocks, wanted):
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash] = block
+        self.free_blocks(list(reversed(blocks)))
+        return blocks
+
     def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the tail of the free list in the
         given order (earlier in the list = evicted sooner)."""

@@ -163,6 +163,37 @@ class KVCacheManager:
                                         request.all_token_ids[a * size : b * size], extra_keys, lora_id, lora_name)
             run_start = k
 
+    def cached_prefix_block_ids(self, block_hashes: list[int]) -> list[int]:
+        """Block ids of the longest prefix of ``block_hashes`` held in the pool (not the lower tiers)."""
+        out = []
+        for block_hash in block_hashes:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            out.append(block.block_id)
+        return out
+
+    def import_prefix(self, token_ids: list[int], extra_keys: tuple = (), lora: tuple[int, str] | None = None
+                      ) -> tuple[list[int], list[int]] | None:
+        """Make the full blocks of ``token_ids`` (hashed with ``extra_keys``) prefix-cache entries whose
+        K/V the caller copies in (``BlockPool.import_cached_blocks``): returns (block ids to fill, their
+        indices in the chain); blocks already cached are not returned. None: not enough free blocks
+        (nothing changed). ``lora``: (id, name) for the KV event. Between engine steps only.
+        """
+        hashes: list[int] = []
+        extend_block_hashes(hashes, token_ids, self.block_size, extra_keys)
+        fresh = [i for i, h in enumerate(hashes) if self.block_pool.get_cached_block(h) is None]
+        blocks = self.block_pool.import_cached_blocks(hashes)
+        if blocks is None:
+            return None
+        if self.kv_events is not None and fresh:
+            lora_id, lora_name = lora if lora is not None else (None, None)
+            for i in fresh:  # one event per block: its parent and tokens say where it sits
+                self.kv_events.block_stored(hashes[i : i + 1], hashes[i - 1] if i > 0 else None,
+                                            token_ids[i * self.block_size : (i + 1) * self.block_size], extra_keys,
+                                            lora_id, lora_name)
+        return [b.block_id for b in blocks], fresh
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 

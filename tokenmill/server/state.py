@@ -46,6 +46,7 @@ class ServerConfig:
         lora_modules: adapters served from the start (``--lora-modules``; needs ``enable_lora`` in
             ``engine_kwargs``), each reached with ``model: name``.
         allow_runtime_lora_updating: enable ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+        session_save_path: directory of saved sessions (``/v1/sessions/{id}/save|restore``); None: off.
         enable_log_requests: one INFO log line per finished request (id, model or adapter, tokens,
             finish reason, latency).
     """
@@ -62,6 +63,7 @@ class ServerConfig:
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False
     enable_log_requests: bool = True
+    session_save_path: str | None = None
 
 
 class ServerState:

@@ -1,0 +1,198 @@
+"""Moving whole KV blocks in and out of an engine's pool, with the facts that decide whether a block
+may be used elsewhere (``KVBlockMeta``). Engine thread only, between steps.
+
+Used by session save/restore (``session.py``); the KV transfer connectors use the same export and
+import. A block is the pool's unit: ``(layers, 2, block_size, kv_heads, head_dim)`` of K and V.
+Only full blocks travel, indexed by the prefix cache's chained hashes, so an imported block is an
+ordinary prefix-cache entry: a later request whose prompt starts with those tokens hits it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tokenmill.kv_cache.block_hash import extend_block_hashes
+
+FORMAT_VERSION = 1
+
+
+class KVBlocksError(ValueError):
+    """Blocks that cannot be used here (other model, dtype, block size, shape, corrupt data) or cannot
+    be made (not cached, no room); ``param`` names the field at fault for a 4xx answer."""
+
+    def __init__(self, message: str, param: str | None = None, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status_code = param, status_code
+
+
+@dataclass(frozen=True)
+class KVBlockMeta:
+    """What a set of exported blocks is: enough to refuse them where they do not belong.
+
+    token_ids: the tokens the blocks hold (``num_blocks * block_size`` of them; the tokens of a trailing
+        partial block are not included). block_hashes: their chained prefix-cache hashes (hex strings,
+        so JSON readers without 64-bit integers keep them). extra_keys: what was hashed with them
+        (``cache_salt``, ``lora:<adapter digest>``). model_fingerprint: ``kv_offload.fingerprint``'s
+        sha256 of weights, config, compute dtype, block size and KV dtype. tokenizer_fingerprint: sha256
+        of the tokenizer's serialised vocabulary and rules. block_shape: one block's
+        ``(layers, 2, block_size, kv_heads, head_dim)``. sha256: of the blocks' bytes in order.
+    """
+
+    format_version: int
+    token_ids: list[int]
+    block_hashes: list[str]
+    extra_keys: list
+    lora_name: str | None
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    kv_dtype: str
+    block_size: int
+    block_shape: list[int]
+    sha256: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVBlockMeta:
+        """Raises KVBlocksError: not this format (or another version of it)."""
+        try:
+            raw = json.loads(text)
+            if raw.get("format_version") != FORMAT_VERSION:
+                raise KVBlocksError(f"format_version {raw.get('format_version')!r} is not {FORMAT_VERSION}",
+                                    "format_version")
+            return cls(**raw)
+        except (ValueError, TypeError, AttributeError) as exc:
+            if isinstance(exc, KVBlocksError):
+                raise
+            raise KVBlocksError(f"unreadable KV block metadata: {exc}", "metadata") from None
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer's full serialisation (vocabulary, merges, normaliser, added tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def engine_fingerprints(engine) -> tuple[str, str]:
+    """(model fingerprint, tokenizer fingerprint) of an engine now (one pass over the weights)."""
+    from tokenmill.kv_offload.fingerprint import model_fingerprint
+
+    loaded, kv_cache = engine.loaded, engine.runner.kv_cache
+    model = model_fingerprint(loaded.model, loaded.hf_config, loaded.dtype, engine.config.cache.block_size,
+                              kv_cache.dtype)
+    return model, tokenizer_fingerprint(engine.tokenizer)
+
+
+def extra_keys_of(engine, cache_salt: str | None, lora_request=None) -> tuple:
+    """The prefix-cache extra keys a request with this salt and adapter gets (as ``KVCacheManager``)."""
+    keys: tuple = (cache_salt,) if cache_salt else ()
+    if lora_request is not None:
+        if engine.lora_manager is None:
+            raise KVBlocksError("LoRA adapters need --enable-lora", "model")
+        keys += (f"lora:{engine.lora_manager.register(lora_request).digest}",)
+    return keys
+
+
+def export_blocks(engine, token_ids: list[int], extra_keys: tuple = (), lora_name: str | None = None
+                  ) -> tuple[KVBlockMeta, torch.Tensor]:
+    """The pool's blocks for the full blocks of ``token_ids``, copied out.
+
+    Returns (metadata, blocks ``(num_blocks, layers, 2, block_size, kv_heads, head_dim)`` on the CPU).
+
+    Raises:
+        KVBlocksError: fewer than one full block, or some of them are not in the pool (409: compute
+            them first, e.g. with a 1-token generation over ``token_ids``).
+    """
+    manager = engine.kv_cache_manager
+    block_size = manager.block_size
+    hashes: list[int] = []
+    extend_block_hashes(hashes, list(token_ids), block_size, extra_keys)
+    if not hashes:
+        raise KVBlocksError(f"token_ids: {len(token_ids)} tokens hold no full block of {block_size}", "token_ids")
+    block_ids = manager.cached_prefix_block_ids(hashes)
+    if len(block_ids) < len(hashes):
+        raise KVBlocksError(f"only {len(block_ids)} of {len(hashes)} blocks are in the KV pool", "token_ids", 409)
+    kv_cache = engine.runner.kv_cache  # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+    index = torch.tensor(block_ids, device=kv_cache.device)
+    blocks = kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+    model_fp, tokenizer_fp = engine_fingerprints(engine)
+    meta = KVBlockMeta(FORMAT_VERSION, list(token_ids[: len(hashes) * block_size]), [f"{h:016x}" for h in hashes],
+                       list(extra_keys), lora_name, model_fp, tokenizer_fp, str(kv_cache.dtype).removeprefix("torch."),
+                       block_size, list(blocks.shape[1:]), blocks_sha256(blocks))
+    return meta, blocks
+
+
+def blocks_sha256(blocks: torch.Tensor) -> str:
+    """sha256 of a contiguous CPU tensor's bytes."""
+    return hashlib.sha256(memoryview(blocks.reshape(-1).view(torch.uint8).numpy())).hexdigest()
+
+
+def check_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor) -> tuple[int, ...]:
+    """Refuse blocks that do not belong in this engine, before anything changes.
+
+    Returns the extra keys to hash with.
+
+    Raises:
+        KVBlocksError: another model or tokenizer, KV dtype, block size or block shape; hashes that do
+            not follow from the tokens; bytes that do not match the checksum.
+    """
+    kv_cache = engine.runner.kv_cache
+    block_size = engine.config.cache.block_size
+    kv_dtype = str(kv_cache.dtype).removeprefix("torch.")
+    want_shape = [kv_cache.shape[0], 2, block_size, kv_cache.shape[4], kv_cache.shape[5]]
+    if meta.block_size != block_size:
+        raise KVBlocksError(f"block_size {meta.block_size} does not match this server's {block_size}", "block_size")
+    if meta.kv_dtype != kv_dtype:
+        raise KVBlocksError(f"kv_dtype {meta.kv_dtype} does not match this server's {kv_dtype}", "kv_dtype")
+    if list(meta.block_shape) != want_shape or list(blocks.shape[1:]) != want_shape:
+        raise KVBlocksError(f"block_shape {list(blocks.shape[1:])} does not match this model's {want_shape}",
+                            "block_shape")
+    if str(blocks.dtype).removeprefix("torch.") != kv_dtype:
+        raise KVBlocksError(f"blocks are {blocks.dtype}, this server's KV cache is {kv_dtype}", "kv_dtype")
+    model_fp, tokenizer_fp = engine_fingerprints(engine)
+    if meta.tokenizer_fingerprint != tokenizer_fp:
+        raise KVBlocksError("the blocks were made with another tokenizer", "tokenizer_fingerprint")
+    if meta.model_fingerprint != model_fp:
+        raise KVBlocksError("the blocks were made by another model (weights, config, dtype, block size or KV dtype "
+                            "differ)", "model_fingerprint")
+    extra_keys = tuple(meta.extra_keys)
+    hashes: list[int] = []
+    extend_block_hashes(hashes, list(meta.token_ids), block_size, extra_keys)
+    if [f"{h:016x}" for h in hashes] != list(meta.block_hashes) or blocks.shape[0] != len(hashes):
+        raise KVBlocksError("block_hashes do not follow from token_ids and extra_keys", "block_hashes")
+    if blocks_sha256(blocks.contiguous()) != meta.sha256:
+        raise KVBlocksError("the blocks' checksum does not match (corrupt data)", "sha256")
+    return extra_keys
+
+
+def import_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor) -> dict:
+    """Make the blocks prefix-cache entries of this engine, all or nothing (checked first).
+
+    Returns ``{"num_blocks", "num_imported", "num_already_cached", "num_tokens"}``.
+
+    Raises:
+        KVBlocksError: as ``check_blocks``; or 507 when the pool has too few free blocks (nothing changed).
+    """
+    extra_keys = check_blocks(engine, meta, blocks)
+    manager = engine.kv_cache_manager
+    lora = None
+    taken = manager.import_prefix(list(meta.token_ids), extra_keys, lora)
+    if taken is None:
+        raise KVBlocksError(f"the KV pool has too few free blocks for {len(meta.block_hashes)} blocks; retry when "
+                            "fewer requests run", "token_ids", 507)
+    block_ids, indices = taken
+    if block_ids:
+        # Blocks just evicted to make room are copied to the lower tiers before they are overwritten.
+        offloads, loads = manager.take_kv_transfers()
+        if engine.kv_store is not None and (offloads or loads):
+            engine.kv_store.transfer(offloads, loads)
+        kv_cache = engine.runner.kv_cache
+        source = blocks[torch.tensor(indices)].to(kv_cache.device)  # (n, layers, 2, block_size, heads, dim)
+        kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)] = source.permute(1, 2, 0, 3, 4, 5)
+    return {"num_blocks": len(meta.block_hashes), "num_imported": len(block_ids),
+            "num_already_cached": len(meta.block_hashes) - len(block_ids), "num_tokens": len(meta.token_ids)}
