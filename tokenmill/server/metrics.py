@@ -132,6 +132,12 @@ class _EngineStatsCollector(Collector):
             for tier, tier_stats in sorted(stats.kv_offload.items()):
                 counter.add_metric([self._model_name, tier], tier_stats[key])
             yield counter
+        usage = GaugeMetricFamily("tokenmill:kv_offload_usage_perc",
+                                  "Fraction of a lower KV tier's capacity holding blocks (0-1).", labels=labels)
+        for tier, tier_stats in sorted(stats.kv_offload.items()):
+            capacity = tier_stats["capacity_blocks"]
+            usage.add_metric([self._model_name, tier], tier_stats["blocks_stored"] / capacity if capacity else 0.0)
+        yield usage
         if stats.kv_offload_disk_dwpd is not None:
             gauge = GaugeMetricFamily(
                 "tokenmill:kv_offload_disk_dwpd",

@@ -267,13 +267,15 @@ function renderStatus(status) {
   $("st-waiting").textContent = m.num_requests_waiting;
   $("st-kv").textContent = pct(kv.usage);
   setBar("st-kv-bar", kv.usage);
-  $("st-kv-sub").textContent = `${kv.num_blocks - kv.num_free_blocks} / ${kv.num_blocks} blocks of ${kv.block_size} tokens`;
+  $("st-kv-sub").textContent =
+    `${kv.num_blocks - kv.num_free_blocks} / ${kv.num_blocks} blocks of ${kv.block_size} tokens`;
   const tiers = kv.kv_offload || {};
   if (tiers.ram) {
     const used = tiers.ram.blocks_stored / tiers.ram.capacity_blocks;
     $("st-ram").textContent = pct(used);
     setBar("st-ram-bar", used);
-    $("st-ram-sub").textContent = `${tiers.ram.blocks_stored} / ${tiers.ram.capacity_blocks} blocks, ${tiers.ram.hits} hits`;
+    $("st-ram-sub").textContent =
+      `${tiers.ram.blocks_stored} / ${tiers.ram.capacity_blocks} blocks, ${tiers.ram.hits} hits`;
   }
   if (tiers.disk) {
     const used = tiers.disk.capacity_bytes ? tiers.disk.used_bytes / tiers.disk.capacity_bytes : 0;
@@ -365,7 +367,8 @@ function drawChart(svg, series, scale) {
   for (const frac of [0, 0.5, 1]) {
     const v = ymax * frac;
     parts.push(el("line", { class: "grid", x1: left, x2: width - right, y1: y(v), y2: y(v) }));
-    parts.push(el("text", { x: left - 4, y: y(v) + 3, "text-anchor": "end" }, v >= 100 ? v.toFixed(0) : v.toPrecision(2)));
+    const label = v >= 100 ? v.toFixed(0) : v.toPrecision(2);
+    parts.push(el("text", { x: left - 4, y: y(v) + 3, "text-anchor": "end" }, label));
   }
   parts.push(el("text", { x: left, y: height - 2 }, `-${WINDOW_S / 60} min`));
   parts.push(el("text", { x: width - right, y: height - 2, "text-anchor": "end" }, "now"));
