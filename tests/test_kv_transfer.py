@@ -1,0 +1,143 @@
+"""KV transfer transports (tokenmill/kv_transfer/): leases, TCP and shared-memory pulls, and every way a
+pull can fail (unknown or expired lease, another model or prompt, corrupt bytes, a producer that
+dies or stalls mid-transfer), each reported with its reason, each leaving no lease behind.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from tokenmill.kv_transfer.consumer import Expected, is_local_host, pull_blocks
+from tokenmill.kv_transfer.producer import KVProducer
+from tokenmill.kv_transfer.protocol import TransferError, TransferMeta, recv_frame, send_frame
+
+LAYERS, BLOCK_SIZE, HEADS, DIM, NUM_BLOCKS = 2, 4, 2, 8, 8
+SHAPE = [LAYERS, 2, BLOCK_SIZE, HEADS, DIM]
+PROMPT = list(range(1000, 1011))  # 11 tokens: 3 blocks, the last one partial
+
+
+def make_producer(dtype=torch.float32, ttl: float = 30.0) -> KVProducer:
+    kv = torch.randn(LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM).to(dtype)
+    return KVProducer(kv, BLOCK_SIZE, lambda: "fp-a", lease_ttl_s=ttl)
+
+
+def expected(**overrides) -> Expected:
+    fields = dict(model_fingerprint="fp-a", kv_dtype="float32", block_size=BLOCK_SIZE, block_shape=SHAPE,
+                  prompt_token_ids=PROMPT + [5, 6], extra_keys=[])
+    return Expected(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pull_returns_the_leased_blocks_and_the_lease_is_released(transport, dtype):
+    producer = make_producer(dtype)
+    try:
+        lease = producer.add_lease("req-1", [5, 2, 7], PROMPT, ())
+        meta, blocks, nbytes = pull_blocks("127.0.0.1", producer.port, lease.lease_id,
+                                           expected(kv_dtype=str(dtype).removeprefix("torch.")), transport)
+        want = producer.kv_cache[:, :, [5, 2, 7]].permute(2, 0, 1, 3, 4, 5)
+        assert blocks.dtype == dtype and torch.equal(blocks, want)
+        assert meta.num_tokens == len(PROMPT) and meta.token_ids == PROMPT and meta.num_blocks == 3
+        assert nbytes == blocks.numel() * blocks.element_size() == producer.stats.bytes_sent_total
+        shm_path = next(iter(producer._leases.values())).shm_path
+        assert (shm_path is not None) == (transport == "shm")
+        assert producer.take_released() == ["req-1"] and producer.num_leases == 0
+        assert shm_path is None or not shm_path.exists()
+        with pytest.raises(TransferError) as info:  # one pull per lease
+            pull_blocks("127.0.0.1", producer.port, lease.lease_id, expected(), transport)
+        assert info.value.reason == "refused"
+    finally:
+        producer.close()
+
+
+def test_unclaimed_leases_expire_and_close_returns_the_rest():
+    producer = make_producer(ttl=0.2)
+    try:
+        producer.add_lease("old", [1], PROMPT[:4], ())
+        assert producer.take_released() == []
+        assert producer.take_released(now=time.monotonic() + 1.0) == ["old"]
+        assert producer.stats.leases_expired_total == 1
+        producer.add_lease("open", [2], PROMPT[:4], ())
+    finally:
+        assert producer.close() == ["open"]
+
+
+@pytest.mark.parametrize("override, why", [
+    (dict(model_fingerprint="fp-b"), "another model"),
+    (dict(kv_dtype="bfloat16"), "kv_dtype"),
+    (dict(block_size=8, block_shape=[LAYERS, 2, 8, HEADS, DIM]), "block shape"),
+    (dict(prompt_token_ids=[1] + PROMPT), "another prompt"),
+    (dict(extra_keys=["salt"]), "extra keys"),
+])
+def test_a_mismatched_lease_is_refused_and_still_released(override, why):
+    producer = make_producer()
+    try:
+        lease = producer.add_lease("req", [0, 1, 2], PROMPT, ())
+        with pytest.raises(TransferError, match=why) as info:
+            pull_blocks("127.0.0.1", producer.port, lease.lease_id, expected(**override), "tcp")
+        assert info.value.reason == "mismatch"
+        assert producer.take_released() == ["req"]
+    finally:
+        producer.close()
+
+
+class HostileProducer:
+    """A producer speaking the protocol that misbehaves on purpose: ``mode`` is ``corrupt`` (one byte
+    changed after the checksum), ``cut`` (closes halfway through the blocks) or ``stall`` (never sends
+    them)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            recv_frame(conn)
+            blocks = torch.randn(3, *SHAPE)
+            data = bytearray(blocks.numpy().tobytes())
+            import hashlib
+
+            meta = TransferMeta(len(PROMPT), PROMPT, [], "fp-a", "float32", BLOCK_SIZE, SHAPE, 3,
+                                hashlib.sha256(data).hexdigest())
+            if self.mode == "corrupt":
+                data[100] ^= 0xFF
+            send_frame(conn, {"ok": True, "meta": meta.as_dict(), "nbytes": len(data)})
+            if self.mode == "cut":
+                conn.sendall(data[: len(data) // 2])
+                return
+            if self.mode == "stall":
+                time.sleep(3)
+                return
+            conn.sendall(data)
+            recv_frame(conn)
+            send_frame(conn, {"ok": True})
+
+
+@pytest.mark.parametrize("mode, reason", [("corrupt", "corrupt"), ("cut", "protocol"), ("stall", "timeout")])
+def test_corrupt_cut_and_stalled_transfers_fail_with_their_reason_within_the_timeout(mode, reason):
+    hostile = HostileProducer(mode)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as info:
+        pull_blocks("127.0.0.1", hostile.port, "any", expected(), "tcp", timeout_s=1.0)
+    assert info.value.reason == reason, info.value
+    assert time.monotonic() - t0 < 2.5
+    hostile.sock.close()
+
+
+def test_no_producer_is_a_connect_error_and_local_hosts_are_recognised():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TransferError) as info:
+        pull_blocks("127.0.0.1", port, "x", expected(), "tcp", timeout_s=1.0)
+    assert info.value.reason == "connect"
+    assert is_local_host("127.0.0.1") and is_local_host("localhost") and is_local_host(socket.gethostname())
+    assert not is_local_host("192.0.2.1")  # TEST-NET-1: never this machine
