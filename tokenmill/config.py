@@ -8,6 +8,10 @@ import math
 import numbers
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.spec_decode.config import SpeculativeConfig
 
 DEFAULT_KV_OFFLOAD_DISK_SIZE_GIB = 16.0
 
@@ -341,6 +345,7 @@ class EngineConfig:
     needs them, so the two together are refused).
     ``lora``: multi-LoRA settings (None: LoRA off, ``enable_lora=False``).
     ``kv_events_config``: KV cache events for a KV-aware router (off by default; docs/kv_events.md).
+    ``speculative_config``: speculative decoding (None: off; docs/spec_decode.md).
     """
 
     model: str | None = None
@@ -358,6 +363,7 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora: LoRAConfig | None = None
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):

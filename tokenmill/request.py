@@ -92,6 +92,8 @@ class Request:
         self.logprobs: list[dict] = []
         self.prompt_logprobs: list = []
         self.cumulative_logprob = 0.0
+        # Draft tokens proposed for the next step (speculative decoding); never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
         # Chained prefix-cache hashes of this request's full blocks (maintained by the KV cache manager).
         self.block_hashes: list[int] = []
         # Timestamps (time.monotonic()) for metrics.

@@ -104,6 +104,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    disable_speculative_decoding: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -142,6 +143,8 @@ class SamplingParams:
                 raise bad(name, f"must be in [0, {MAX_LOGPROBS}]")
         if self.stop is not None and any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
+        if not isinstance(self.disable_speculative_decoding, bool):
+            raise bad("disable_speculative_decoding", "must be true or false")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
 

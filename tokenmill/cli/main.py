@@ -53,6 +53,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-config", default=None, metavar="JSON",
                         help='publish KV cache events for a KV-aware router, e.g. \'{"enable_kv_cache_events": true, '
                              '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (docs/kv_events.md)')
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_max": 5}\'; outputs are unchanged (docs/spec_decode.md)')
+    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help='prefill/decode disaggregation, e.g. \'{"kv_role": "kv_producer"}\' on a prefill worker and '
+                             '\'{"kv_role": "kv_consumer"}\' on a decode worker (docs/pd_disaggregation.md)')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -69,6 +75,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         cpu_kernels=args.cpu_kernels, structured_outputs_config=args.structured_outputs_config,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, kv_events_config=args.kv_events_config,
+        speculative_config=args.speculative_config, kv_transfer_config=args.kv_transfer_config,
     )
 
 

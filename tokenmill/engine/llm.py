@@ -20,6 +20,7 @@ from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.lora import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.config import SpeculativeConfig
 
 
 class LLM:
@@ -53,6 +54,10 @@ class LLM:
         kv_events_config: KV cache events for a KV-aware router, vLLM's fields
             (``{"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", ...}``; a dict, its JSON
             text or a ``KVEventsConfig``; docs/kv_events.md).
+        speculative_config: speculative decoding, vLLM's fields (``{"method": "ngram",
+            "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+            "disable_by_batch_size": 8}``; a dict, its JSON text or a ``SpeculativeConfig``; None: off;
+            docs/spec_decode.md). Outputs are the same as without it.
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         kv_events_config: dict | str | KVEventsConfig | None = None,
+        speculative_config: dict | str | SpeculativeConfig | None = None,
     ) -> None:
         config = build_engine_config(
             model=model, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -97,6 +103,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, cpu_kernels=cpu_kernels,
             structured_outputs_config=structured_outputs_config, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, kv_events_config=kv_events_config,
+            speculative_config=speculative_config,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -233,6 +240,7 @@ def build_engine_config(
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
     kv_events_config: dict | str | KVEventsConfig | None = None,
+    speculative_config: dict | str | SpeculativeConfig | None = None,
 ) -> EngineConfig:
     """The EngineConfig for ``LLM(**kwargs)`` (same keyword names), without loading anything.
 
@@ -253,6 +261,7 @@ def build_engine_config(
         structured_outputs_config=StructuredOutputsConfig.from_value(structured_outputs_config),
         lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         kv_events_config=KVEventsConfig.from_value(kv_events_config),
+        speculative_config=SpeculativeConfig.from_value(speculative_config),
         cache=CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,

@@ -27,6 +27,7 @@ from tokenmill.runner.cpu_threads import available_cpus
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
+from tokenmill.spec_decode import NgramSpeculator
 from tokenmill.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,12 @@ class LLMEngine:
         self.structured_output_manager = StructuredOutputManager(
             config.structured_outputs_config, self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids
         )
+        self.speculator: NgramSpeculator | None = None  # speculative decoding (docs/spec_decode.md)
+        if config.speculative_config is not None:
+            if self.device.type != "cpu":
+                raise ConfigError("`speculative_config` runs on the CPU backend for now")
+            self.speculator = NgramSpeculator(config.speculative_config, max_model_len,
+                                              self.structured_output_manager.valid_draft_prefix)
         self.stats_logger = StatsLogger()
         self.model_name = self.loaded.model_path
         self.kv_events = build_kv_event_publisher(config.kv_events_config, kv_events)  # binds its sockets: last
@@ -290,16 +297,28 @@ class LLMEngine:
             return []
         # Constrained requests' masks are filled on a worker thread while the forward runs.
         scheduler_output.grammar_bitmask = self.structured_output_manager.start_bitmask(
-            scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens
+            scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens,
+            scheduler_output.scheduled_spec_decode_tokens,
         )
         runner_output = self.runner.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        num_generated = sum(t is not None for t in runner_output.sampled_token_ids)
-        self.stats_logger.record_step(scheduler_output.total_num_scheduled_tokens - num_generated, num_generated)
-        self.stats_logger.maybe_log(self.scheduler, self.kv_cache_manager, self.kv_store)
+        num_sampled = sum(t is not None for t in runner_output.sampled_token_ids)
+        num_drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+        num_generated = num_sampled + sum(len(t) for t in runner_output.extra_sampled_token_ids.values())
+        self.stats_logger.record_step(scheduler_output.total_num_scheduled_tokens - num_sampled - num_drafts,
+                                      num_generated)
+        spec_stats = None
+        if self.speculator is not None:
+            self.speculator.record(scheduler_output.scheduled_spec_decode_tokens,
+                                   [r.request_id for r in scheduler_output.scheduled_requests],
+                                   {i: len(t) for i, t in runner_output.extra_sampled_token_ids.items()})
+            spec_stats = self.speculator.stats
+        self.stats_logger.maybe_log(self.scheduler, self.kv_cache_manager, self.kv_store, spec_stats)
         outputs, to_stop = self.output_processor.process(updated)
         if to_stop:
             self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+        if self.speculator is not None:  # drafts for the next step
+            self.speculator.propose(self.scheduler.running)
         return outputs
 
     def close(self, save_cached: bool = True) -> None:

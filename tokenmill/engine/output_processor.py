@@ -107,8 +107,17 @@ class OutputProcessor:
                     parent.prompt_logprobs = list(request.prompt_logprobs)
                     self._decode_logprob_tokens([e for e in parent.prompt_logprobs if e is not None])
             new_ids = request.output_token_ids[seq.num_tokens_emitted :]
-            seq.num_tokens_emitted = request.num_output_tokens
-            stop_str = seq.detokenizer.update(new_ids)
+            if len(new_ids) > 1 and request.sampling_params.stop:
+                # Several tokens in one step (speculative decoding): stop at the one completing a stop
+                # string, as plain decoding would; the tokens after it are not part of the output.
+                for j, token_id in enumerate(new_ids):
+                    stop_str = seq.detokenizer.update([token_id])
+                    if stop_str is not None:
+                        new_ids = new_ids[: j + 1]
+                        break
+            else:
+                stop_str = seq.detokenizer.update(new_ids)
+            seq.num_tokens_emitted += len(new_ids)
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_str
                 if not request.is_finished:
@@ -117,17 +126,22 @@ class OutputProcessor:
                 seq.detokenizer.finish()
                 seq.finish_reason = request.status.finish_reason
                 seq.stop_reason = request.stop_reason
+            num_emitted = seq.num_tokens_emitted  # < request.num_output_tokens after a stop string mid-step
             new_logprobs = None
+            cumulative_logprob = request.cumulative_logprob
             if request.sampling_params.logprobs is not None:
-                new_logprobs = request.logprobs[seq.num_logprobs_emitted :]
-                seq.num_logprobs_emitted = len(request.logprobs)
+                new_logprobs = request.logprobs[seq.num_logprobs_emitted : num_emitted]
+                seq.num_logprobs_emitted = min(len(request.logprobs), num_emitted)
                 self._decode_logprob_tokens(new_logprobs)
+                if num_emitted < request.num_output_tokens:
+                    cumulative_logprob = sum(entry[t].logprob for entry, t in
+                                             zip(request.logprobs, request.output_token_ids[:num_emitted]))
             seq.output = CompletionOutput(
                 index=seq.index,
                 text=seq.detokenizer.output_text,
-                token_ids=list(request.output_token_ids),
-                cumulative_logprob=request.cumulative_logprob,
-                logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None,
+                token_ids=request.output_token_ids[:num_emitted],
+                cumulative_logprob=cumulative_logprob,
+                logprobs=request.logprobs[:num_emitted] if request.sampling_params.logprobs is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 delta_text=seq.detokenizer.get_delta_text(),

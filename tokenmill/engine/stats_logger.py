@@ -48,14 +48,17 @@ class StatsLogger:
         self._generation_tokens = 0
         self._last_queries = 0
         self._last_hits = 0
+        self._last_spec = (0, 0, 0)  # speculative decoding: drafts, draft tokens, accepted tokens
 
     def record_step(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         """Add one step's prompt and generated token counts."""
         self._prompt_tokens += num_prompt_tokens
         self._generation_tokens += num_generation_tokens
 
-    def maybe_log(self, scheduler, kv_cache_manager, kv_store=None) -> None:
-        """Log the stats line if ``interval_s`` has passed since the last one, then start a new interval."""
+    def maybe_log(self, scheduler, kv_cache_manager, kv_store=None, spec_stats=None) -> None:
+        """Log the stats line if ``interval_s`` has passed since the last one, then start a new interval.
+        ``spec_stats`` (a ``SpecDecodingStats``, with speculative decoding) adds the interval's draft
+        acceptance rate."""
         now = time.monotonic()
         elapsed = now - self._last_log
         if elapsed < self.interval_s:
@@ -69,6 +72,16 @@ class StatsLogger:
             scheduler.num_waiting, 100 * kv_cache_manager.usage(), 100 * hits / queries if queries else 0.0,
             hits, queries, offload_summary(kv_store) if kv_store is not None else "",
         )
+        if spec_stats is not None:
+            drafts = spec_stats.num_drafts - self._last_spec[0]
+            draft_tokens = spec_stats.num_draft_tokens - self._last_spec[1]
+            accepted = spec_stats.num_accepted_tokens - self._last_spec[2]
+            logger.info(
+                "speculative decoding: draft acceptance rate: %.1f%% (%d/%d tokens), mean acceptance length: %.2f, "
+                "accepted per position: %s", 100 * accepted / draft_tokens if draft_tokens else 0.0, accepted,
+                draft_tokens, 1 + accepted / drafts if drafts else 1.0, spec_stats.num_accepted_tokens_per_pos,
+            )
+            self._last_spec = (spec_stats.num_drafts, spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens)
         self._last_log = now
         self._prompt_tokens = self._generation_tokens = 0
         self._last_queries, self._last_hits = kv_cache_manager.prefix_cache_queries, kv_cache_manager.prefix_cache_hits

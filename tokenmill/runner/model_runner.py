@@ -19,6 +19,7 @@ from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks
 from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
 from tokenmill.sampling.grammar_mask import apply_token_bitmask_
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.spec_decode.rejection_sampler import accept_sampled_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -141,18 +142,56 @@ class ModelRunner:
         last_token_idx = metadata.query_start_loc[1:] - 1  # (B,)
         sampled: list[int | None] = [None] * len(requests)
         logprobs_out: list[PositionLogprobs | None] | None = None
+        prompt_logprobs = self._prompt_logprobs(
+            requests, num_computed, query_lens, metadata.query_start_loc, hidden, input_ids
+        )
+        if scheduler_output.scheduled_spec_decode_tokens and sample_rows:  # verify drafts
+            return self._verify(scheduler_output, sample_rows, last_token_idx.numpy(), hidden, prompt_logprobs)
         if sample_rows:
             rows_t = torch.tensor(sample_rows, dtype=torch.int64)
             sampled, logprobs_out = self._sample(requests, sample_rows, hidden[last_token_idx[rows_t]],
                                                  scheduler_output.grammar_bitmask)
-        prompt_logprobs = self._prompt_logprobs(
-            requests, num_computed, query_lens, metadata.query_start_loc, hidden, input_ids
-        )
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out, prompt_logprobs=prompt_logprobs)
+
+    def _verify(self, scheduler_output: SchedulerOutput, sample_rows: list[int], last_token_idx: np.ndarray,
+                hidden: torch.Tensor, prompt_logprobs: dict) -> ModelRunnerOutput:
+        """Speculative decoding's verify: logits at every draft position and the bonus position of
+        each sampling request (m_i drafts: its last m_i + 1 scheduled tokens), each row sampled as plain
+        decoding would sample that position given the drafts before it; the drafts accepted are the
+        longest prefix equal to those samples (``spec_decode.rejection_sampler.accept_sampled_prefix``).
+
+        ``last_token_idx`` [B] (host) is each request's last row in ``hidden`` [T, hidden]."""
+        requests = scheduler_output.scheduled_requests
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        drafts = [spec.get(requests[i].request_id, []) for i in sample_rows]
+        counts = np.fromiter((len(d) + 1 for d in drafts), dtype=np.int64, count=len(drafts))  # (S,)
+        row_req = np.repeat(np.asarray(sample_rows, dtype=np.int64), counts)  # (R,) request of each row
+        starts = np.cumsum(counts) - counts
+        offset = np.arange(int(counts.sum())) - np.repeat(starts, counts)  # (R,) position within the request
+        hidden_idx = last_token_idx[row_req] - np.repeat(counts - 1, counts) + offset
+        prefixes = [d[:j] for d in drafts for j in range(len(d) + 1)]
+        tokens, entries = self._sample_rows(requests, row_req.tolist(), hidden[torch.from_numpy(hidden_idx)],
+                                            scheduler_output.grammar_bitmask, prefixes)
+        sampled: list[int | None] = [None] * len(requests)
+        logprobs_out = [None] * len(requests) if entries is not None else None
+        extra, extra_logprobs = {}, {}
+        for k, i in enumerate(sample_rows):
+            start, m = int(starts[k]), len(drafts[k])
+            num_accepted = accept_sampled_prefix(tokens[start : start + m + 1], drafts[k])
+            sampled[i] = tokens[start]
+            if entries is not None:
+                logprobs_out[i] = entries[start]
+            if m:
+                extra[i] = tokens[start + 1 : start + 1 + num_accepted]
+                extra_logprobs[i] = (entries[start + 1 : start + 1 + num_accepted] if entries is not None
+                                     else [None] * num_accepted)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out, prompt_logprobs=prompt_logprobs,
+                                 extra_sampled_token_ids=extra, extra_logprobs=extra_logprobs)
 
     def _gather_inputs(self, scheduler_output: SchedulerOutput):
         """Host-side inputs of a step (numpy): (requests, query_lens [B], num_computed [B],
-        input_ids [T], block_table [B, max_blocks of this step], 0-padded)."""
+        input_ids [T] (a request's draft tokens after its own), block_table [B, max_blocks of this step],
+        0-padded)."""
         requests = scheduler_output.scheduled_requests
         num_reqs = len(requests)
         query_lens = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
@@ -162,10 +201,15 @@ class ModelRunner:
         input_ids = np.empty(num_tokens, dtype=np.int64)
         max_blocks = max(len(b) for b in scheduler_output.block_ids)
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+        spec = scheduler_output.scheduled_spec_decode_tokens
         offset = 0
         for i, request in enumerate(requests):
             start = int(num_computed[i])
-            input_ids[offset : offset + query_lens[i]] = request.all_token_ids[start : start + query_lens[i]]
+            drafts = spec.get(request.request_id) if spec else None
+            if drafts:  # the last sampled token, then the drafts to verify
+                input_ids[offset : offset + query_lens[i]] = request.all_token_ids[start:] + drafts
+            else:
+                input_ids[offset : offset + query_lens[i]] = request.all_token_ids[start : start + query_lens[i]]
             offset += int(query_lens[i])
             block_ids = scheduler_output.block_ids[i]
             block_table[i, : len(block_ids)] = block_ids
@@ -181,55 +225,79 @@ class ModelRunner:
         constrained rows. Returns (sampled token per request or None, logprobs or None)."""
         num_reqs = len(requests)
         sampled: list[int | None] = [None] * num_reqs
+        token_ids, entries = self._sample_rows(requests, sample_rows, hidden_rows, grammar_bitmask)
+        for j, i in enumerate(sample_rows):
+            sampled[i] = token_ids[j]
         logprobs_out: list[PositionLogprobs | None] | None = None
-        logits = self.model.compute_logits(hidden_rows)  # (S, V) float32
-        exempt = self._apply_grammar_bitmask(logits, sample_rows, grammar_bitmask)
-        rows = [
-            SamplingRow(
-                params=requests[i].sampling_params,
-                prompt_token_ids=requests[i].prompt_token_ids,
-                output_token_ids=requests[i].output_token_ids,
-                generator=requests[i].generator,
-                seed=requests[i].seed,
-                stop_token_ids=requests[i].eos_token_ids | set(requests[i].sampling_params.stop_token_ids or ()),
-                min_tokens_exempt=i in exempt,
-            )
-            for i in sample_rows
-        ]
+        if entries is not None:
+            logprobs_out = [None] * num_reqs
+            for j, i in enumerate(sample_rows):
+                logprobs_out[i] = entries[j]
+        return sampled, logprobs_out
+
+    def _sample_rows(self, requests, row_req: list[int], hidden_rows: torch.Tensor, grammar_bitmask=None,
+                     draft_prefixes: list[list[int]] | None = None):
+        """Sample one token per row: row j belongs to request ``row_req[j]`` and has hidden state
+        ``hidden_rows[j]`` ([R, hidden]). A request fills one row, or (verifying drafts) consecutive
+        rows, row j then following the drafts ``draft_prefixes[j]``: its penalties, ``min_tokens`` and
+        seeded noise are those of that position, as if the drafts had been sampled.
+        Returns (token id per row [R], logprobs entry per row (None where not asked) or None)."""
+        logits = self.model.compute_logits(hidden_rows)  # (R, V) float32
+        exempt = self._apply_grammar_bitmask(logits, row_req, grammar_bitmask)
+        rows = []
+        for j, i in enumerate(row_req):
+            request = requests[i]
+            prefix = draft_prefixes[j] if draft_prefixes is not None else []
+            generator = request.generator
+            if prefix and generator is not None:  # its own generator: it is seeded for its own position
+                generator = torch.Generator(device=self.device)
+            rows.append(SamplingRow(
+                params=request.sampling_params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids + prefix if prefix else request.output_token_ids,
+                generator=generator,
+                seed=request.seed,
+                stop_token_ids=request.eos_token_ids | set(request.sampling_params.stop_token_ids or ()),
+                min_tokens_exempt=j in exempt,
+            ))
         result = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, device=self.device))
         if result.logprobs is None:
             (token_ids,) = self._to_host([result.sampled_token_ids])
-        else:
-            token_ids, lp, ranks, top_ids, top_lps = self._to_host([
-                result.sampled_token_ids, result.logprobs, result.sampled_ranks, result.top_logprob_ids,
-                result.top_logprobs,
-            ])
-        for j, i in enumerate(sample_rows):
-            sampled[i] = token_ids[j]
-        if result.logprobs is not None:
-            logprobs_out = [None] * num_reqs
-            for j, i in enumerate(sample_rows):
-                k = requests[i].sampling_params.logprobs
-                if k is None:
-                    continue
-                entry = {token_ids[j]: Logprob(lp[j], ranks[j])}
-                for rank, (tid, tlp) in enumerate(zip(top_ids[j][:k], top_lps[j][:k]), start=1):
-                    entry.setdefault(tid, Logprob(tlp, rank))
-                logprobs_out[i] = entry
-        return sampled, logprobs_out
+            return token_ids, None
+        token_ids, lp, ranks, top_ids, top_lps = self._to_host([
+            result.sampled_token_ids, result.logprobs, result.sampled_ranks, result.top_logprob_ids,
+            result.top_logprobs,
+        ])
+        entries: list[PositionLogprobs | None] = []
+        for j, i in enumerate(row_req):
+            k = requests[i].sampling_params.logprobs
+            if k is None:
+                entries.append(None)
+                continue
+            entry = {token_ids[j]: Logprob(lp[j], ranks[j])}
+            for rank, (tid, tlp) in enumerate(zip(top_ids[j][:k], top_lps[j][:k]), start=1):
+                entry.setdefault(tid, Logprob(tlp, rank))
+            entries.append(entry)
+        return token_ids, entries
 
-    def _apply_grammar_bitmask(self, logits: torch.Tensor, sample_rows: list[int], grammar_bitmask) -> set[int]:
-        """Mask the constrained rows of ``logits`` [S, V] (waiting for the bitmask fill started before
-        the forward). Returns the request indices whose constraint allows only end-of-sequence tokens."""
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, row_req: list[int], grammar_bitmask) -> set[int]:
+        """Mask the constrained rows of ``logits`` [R, V] (waiting for the bitmask fill started before
+        the forward); ``row_req[j]`` is row j's request index, a request's rows consecutive (several
+        when it verifies drafts: one mask per position). Returns the rows whose constraint allows only
+        end-of-sequence tokens."""
         if grammar_bitmask is None:
             return set()
         bitmask, only_stop, allows_none = grammar_bitmask.result()
-        position = {i: j for j, i in enumerate(sample_rows)}
-        keep = [k for k in range(len(grammar_bitmask.req_indices)) if not allows_none[k]]
-        rows = torch.tensor([position[grammar_bitmask.req_indices[k]] for k in keep], dtype=torch.int64)
+        first_row: dict[int, int] = {}
+        for j, i in enumerate(row_req):
+            first_row.setdefault(i, j)
+        num_rows = grammar_bitmask.num_rows or [1] * len(grammar_bitmask.req_indices)
+        logit_rows = [first_row[i] + t for i, n in zip(grammar_bitmask.req_indices, num_rows) for t in range(n)]
+        keep = [k for k in range(len(logit_rows)) if not allows_none[k]]
+        rows = torch.tensor([logit_rows[k] for k in keep], dtype=torch.int64)
         mask = torch.from_numpy(bitmask[keep]) if len(keep) < len(bitmask) else torch.from_numpy(bitmask)
         apply_token_bitmask_(logits, mask.to(logits.device, non_blocking=True), rows.to(logits.device))
-        return {grammar_bitmask.req_indices[k] for k in range(len(only_stop)) if only_stop[k]}
+        return {logit_rows[k] for k in range(len(logit_rows)) if only_stop[k]}
 
     def _prompt_logprobs(self, requests, num_computed, query_lens, query_start_loc, hidden, input_ids):
         """Score prompt tokens for requests that asked for prompt log-probabilities.

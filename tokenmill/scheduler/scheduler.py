@@ -77,9 +77,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, f"{request} has nothing to compute"
+            num_base = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_base > 0, f"{request} has nothing to compute"
+            num_new = min(num_base + len(request.spec_token_ids), budget)  # drafts: extra tokens to verify
             while kv.allocate_slots(request, num_new) is None:
+                if num_new > num_base:  # no room for the drafts: verify none rather than preempt anyone
+                    num_new = num_base
+                    continue
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
                 out.preempted_req_ids.add(victim.request_id)
@@ -127,6 +131,9 @@ class Scheduler:
         return out
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
+        if num_drafts > 0:
+            out.scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
         out.scheduled_requests.append(request)
         out.num_scheduled_tokens.append(num_new)
         out.block_ids.append(self.kv_cache_manager.get_block_ids(request.request_id))
@@ -135,6 +142,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -163,14 +171,22 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
                 updated.append(request)
                 continue
-            request.append_output_token(token_id)
-            if runner_output.logprobs is not None and runner_output.logprobs[i] is not None:
-                request.logprobs.append(runner_output.logprobs[i])
-                request.cumulative_logprob += runner_output.logprobs[i][token_id].logprob
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
+            extra = runner_output.extra_sampled_token_ids.get(i, [])
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request.request_id)
+            if drafts:  # rejected drafts' positions are computed again (their KV overwritten) next step
+                request.num_computed_tokens -= len(drafts) - len(extra)
+            logprobs = [runner_output.logprobs[i] if runner_output.logprobs is not None else None]
+            logprobs += runner_output.extra_logprobs.get(i, [None] * len(extra))
+            for token_id, entry in zip([token_id] + extra, logprobs):
+                request.append_output_token(token_id)
+                if entry is not None:
+                    request.logprobs.append(entry)
+                    request.cumulative_logprob += entry[token_id].logprob
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
             updated.append(request)
         return updated
 

@@ -360,6 +360,7 @@ class AsyncEngine:
             structured_output_requests=dict(constraints.requests_by_kind),
             structured_output_mask_seconds=constraints.mask_seconds_total,
             structured_output_mask_steps=constraints.mask_steps_total,
+            spec_decode=engine.speculator.stats.snapshot() if engine.speculator is not None else None,
             **self._lora_stats(engine),
         )
 

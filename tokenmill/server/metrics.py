@@ -45,6 +45,7 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()  # names of the adapters of running / waiting sequences
     waiting_lora_adapters: tuple[str, ...] = ()
     lora_counters: dict[str, int] = field(default_factory=dict)  # LoRAManager.stats()
+    spec_decode: dict | None = None  # SpecDecodingStats.snapshot() (None: speculative decoding off)
 
 
 class _EngineStatsCollector(Collector):
@@ -76,6 +77,59 @@ class _EngineStatsCollector(Collector):
         yield from self._kv_offload(stats)
         yield from self._structured_output(stats)
         yield from self._lora(stats)
+        yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats: EngineStats) -> Iterator[Metric]:
+        """Speculative decoding's counters (vLLM's names), the per-position one labelled ``position``."""
+        if stats.spec_decode is None:
+            return
+        for name, doc, key in (
+            ("spec_decode_num_drafts", "Request steps that verified draft tokens.", "num_drafts"),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.", "num_draft_tokens"),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+        ):
+            counter = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            counter.add_metric([self._model_name], stats.spec_decode[key])
+            yield counter
+        per_pos = CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft (0 = first).",
+                                      labels=["model_name", "position"])
+        for position, count in enumerate(stats.spec_decode["num_accepted_tokens_per_pos"]):
+            per_pos.add_metric([self._model_name, str(position)], count)
+        yield per_pos
+
+    def _kv_transfer(self, stats: EngineStats) -> Iterator[Metric]:
+        """Prefill/decode disaggregation: what came from a producer (``remote_tokens`` makes a silent
+        local prefill visible), what fell back to local compute and why, and the producer's leases."""
+        info = stats.kv_transfer
+        if info is None:
+            return
+        labels = ["model_name"]
+        for name, doc, key in (
+            ("kv_transfer_remote_prefill_requests", "Requests whose prompt K/V came from a producer.",
+             "remote_prefill_requests"),
+            ("kv_transfer_remote_tokens", "Prompt tokens loaded from a producer instead of computed.", "remote_tokens"),
+            ("kv_transfer_received_bytes", "KV bytes pulled from producers.", "bytes_received"),
+            ("kv_transfer_leases", "Finished prompts whose blocks were leased to a consumer.", "leases_total"),
+            ("kv_transfer_leases_expired", "Leases freed unclaimed after lease_ttl_s.", "leases_expired_total"),
+            ("kv_transfer_sent_bytes", "KV bytes sent to consumers.", "bytes_sent_total"),
+        ):
+            if key in info:
+                counter = CounterMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+                counter.add_metric([self._model_name], info[key])
+                yield counter
+        fallbacks = CounterMetricFamily("tokenmill:kv_transfer_local_fallbacks",
+                                        "Requests that asked for remote K/V but computed their prompt here, by reason "
+                                        "(connect, timeout, refused, mismatch, corrupt, protocol, params).",
+                                        labels=["model_name", "reason"])
+        for reason, count in sorted(info["local_fallbacks"].items()):
+            fallbacks.add_metric([self._model_name, reason], count)
+        yield fallbacks
+        if "leases" in info:
+            gauge = GaugeMetricFamily("tokenmill:kv_transfer_leases_held", "Leases waiting for their consumer.",
+                                      labels=labels)
+            gauge.add_metric([self._model_name], info["leases"])
+            yield gauge
 
     def _lora(self, stats: EngineStats) -> Iterator[Metric]:
         """vLLM's ``lora_requests_info`` (adapters in use as labels, the scrape time as value) and the

@@ -102,7 +102,7 @@ def build_sampling_params(
             ignore_eos=request.ignore_eos, stop=stop, stop_token_ids=request.stop_token_ids,
             include_stop_str_in_output=request.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
-            structured_outputs=structured_outputs,
+            structured_outputs=structured_outputs, disable_speculative_decoding=request.disable_speculative_decoding,
         )
     except ValueError as exc:
         raise field_error(str(exc), aliases) from None

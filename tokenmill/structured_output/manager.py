@@ -32,6 +32,9 @@ class GrammarBitmask:
 
     Attributes:
         req_indices: indices into ``SchedulerOutput.scheduled_requests``, ascending.
+        num_rows: with speculative decoding, the bitmask rows of each request (one per draft
+            position, then the bonus position: the masks after accepting the drafts before it), in
+            ``req_indices`` order; None: one row each.
         future: resolves to ``(bitmask, only_stop, allows_none)``: bitmask [N, ceil(V/32)] int32
             (token t allowed iff bit t % 32 of word t // 32 is set), only_stop [N] bool (the
             constraint allows nothing but end-of-sequence tokens: ``min_tokens`` must not mask
@@ -41,6 +44,7 @@ class GrammarBitmask:
 
     req_indices: list[int]
     future: Future
+    num_rows: list[int] | None = None  # rows per request (1 + its draft tokens), consecutive; None: one each
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Wait for the fill and return ``(bitmask, only_stop, allows_none)``."""
@@ -126,9 +130,12 @@ class StructuredOutputManager:
         self.requests_by_kind[params.kind] += 1
         return matcher
 
-    def start_bitmask(self, scheduled_requests: list, num_scheduled_tokens: list[int]) -> GrammarBitmask | None:
+    def start_bitmask(self, scheduled_requests: list, num_scheduled_tokens: list[int],
+                      spec_tokens: dict[str, list[int]] | None = None) -> GrammarBitmask | None:
         """Start filling the bitmask of every constrained request that samples this step (its
         scheduled tokens reach the end of its sequence) on the worker thread; None if there is none.
+        ``spec_tokens`` (request id -> draft tokens it verifies) gives such a request one row per
+        draft position and the bonus position (the matcher advances over the drafts, then rolls back).
         """
         req_indices = [
             i for i, (r, n) in enumerate(zip(scheduled_requests, num_scheduled_tokens))
@@ -137,19 +144,50 @@ class StructuredOutputManager:
         if not req_indices:
             return None
         matchers = [scheduled_requests[i].grammar for i in req_indices]
+        drafts = [(spec_tokens or {}).get(scheduled_requests[i].request_id, []) for i in req_indices]
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
-        return GrammarBitmask(req_indices, self._executor.submit(self._fill, matchers))
+        num_rows = [len(d) + 1 for d in drafts] if any(drafts) else None
+        return GrammarBitmask(req_indices, self._executor.submit(self._fill, matchers, drafts), num_rows)
 
-    def _fill(self, matchers: list[Matcher]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def valid_draft_prefix(self, matcher: Matcher, draft_token_ids: list[int]) -> int:
+        """How many leading drafts the constraint allows from ``matcher``'s state (stopping after one
+        that completes it); the matcher is left as it was."""
+        n = 0
+        for token_id in draft_token_ids:
+            if not matcher.accept_token(token_id):
+                break
+            n += 1
+            if matcher.is_terminated():
+                break
+        matcher.rollback(n)
+        return n
+
+    def _fill(self, matchers: list[Matcher], drafts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         t0 = time.perf_counter()
         backend = self.backend
-        bitmask = backend.allocate_bitmask(len(matchers))
-        backend.fill_bitmask(matchers, bitmask)
+        if not any(drafts):
+            bitmask = backend.allocate_bitmask(len(matchers))
+            backend.fill_bitmask(matchers, bitmask)
+        else:  # row j of a request: its mask after accepting its first j drafts (validated by the proposer)
+            counts = np.array([len(d) + 1 for d in drafts])
+            first = np.cumsum(counts) - counts
+            bitmask = backend.allocate_bitmask(int(counts.sum()))
+            for j in range(int(counts.max())):
+                active = [k for k in range(len(matchers)) if counts[k] > j]
+                rows = backend.allocate_bitmask(len(active))
+                backend.fill_bitmask([matchers[k] for k in active], rows)
+                bitmask[first[active] + j] = rows
+                for k in active:
+                    if j < len(drafts[k]):
+                        accepted = matchers[k].accept_token(drafts[k][j])
+                        assert accepted, f"draft token {drafts[k][j]} was not checked against its constraint"
+            for matcher, d in zip(matchers, drafts):
+                matcher.rollback(len(d))
         allows_none = ~bitmask.any(axis=1)
         only_stop = ~(bitmask & self._not_eos).any(axis=1) & ~allows_none
         self.mask_seconds_total += time.perf_counter() - t0
-        self.mask_rows_total += len(matchers)
+        self.mask_rows_total += len(bitmask)
         self.mask_steps_total += 1
         return bitmask, only_stop, allows_none
 
