@@ -46,6 +46,11 @@ def test_pull_returns_the_leased_blocks_and_the_lease_is_released(transport, dty
         shm_path = next(iter(producer._leases.values())).shm_path
         assert (shm_path is not None) == (transport == "shm")
         assert producer.take_released() == ["req-1"] and producer.num_leases == 0
+        lease = producer.add_lease("req-2", [5, 2, 7], PROMPT, ())  # only the blocks after a local hit
+        meta, blocks, _ = pull_blocks("127.0.0.1", producer.port, lease.lease_id,
+                                      expected(kv_dtype=str(dtype).removeprefix("torch.")), transport, first_block=2)
+        assert meta.first_block == 2 and torch.equal(blocks, want[2:])
+        assert producer.take_released() == ["req-2"]
         assert shm_path is None or not shm_path.exists()
         with pytest.raises(TransferError) as info:  # one pull per lease
             pull_blocks("127.0.0.1", producer.port, lease.lease_id, expected(), transport)
@@ -105,7 +110,7 @@ class HostileProducer:
             data = bytearray(blocks.numpy().tobytes())
             import hashlib
 
-            meta = TransferMeta(len(PROMPT), PROMPT, [], "fp-a", "float32", BLOCK_SIZE, SHAPE, 3,
+            meta = TransferMeta(len(PROMPT), PROMPT, [], "fp-a", "float32", BLOCK_SIZE, SHAPE, 0, 3,
                                 hashlib.sha256(data).hexdigest())
             if self.mode == "corrupt":
                 data[100] ^= 0xFF

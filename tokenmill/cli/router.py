@@ -3,6 +3,7 @@ tokenmill/router/ and docs/router.md). Imports nothing heavy until the command r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from tokenmill.cli.serve import port_number, seconds
 
@@ -50,6 +51,20 @@ def register(subparsers) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="kv_aware: tokenizer or model path (HF directory or GGUF) to tokenize text prompts "
                              "with; default: the model the first tokenmill worker reports")
+    parser.add_argument("--pd-disaggregation", action="store_true",
+                        help="prefill/decode disaggregation: each request is prefilled on a --prefill worker, which "
+                             "leases its KV, then decoded on a --decode worker, which pulls it (docs/pd_disaggregation.md)")
+    parser.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                        help="prefill workers (tokenmill serve --kv-transfer-config '{\"kv_role\": \"kv_producer\"}')")
+    parser.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                        help="decode workers (--kv-transfer-config '{\"kv_role\": \"kv_consumer\"}')")
+    parser.add_argument("--prefill-policy", choices=POLICY_NAMES, default=None,
+                        help="policy among the prefill workers (default: --policy)")
+    parser.add_argument("--decode-policy", choices=POLICY_NAMES, default=None,
+                        help="policy among the decode workers (default: --policy)")
+    parser.add_argument("--pd-local-prefill-threshold", type=int, default=0, metavar="N",
+                        help="a session's round with at most N new prompt tokens is prefilled on the decode worker "
+                             "holding the session instead of a prefill worker (0: never)")
     parser.add_argument("--health-check-interval", type=positive_seconds, default=10.0,
                         help="seconds between health checks of every worker (GET /health)")
     parser.add_argument("--request-timeout", type=positive_seconds, default=1800.0,
@@ -87,7 +102,21 @@ def cmd_router(args: argparse.Namespace) -> int:
                           eviction_interval=args.eviction_interval, load_cap_epsilon=args.load_cap_epsilon,
                           seed=args.seed, kv_overlap_weight=args.kv_overlap_weight,
                           kv_events_endpoints=parse_kv_events_endpoints(args.kv_events_endpoints) or None)
-    config = RouterConfig(worker_urls=tuple(args.worker_urls), policy=policy, host=args.host, port=args.port,
+    worker_urls, prefill_urls, prefill_policy = tuple(args.worker_urls), (), None
+    if args.pd_disaggregation:
+        if not args.prefill or not args.decode:
+            raise ValueError("--pd-disaggregation needs --prefill URL... and --decode URL...")
+        if args.worker_urls:
+            raise ValueError("--pd-disaggregation takes --prefill and --decode instead of --worker-urls")
+        worker_urls, prefill_urls = tuple(args.decode), tuple(args.prefill)
+        prefill_policy = dataclasses.replace(policy, name=args.prefill_policy or args.policy)
+        policy = dataclasses.replace(policy, name=args.decode_policy or args.policy)
+    elif args.prefill or args.decode:
+        raise ValueError("--prefill and --decode need --pd-disaggregation")
+    if args.pd_local_prefill_threshold < 0:
+        raise ValueError(f"--pd-local-prefill-threshold must be >= 0, got {args.pd_local_prefill_threshold}")
+    config = RouterConfig(worker_urls=worker_urls, policy=policy, host=args.host, port=args.port,
                           api_key=args.api_key, health_check_interval=args.health_check_interval,
-                          request_timeout=args.request_timeout, tokenizer=args.tokenizer)
+                          request_timeout=args.request_timeout, tokenizer=args.tokenizer, prefill_urls=prefill_urls,
+                          prefill_policy=prefill_policy, pd_local_prefill_threshold=args.pd_local_prefill_threshold)
     return run_router(config)

@@ -49,8 +49,9 @@ def is_local_host(host: str) -> bool:
 
 
 def pull_blocks(host: str, port: int, lease_id: str, expected: Expected, transport: str = "auto",
-                timeout_s: float = 30.0) -> tuple[TransferMeta, torch.Tensor, int]:
-    """Blocks of a lease: (meta, blocks ``(n, layers, 2, block_size, kv_heads, head_dim)``, bytes moved).
+                timeout_s: float = 30.0, first_block: int = 0) -> tuple[TransferMeta, torch.Tensor, int]:
+    """Blocks of a lease from its block ``first_block`` on: (meta, blocks ``(n, layers, 2, block_size,
+    kv_heads, head_dim)``, bytes moved).
 
     ``transport``: ``tcp``, ``shm`` or ``auto`` (shm when ``host`` is this machine).
 
@@ -67,7 +68,7 @@ def pull_blocks(host: str, port: int, lease_id: str, expected: Expected, transpo
         raise TransferError("connect", f"cannot reach the producer at {host}:{port}: {exc}") from None
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        send_frame(sock, {"op": "pull", "lease_id": lease_id, "transport": transport})
+        send_frame(sock, {"op": "pull", "lease_id": lease_id, "transport": transport, "first_block": first_block})
         sock.settimeout(max(0.1, deadline - time.monotonic()))
         reply = recv_frame(sock)
         if not reply.get("ok"):
@@ -75,6 +76,8 @@ def pull_blocks(host: str, port: int, lease_id: str, expected: Expected, transpo
         meta = TransferMeta.from_dict(reply.get("meta") or {})
         nbytes = int(reply.get("nbytes", -1))
         problem = _mismatch(meta, expected)
+        if problem is None and meta.first_block != first_block:
+            problem = f"the payload starts at block {meta.first_block}, not {first_block}"
         dtype = getattr(torch, meta.kv_dtype, None) if problem is None else None
         element = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 0
         if problem is None and nbytes != meta.num_blocks * element * _prod(meta.block_shape):
@@ -121,6 +124,6 @@ def _mismatch(meta: TransferMeta, expected: Expected) -> str | None:
         return "the producer hashed the prompt with other extra keys (cache_salt or adapter)"
     if meta.token_ids != expected.prompt_token_ids[: meta.num_tokens] or meta.num_tokens < 1:
         return "the lease holds another prompt"
-    if meta.num_blocks * meta.block_size < meta.num_tokens:
-        return f"{meta.num_blocks} blocks cannot hold {meta.num_tokens} tokens"
+    if (meta.first_block + meta.num_blocks) * meta.block_size < meta.num_tokens:
+        return f"{meta.first_block} + {meta.num_blocks} blocks cannot hold {meta.num_tokens} tokens"
     return None

@@ -163,7 +163,11 @@ class KVProducer:
                 if lease is None:
                     send_frame(conn, {"ok": False, "error": f"lease {request.get('lease_id')!r} is {why}"})
                     return
-                self._send(conn, lease, request.get("transport") == "shm")
+                first_block = request.get("first_block", 0)
+                if not isinstance(first_block, int) or not 0 <= first_block < len(lease.block_ids):
+                    send_frame(conn, {"ok": False, "error": f"first_block {first_block!r} is not a block of the lease"})
+                    return
+                self._send(conn, lease, request.get("transport") == "shm", first_block)
                 confirm = recv_frame(conn)
                 if confirm.get("op") != "confirm" or confirm.get("lease_id") != lease.lease_id:
                     raise TransferError("protocol", f"expected a confirm of {lease.lease_id}, got {confirm}")
@@ -178,8 +182,8 @@ class KVProducer:
                     with self._lock:  # sent or not, the consumer had its chance: free the blocks
                         lease.state = "done"
 
-    def _send(self, conn: socket.socket, lease: Lease, use_shm: bool) -> None:
-        index = torch.tensor(lease.block_ids, device=self.kv_cache.device)
+    def _send(self, conn: socket.socket, lease: Lease, use_shm: bool, first_block: int) -> None:
+        index = torch.tensor(lease.block_ids[first_block:], device=self.kv_cache.device)
         # (layers, 2, n, block_size, heads, dim) -> (n, layers, 2, block_size, heads, dim)
         blocks = self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
         data = memoryview(blocks.reshape(-1).view(torch.uint8).numpy())
@@ -187,7 +191,7 @@ class KVProducer:
             self._fingerprint = self._fingerprint_fn()
         meta = TransferMeta(lease.num_tokens, lease.token_ids, lease.extra_keys, self._fingerprint,
                             str(blocks.dtype).removeprefix("torch."), self.block_size, list(blocks.shape[1:]),
-                            blocks.shape[0], hashlib.sha256(data).hexdigest())
+                            first_block, blocks.shape[0], hashlib.sha256(data).hexdigest())
         reply = {"ok": True, "meta": meta.as_dict(), "nbytes": len(data)}
         if use_shm and SHM_DIR.is_dir():
             path = SHM_DIR / f"tokenmill-kv-{os.getpid()}-{lease.lease_id}"

@@ -3,14 +3,15 @@
 One TCP connection per transfer. Every message is a frame: a 4-byte big-endian length, then that
 many bytes of UTF-8 JSON; a frame may be followed by raw bytes whose length the JSON states.
 
-    consumer -> producer   {"op": "pull", "lease_id", "transport": "tcp" | "shm"}
+    consumer -> producer   {"op": "pull", "lease_id", "transport": "tcp" | "shm", "first_block": k}
     producer -> consumer   {"ok": true, "meta": TransferMeta, "nbytes", "shm_path"?} [nbytes of blocks, tcp]
                            or {"ok": false, "error": "..."}
     consumer -> producer   {"op": "confirm", "lease_id", "ok": bool}     (the producer frees the lease)
     producer -> consumer   {"ok": true}
 
 Blocks travel as ``(num_blocks, layers, 2, block_size, kv_heads, head_dim)`` in the KV cache dtype
-(the session file layout). With ``shm`` they are written to a file in ``/dev/shm`` (tmpfs: shared
+(the session file layout), from the lease's block ``first_block`` on: a consumer that already holds
+the leading blocks (a multi-round conversation's history) moves only the new ones. With ``shm`` they are written to a file in ``/dev/shm`` (tmpfs: shared
 memory between processes of one host) instead of the socket; the producer removes it on confirm
 or when the lease expires. Pure Python and sockets; no engine imports.
 """
@@ -39,8 +40,8 @@ class TransferMeta:
     """What a lease holds. num_tokens: prompt tokens whose K/V the blocks hold (the last block may be
     partial). token_ids: those tokens. extra_keys: what the producer hashed the prompt with
     (``cache_salt``, adapter digest). model_fingerprint: see ``kv_offload.fingerprint``. kv_dtype,
-    block_size, block_shape ``(layers, 2, block_size, kv_heads, head_dim)``, num_blocks. sha256: of the
-    block bytes."""
+    block_size, block_shape ``(layers, 2, block_size, kv_heads, head_dim)``. first_block: the lease's
+    block the payload starts at; num_blocks: blocks in the payload. sha256: of the payload bytes."""
 
     num_tokens: int
     token_ids: list[int]
@@ -49,6 +50,7 @@ class TransferMeta:
     kv_dtype: str
     block_size: int
     block_shape: list[int]
+    first_block: int
     num_blocks: int
     sha256: str
 

@@ -42,7 +42,16 @@ CHAT_MAX_TOKENS_ESTIMATE = 256  # chat without a budget may run to max_model_len
 @dataclass(frozen=True)
 class RouterConfig:
     """The router's settings (the flags of ``tokenmill router``). ``tokenizer``: the path ``kv_aware``
-    tokenizes text prompts with (None: the model the first tokenmill worker reports)."""
+    tokenizes text prompts with (None: the model the first tokenmill worker reports).
+
+    Prefill/decode disaggregation (``--pd-disaggregation``): ``prefill_urls`` are the prefill workers,
+    routed by ``prefill_policy``; ``worker_urls`` are then the decode workers (``policy``); a session's
+    round with at most ``pd_local_prefill_threshold`` new prompt tokens is prefilled on its decode worker.
+    """
+
+    @property
+    def pd_disaggregation(self) -> bool:
+        return bool(self.prefill_urls)
 
     worker_urls: tuple[str, ...] = ()
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -52,6 +61,9 @@ class RouterConfig:
     health_check_interval: float = 10.0
     request_timeout: float = 1800.0
     tokenizer: str | None = None
+    prefill_urls: tuple[str, ...] = ()
+    prefill_policy: PolicyConfig | None = None
+    pd_local_prefill_threshold: int = 0
 
     def __post_init__(self) -> None:
         if not self.health_check_interval > 0:
@@ -182,8 +194,20 @@ def build_app(config: RouterConfig) -> FastAPI:
     proxy = Proxy(client, registry, policy, metrics, config.api_key)
     for url in config.worker_urls:
         registry.add(url)
-    # Only kv_aware hashes prompt blocks, so only it needs the prompt's token ids.
-    tokenizer = RequestTokenizer(config.tokenizer) if config.policy.name == "kv_aware" else None
+    pd = None
+    if config.pd_disaggregation:
+        from tokenmill.router.pd import PDRouter
+
+        prefill_policy = make_policy(config.prefill_policy or config.policy)
+        prefill_registry = WorkerRegistry(client, prefill_policy, config.api_key)
+        for url in config.prefill_urls:
+            prefill_registry.add(url)
+        pd = PDRouter(client, prefill_registry, prefill_policy, proxy, metrics, config.pd_local_prefill_threshold,
+                      config.api_key)
+    # kv_aware hashes prompt blocks, so it needs the prompt's token ids.
+    tokenizer = None
+    if config.policy.name == "kv_aware" or config.pd_disaggregation:  # exact prompt lengths for sessions' rounds
+        tokenizer = RequestTokenizer(config.tokenizer)
 
     async def with_token_ids(kind: str, body: dict, route: RouteRequest) -> RouteRequest:
         """``route`` with the prompt's token ids and the worker's prefix-cache extra keys (cache_salt)."""
@@ -213,12 +237,17 @@ def build_app(config: RouterConfig) -> FastAPI:
         await registry.check_all()
         tasks = [asyncio.ensure_future(registry.health_loop(config.health_check_interval)),
                  asyncio.ensure_future(housekeeping_loop())]
+        if pd is not None:
+            await pd.prefill.check_all()
+            tasks.append(asyncio.ensure_future(pd.prefill.health_loop(config.health_check_interval)))
         try:
             yield
         finally:
             for task in tasks:
                 task.cancel()
             policy.close()
+            if pd is not None:
+                pd.prefill_policy.close()
             await client.aclose()
 
     app = FastAPI(title="tokenmill router", lifespan=lifespan)
@@ -254,6 +283,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         route = route_request(kind, body, request.headers.get("x-session-id"))
         if tokenizer is not None:
             route = await with_token_ids(kind, body, route)
+        if pd is not None:
+            return await pd.forward(path, body, route, bool(body.get("stream", False)), request)
         return await proxy.forward(path, content, route, bool(body.get("stream", False)), request, body)
 
     @app.post("/v1/completions", dependencies=auth)
@@ -284,7 +315,11 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/workers", dependencies=auth)
     async def list_workers() -> dict:
-        return {"policy": policy.name, "workers": [w.as_json() for w in registry.workers.values()]}
+        listed = {"policy": policy.name, "workers": [w.as_json() for w in registry.workers.values()]}
+        if pd is not None:  # the decode workers above; the prefill workers here
+            listed.update(prefill_policy=pd.prefill_policy.name,
+                          prefill_workers=[w.as_json() for w in pd.prefill.workers.values()])
+        return listed
 
     @app.post("/workers", dependencies=auth, status_code=201)
     async def add_worker(request: Request) -> JSONResponse:
@@ -310,7 +345,7 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if registry.routable():
+        if registry.routable() and (pd is None or pd.prefill.routable()):
             return JSONResponse({"status": "ok", "healthy_workers": len(registry.routable())})
         return openai_error("no healthy worker", 503, "service_unavailable_error")
 

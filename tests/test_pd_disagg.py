@@ -1,0 +1,238 @@
+"""Prefill/decode disaggregation (tokenmill/kv_transfer/connector.py, tokenmill/router/pd.py).
+
+In-process engines first (a producer and a consumer LLM side by side): the decode side's greedy
+tokens equal one colocated engine's, it computes one prompt token, the producer's lease is freed;
+every failure (another model, a gone producer, an expired lease) falls back to local compute with
+its reason counted, and both pools end empty. Then real processes: prefill worker, decode worker and
+``tokenmill router --pd-disaggregation``, streamed and not, a producer SIGKILLed between its lease
+and the pull, and a multi-round conversation whose short rounds stay on the decode worker.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx2 as httpx
+import pytest
+
+from tests.server_fixtures import ServerProcess
+from tests.tiny_models import make_tiny_model
+from tokenmill import LLM, SamplingParams
+
+BLOCK_SIZE = 16
+KW = dict(dtype="float32", num_threads=1, block_size=BLOCK_SIZE, num_kv_blocks=64)
+PROMPT = list(range(100, 160))  # 60 tokens: 3 full blocks and a partial one
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(make_tiny_model("llama", tmp_path_factory.mktemp("tiny_pd")))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny):
+    """(producer, consumer over shm, consumer over tcp, colocated reference)."""
+    llms = [LLM(tiny, kv_transfer_config={"kv_role": "kv_producer",
+                                          "kv_connector_extra_config": {"lease_ttl_s": 5.0}}, **KW),
+            LLM(tiny, kv_transfer_config={"kv_role": "kv_consumer", "kv_connector": "SharedMemoryConnector",
+                                          "kv_connector_extra_config": {"transfer_timeout_s": 3.0}}, **KW),
+            LLM(tiny, kv_transfer_config={"kv_role": "kv_consumer", "kv_connector": "TCPConnector",
+                                          "kv_connector_extra_config": {"transfer_timeout_s": 3.0}}, **KW),
+            LLM(tiny, **KW)]
+    yield llms
+    for llm in llms:
+        llm.close()
+
+
+def run(llm: LLM, request_id: str, prompt: list[int], params: SamplingParams, kv: dict | None):
+    llm.engine.add_request(request_id, {"prompt_token_ids": prompt}, params, kv_transfer_params=kv)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for output in llm.engine.step():
+            if output.finished and output.request_id == request_id:
+                return output
+    raise TimeoutError(request_id)
+
+
+def prefill(producer: LLM, request_id: str, prompt: list[int] = PROMPT) -> dict:
+    out = run(producer, request_id, prompt, SamplingParams(max_tokens=1, temperature=0), {"do_remote_decode": True})
+    params = out.kv_transfer_params
+    assert params["do_remote_prefill"] and params["remote_num_tokens"] == len(prompt)
+    return params
+
+
+def settle(*llms: LLM) -> None:
+    """Step until no transfer is pending (leases ended), then check every pool is whole and idle."""
+    for llm in llms:
+        deadline = time.monotonic() + 10
+        while llm.engine.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            llm.engine.step()
+        llm.engine.check_integrity()
+        pool = llm.engine.kv_cache_manager.block_pool
+        assert pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.mark.parametrize("consumer_index", [1, 2], ids=["shm", "tcp"])
+def test_decode_side_equals_colocated_and_computes_one_prompt_token(engines, consumer_index):
+    producer, consumer, reference = engines[0], engines[consumer_index], engines[3]
+    want = run(reference, f"ref-{consumer_index}", PROMPT, GREEDY, None).outputs[0].token_ids
+    before = dict(consumer.engine.kv_connector.stats.__dict__)
+    params = prefill(producer, f"p-{consumer_index}")
+    assert producer.engine.kv_connector.producer.num_leases == 1
+    out = run(consumer, f"d-{consumer_index}", PROMPT, GREEDY, params)
+    assert out.outputs[0].token_ids == want
+    stats = consumer.engine.kv_connector.stats
+    remote = stats.remote_tokens - before["remote_tokens"]
+    assert remote == len(PROMPT) - 1 and out.num_cached_tokens == 0  # computed here: 60 - 0 - 59 = 1 token
+    assert stats.remote_prefill_requests == before["remote_prefill_requests"] + 1
+    settle(producer, consumer)
+    assert producer.engine.kv_connector.producer.stats.send_failures_total == 0
+
+
+def test_multi_round_moves_only_the_new_blocks(engines):
+    producer, consumer, reference = engines[0], engines[2], engines[3]
+    first = PROMPT + list(range(300, 310))
+    second = first + list(range(400, 440))  # the consumer holds the first round's full blocks
+    run(consumer, "mr-1", first, GREEDY, prefill(producer, "mr-p1", first))
+    received = consumer.engine.kv_connector.stats.bytes_received
+    assert received > 0
+    out = run(consumer, "mr-2", second, GREEDY, prefill(producer, "mr-p2", second))
+    assert out.outputs[0].token_ids == run(reference, "mr-ref", second, GREEDY, None).outputs[0].token_ids
+    assert out.num_cached_tokens == 4 * BLOCK_SIZE  # the first round's 4 full blocks were a local hit
+    moved = consumer.engine.kv_connector.stats.bytes_received - received
+    kv = consumer.engine.runner.kv_cache  # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+    block_bytes = kv[:, :, 0].numel() * kv.element_size()
+    assert moved == (-(-(len(second) - 1) // BLOCK_SIZE) - 4) * block_bytes  # blocks 4.. only
+    settle(producer, consumer)
+
+
+def test_failed_transfers_fall_back_to_local_compute_with_their_reason(engines, tiny, tmp_path):
+    producer, consumer, reference = engines[0], engines[2], engines[3]
+    want = run(reference, "fb-ref", PROMPT, GREEDY, None).outputs[0].token_ids
+    stats = consumer.engine.kv_connector.stats
+
+    def fallback(request_id: str, params: dict, reason: str) -> None:
+        count = stats.local_fallbacks.get(reason, 0)
+        out = run(consumer, request_id, PROMPT, GREEDY, params)
+        assert out.outputs[0].token_ids == want
+        assert stats.local_fallbacks.get(reason, 0) == count + 1, stats.local_fallbacks
+
+    other = str(make_tiny_model("llama", tmp_path / "other", seed=77))  # same shapes, other weights
+    with LLM(other, kv_transfer_config={"kv_role": "kv_producer"}, **KW) as stranger:
+        fallback("fb-model", prefill(stranger, "fb-p-model"), "mismatch")
+        settle(stranger)  # the stranger's lease was confirmed (refused) and freed
+    params = prefill(producer, "fb-p-twice")
+    run(consumer, "fb-ok", PROMPT, GREEDY, params)
+    fallback("fb-twice", params, "refused")  # a lease is pulled once
+    gone = LLM(tiny, kv_transfer_config={"kv_role": "kv_producer"}, **KW)
+    params = prefill(gone, "fb-p-gone")
+    gone.close()  # the producer is gone before the pull
+    fallback("fb-gone", params, "connect")
+    fallback("fb-params", {**params, "remote_num_tokens": 3}, "params")
+    settle(producer, consumer)
+
+
+def test_an_unclaimed_lease_expires_and_frees_the_producers_blocks(tiny):
+    with LLM(tiny, kv_transfer_config={"kv_role": "kv_producer",
+                                       "kv_connector_extra_config": {"lease_ttl_s": 0.3}}, **KW) as producer:
+        prefill(producer, "orphan")
+        pool = producer.engine.kv_cache_manager.block_pool
+        assert pool.num_free_blocks < pool.num_blocks and producer.engine.has_unfinished_requests()
+        time.sleep(0.4)
+        settle(producer)
+        assert producer.engine.kv_connector.producer.stats.leases_expired_total == 1
+
+
+def test_kv_transfer_params_are_checked(engines, tiny):
+    with pytest.raises(ValueError, match="kv-transfer-config"):
+        engines[3].engine.add_request("x", {"prompt_token_ids": PROMPT}, GREEDY, kv_transfer_params={})
+    with pytest.raises(ValueError, match="n = 1"):
+        engines[0].engine.add_request("y", {"prompt_token_ids": PROMPT}, SamplingParams(n=2), kv_transfer_params={})
+    for bad, field in [({"kv_role": "kv_sender"}, "kv_role"), ({"kv_connector": "Nixl"}, "kv_connector"),
+                       ({"kv_port": 70000}, "kv_port"), ({"kv_connector_extra_config": {"x": 1}}, "extra_config"),
+                       ({"lease": 1}, "unknown keys")]:
+        with pytest.raises(ValueError, match=field):
+            LLM(tiny, kv_transfer_config=bad, **KW)
+
+
+# ---- real processes: prefill worker, decode worker, router -------------------------------------------
+ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "128", "--block-size", str(BLOCK_SIZE),
+        "--disable-log-requests"]
+CHAT = [{"role": "system", "content": "You are a careful assistant. " * 4},
+        {"role": "user", "content": "Describe a quiet harbour town at dawn in some detail."}]
+
+
+def metric(server_url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{server_url}/metrics", timeout=10).text
+    pattern = rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+def test_router_pd_disaggregation_end_to_end(tiny, tmp_path):
+    from tests.test_router import RouterProcess
+
+    producer_args = [*ARGS, "--kv-transfer-config", json.dumps({"kv_role": "kv_producer"})]
+    consumer_args = [*ARGS, "--kv-transfer-config", json.dumps(
+        {"kv_role": "kv_consumer", "kv_connector_extra_config": {"transfer_timeout_s": 5.0}})]
+    p = ServerProcess(tiny, producer_args, tmp_path / "p.log")
+    d = ServerProcess(tiny, consumer_args, tmp_path / "d.log")
+    colocated = LLM(tiny, **KW)  # the reference: one engine doing prefill and decode
+
+    def direct(messages: list[dict], max_tokens: int) -> dict:
+        text = colocated.chat(messages, SamplingParams(max_tokens=max_tokens, temperature=0))[0].outputs[0].text
+        return {"role": "assistant", "content": text}
+
+    router = None
+    try:
+        for server in (p, d):
+            server.wait_healthy()
+        router = RouterProcess([], ["--pd-disaggregation", "--prefill", p.url, "--decode", d.url,
+                                    "--pd-local-prefill-threshold", "64"], tmp_path / "router.log")
+        router.wait_up()
+        body = {"model": tiny, "messages": CHAT, "max_tokens": 16, "temperature": 0}
+        want = {"choices": [{"message": direct(CHAT, 16)}]}
+        got = router.post("/v1/chat/completions", body).json()
+        assert got["choices"][0]["message"] == want["choices"][0]["message"]
+        prompt_tokens = got["usage"]["prompt_tokens"]
+        assert metric(d.url, "tokenmill:kv_transfer_remote_tokens_total") == prompt_tokens - 1  # 1 computed on D
+        client = router.client()
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            **{k: v for k, v in body.items()}, stream=True) if c.choices)
+        assert streamed == want["choices"][0]["message"]["content"]
+        assert metric(d.url, "tokenmill:kv_transfer_remote_prefill_requests_total") == 2
+
+        # The producer dies after leasing, before the pull: the decode worker computes the prompt itself.
+        lease = p.post("/v1/chat/completions", {**body, "max_tokens": 1,
+                                                  "kv_transfer_params": {"do_remote_decode": True}}).json()
+        params = lease["kv_transfer_params"]
+        assert params["do_remote_prefill"] and params["remote_num_tokens"] == prompt_tokens
+        p.proc.kill()
+        p.proc.wait()
+        fallback = d.post("/v1/chat/completions", {**body, "kv_transfer_params": params}).json()
+        assert fallback["choices"][0]["message"] == want["choices"][0]["message"]
+        assert metric(d.url, "tokenmill:kv_transfer_local_fallbacks_total", 'reason="connect"') == 1
+        # Through the router with the prefill worker down, requests still complete (decode-side prefill).
+        assert router.post("/v1/chat/completions", body).json()["choices"][0]["message"] == \
+            want["choices"][0]["message"]
+
+        # Multi-round with a session: short rounds stay on the decode worker (local incremental prefill).
+        history, rounds = [CHAT[0]], []
+        for i in range(6):
+            history.append({"role": "user", "content": f"Round {i}: one more detail, briefly."})
+            reply = router.post("/v1/chat/completions", {**body, "messages": history, "user": "agent-7",
+                                                         "max_tokens": 8}).json()
+            assert reply["choices"][0]["message"] == direct(history, 8), i
+            history.append(reply["choices"][0]["message"])
+            rounds.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert metric(router.url, "tokenmill_router:pd_requests_total", 'path="local"') == 5
+        assert all(cached > 0 for cached in rounds[1:])  # each later round reused the decode worker's history
+        assert d.kv_cache()["integrity"] == "ok" and d.wait_idle()
+    finally:
+        if router is not None:
+            router.stop()
+        for server in (p, d):
+            server.stop()
+        colocated.close()

@@ -1,0 +1,132 @@
+"""Prefill/decode disaggregation in the router (``tokenmill router --pd-disaggregation --prefill URL...
+--decode URL...``), as vLLM's disaggregated proxy and SGLang's PD router do it.
+
+Each request first goes to a prefill worker as a copy with ``max_tokens`` 1, not streamed, and
+``kv_transfer_params: {"do_remote_decode": true}``: the worker computes the prompt, leases its KV
+blocks and answers where they are (its response's ``kv_transfer_params``). The original request then
+goes to a decode worker with those parameters (``do_remote_prefill``); the decode worker pulls the
+blocks, computes only the last prompt token and decodes, and its answer (streamed or not) is the
+client's, through the ordinary ``Proxy`` (retries, resumption, disconnect handling).
+
+Multi-round conversations (AMPD): a request with a session (``user`` or ``X-Session-Id``) whose
+decode worker already holds the history skips the prefill worker when its new tokens are few
+(``--pd-local-prefill-threshold``): that worker extends its own prefix cache. New tokens are
+estimated as this prompt's tokens minus the previous round's prompt tokens (the previous answer
+counts as new: a conservative estimate). A failed prefill step is not an error: the decode worker
+computes the prompt itself, counted in ``tokenmill_router:pd_requests_total{path="prefill_failed"}``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+
+import httpx2 as httpx
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenmill.router.policies import request_tokens
+from tokenmill.router.policy import Policy, RouteRequest
+from tokenmill.router.proxy import Proxy
+from tokenmill.router.workers import Lease, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+MAX_SESSIONS = 65536
+STRIP_FOR_PREFILL = ("stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "max_completion_tokens",
+                     "response_format", "structured_outputs", "tools", "tool_choice", "min_tokens")
+
+
+class PDRouter:
+    """Two steps per request: prefill worker (lease the KV), then decode worker (pull it and decode).
+
+    Args:
+        client: the router's shared HTTP client.
+        prefill: registry of the prefill workers; prefill_policy picks among them.
+        decode: the ``Proxy`` over the decode workers (its policy, retries and streaming).
+        metrics: the router's metrics (``pd_*`` counters are added to its registry).
+        local_prefill_threshold: a session's round with at most this many new prompt tokens runs its
+            prefill on the decode worker that holds the session (0: never).
+        api_key: sent to the workers.
+    """
+
+    def __init__(self, client: httpx.AsyncClient, prefill: WorkerRegistry, prefill_policy: Policy, decode: Proxy,
+                 metrics, local_prefill_threshold: int = 0, api_key: str | None = None) -> None:
+        from prometheus_client import Counter
+
+        self.client, self.prefill, self.prefill_policy, self.decode = client, prefill, prefill_policy, decode
+        self.local_prefill_threshold = local_prefill_threshold
+        self.api_key = api_key
+        self.sessions: OrderedDict[str, int] = OrderedDict()  # session -> previous round's prompt tokens
+        self.pd_requests = Counter("tokenmill_router:pd_requests", "Requests by how their prompt was prefilled: "
+                                   "remote (a prefill worker), local (the decode worker, by threshold), "
+                                   "prefill_failed (the decode worker, after a failed prefill step).",
+                                   ["path"], registry=metrics.registry)
+        self.metrics = metrics
+
+    def _local_round(self, route: RouteRequest) -> bool:
+        session = route.session_id
+        if session is None or self.local_prefill_threshold <= 0:
+            return False
+        previous = self.sessions.get(session)
+        self.sessions[session] = route.num_prompt_tokens
+        self.sessions.move_to_end(session)
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
+        return previous is not None and route.num_prompt_tokens - previous <= self.local_prefill_threshold
+
+    async def forward(self, path: str, body: dict, route: RouteRequest, stream: bool, request: Request) -> Response:
+        """Prefill step (unless the round stays local), then the decode request through the decode proxy."""
+        params = None
+        if self._local_round(route):
+            self.pd_requests.labels("local").inc()
+        else:
+            params = await self._prefill(path, body, route, request)
+            self.pd_requests.labels("remote" if params is not None else "prefill_failed").inc()
+        decode_body = {**body, "kv_transfer_params": params} if params is not None else body
+        return await self.decode.forward(path, json.dumps(decode_body).encode(), route, stream, request, decode_body)
+
+    async def _prefill(self, path: str, body: dict, route: RouteRequest, request: Request) -> dict | None:
+        """The prefill worker's ``kv_transfer_params`` for the decode worker, or None when no prefill
+        worker could do it (the decode worker then computes the prompt)."""
+        prefill_body = {k: v for k, v in body.items() if k not in STRIP_FOR_PREFILL}
+        prefill_body.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        headers = self.decode.upstream_headers(request, route)
+        tried: set[str] = set()
+        while True:
+            candidates = [w for w in self.prefill.routable() if w.worker_id not in tried]
+            if not candidates:
+                logger.warning("request %s: no prefill worker could take it; the decode worker prefills",
+                               route.request_id)
+                return None
+            decision = self.prefill_policy.select(route, [w.view() for w in candidates])
+            worker = next(w for w in candidates if w.worker_id == decision.worker_id)
+            tried.add(worker.worker_id)
+            self.metrics.count_decision(f"prefill_{self.prefill_policy.name}", decision)
+            self.metrics.requests.labels(worker.worker_id, worker.url).inc()
+            self.prefill_policy.on_dispatched(route, decision)
+            lease = Lease(worker, route, request_tokens(route), self.prefill_policy)
+            try:
+                response = await self.client.post(worker.url + path, json=prefill_body, headers=headers)
+            except httpx.HTTPError as exc:
+                self.prefill.mark_unhealthy(worker, f"prefill request failed: {type(exc).__name__}: {exc}")
+                self.metrics.retries.labels("prefill_connect").inc()
+                continue
+            finally:
+                lease.release()
+            if response.status_code != 200:
+                if response.status_code >= 500:
+                    self.metrics.retries.labels("prefill_5xx").inc()
+                    continue
+                logger.info("request %s: prefill worker answered %d; the decode worker will answer the client",
+                            route.request_id, response.status_code)
+                return None  # the request itself is at fault: the decode worker gives the client its error
+            try:
+                params = response.json().get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                params = None
+            if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+                logger.warning("prefill worker %s returned no kv_transfer_params (is it started with "
+                               "--kv-transfer-config kv_producer?)", worker.url)
+                return None
+            return params
