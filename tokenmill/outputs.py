@@ -54,6 +54,7 @@ class RequestOutput:
     ``prompt_logprobs[0]`` is None (the first prompt token has no context).
     ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
     ``lora_request`` is the adapter the request ran with (None: the base model).
+    ``kv_transfer_params``: on a KV producer, where a decode worker pulls this prompt's K/V (vLLM's field).
     """
 
     request_id: str
@@ -65,3 +66,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     lora_request: LoRARequest | None = None
+    kv_transfer_params: dict | None = None

@@ -12,6 +12,7 @@ class RequestStatus(enum.Enum):
     """Lifecycle of a request inside the scheduler."""
 
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated, K/V arriving from a producer
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
@@ -50,6 +51,8 @@ class Request:
     constrained request, advanced on each accepted token; None when unconstrained.
     ``lora_request`` is the adapter the request runs with (None: the base model); ``lora_digest`` the
     hash of its content (``LoRAAdapter.digest``), which its prefix-cache block hashes carry.
+    ``kv_transfer_params``: vLLM's field for prefill/decode disaggregation (``do_remote_decode`` on
+    the prefill side, ``do_remote_prefill`` and where to pull from on the decode side).
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class Request:
         grammar: object | None = None,
         lora_request: LoRARequest | None = None,
         lora_digest: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -80,6 +84,11 @@ class Request:
         self.lora_request = lora_request
         self.lora_digest = lora_digest
         self.error: str | None = None  # why a FINISHED_ERROR request failed
+        # Prefill/decode disaggregation (tokenmill/kv_transfer/connector.py): the request's parameters,
+        # what its answer tells the decode side (a producer's lease), and whether a remote load was tried.
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_params_out: dict | None = None
+        self.remote_kv_tried = False
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -68,6 +68,12 @@ def register(subparsers) -> None:
     parser.add_argument("--session-save-path", default=None, metavar="DIR",
                         help="enable POST /v1/sessions/{id}/save and /restore (and DELETE): saved sessions' KV "
                              "blocks are files under DIR (docs/sessions.md)")
+    parser.add_argument("--enable-rl-endpoints", action="store_true",
+                        help="enable the RL rollout routes: /update_weights_from_disk, /pause_generation, /sleep, "
+                             "/wake_up, /weight_info, ... (docs/rl.md)")
+    parser.add_argument("--max-paused-requests", type=positive_int, default=1024, metavar="N",
+                        help="with --enable-rl-endpoints: most requests held while generation is paused (more get "
+                             "503 with Retry-After)")
     parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=True,
                         help="one INFO log line per finished request (default on)")
     parser.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
@@ -148,6 +154,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         enable_log_requests=args.enable_log_requests,
         session_save_path=args.session_save_path,
+        enable_rl_endpoints=args.enable_rl_endpoints,
+        max_paused_requests=args.max_paused_requests,
     )
     if args.data_parallel_size > 1:
         from tokenmill.router.replicas import run_data_parallel

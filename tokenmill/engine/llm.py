@@ -19,6 +19,7 @@ from tokenmill.engine.chat_prompt import ChatPromptRenderer
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.lora import LoRARequest
 from tokenmill.outputs import RequestOutput
+from tokenmill.rl import engine_ops
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.config import SpeculativeConfig
 
@@ -122,6 +123,44 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ---- RL rollouts: weights updated in place, sleep / wake up (tokenmill/rl, docs/rl.md) ----------
+    def update_weights_from_disk(self, model_path: str, flush_cache: bool = True,
+                                 weight_version: str | None = None) -> dict:
+        """Copy a safetensors directory or GGUF file of the same architecture and shapes into the
+        weights in place; the prefix cache (every tier) stops serving blocks of the old weights
+        (flushed, or with ``flush_cache=False`` never matched). Returns ``weight_info()``.
+
+        Raises:
+            tokenmill.rl.WeightUpdateError (a ValueError): a missing path, another config, missing,
+                unknown, misshaped or non-float tensors (all listed); nothing was changed.
+        """
+        return engine_ops.update_weights_from_disk(self.engine, model_path, flush_cache, weight_version)
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True,
+                                   weight_version: str | None = None) -> dict:
+        """Replace named tensors (checkpoint names; ``{name: tensor}`` or pairs; any subset) in place,
+        as :meth:`update_weights_from_disk`."""
+        return engine_ops.update_weights_from_tensor(self.engine, named_tensors, flush_cache, weight_version)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached KV block: pool, RAM tier and this model's disk records."""
+        engine_ops.flush_prefix_cache(self.engine, clear_disk=True)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (level 1) and the weights too (level 2) until :meth:`wake_up`."""
+        engine_ops.sleep(self.engine, level)
+
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed; outputs are the same as before it."""
+        engine_ops.wake_up(self.engine)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.rl_state.sleep_level > 0
+
+    def weight_info(self) -> dict:
+        """Version, fingerprint, path, load time and update count of the served weights."""
+        return engine_ops.weight_info(self.engine)
+
     def generate(
         self,
         prompts: PromptType | list[PromptType],
@@ -136,6 +175,7 @@ class LLM:
 
         Raises ValueError (before anything is queued) when a prompt, its parameters or its adapter are invalid.
         """
+        engine_ops.check_awake(self.engine)
         if not isinstance(prompts, list) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt: text, dict, or a list of token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

@@ -22,6 +22,7 @@ from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.loader import load_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
+from tokenmill.rl.engine_ops import RLState
 from tokenmill.runner.device import resolve_device
 from tokenmill.runner.cpu_threads import available_cpus
 from tokenmill.runner.model_runner import ModelRunner
@@ -120,6 +121,7 @@ class LLMEngine:
                                               self.structured_output_manager.valid_draft_prefix)
         self.stats_logger = StatsLogger()
         self.model_name = self.loaded.model_path
+        self.rl_state = RLState.initial(self.loaded)  # weight version and sleep state (tokenmill/rl, docs/rl.md)
         self.kv_events = build_kv_event_publisher(config.kv_events_config, kv_events)  # binds its sockets: last
         logger.info(
             "engine ready in %.1fs: %s (%s), max_model_len=%d, %d KV tokens",

@@ -39,6 +39,7 @@ class _ParentState:
     num_finished: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     lora_request: LoRARequest | None = None
+    kv_transfer_params: dict | None = None  # where a decode worker pulls this prompt's K/V (a producer's lease)
 
 
 class OutputProcessor:
@@ -150,6 +151,8 @@ class OutputProcessor:
             )
             if seq.finish_reason is not None:
                 parent.num_finished += 1
+            if request.kv_transfer_params_out is not None:
+                parent.kv_transfer_params = request.kv_transfer_params_out
             touched[parent_id] = parent
             updated_ids.add(request.request_id)
 
@@ -183,6 +186,7 @@ class OutputProcessor:
                     num_cached_tokens=parent.num_cached_tokens,
                     metrics=dict(parent.metrics),
                     lora_request=parent.lora_request,
+                    kv_transfer_params=parent.kv_transfer_params,
                 )
             )
         return outputs, to_stop

@@ -42,6 +42,9 @@ class KVCacheManager:
             self.offload = OffloadPlanner(self.block_pool, lower_tiers)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of each request already indexed
+        # Set after a weight update without a prefix-cache flush (tokenmill/rl): blocks made with other
+        # weights then never match. None while every cached block was made with the current weights.
+        self.weight_key: str | None = None
         # Prefix-cache statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -54,11 +57,14 @@ class KVCacheManager:
         return self.block_pool.usage()
 
     def _extra_keys(self, request: Request) -> tuple:
-        """cache_salt and the adapter: two adapters (or an adapter and the base model) never share KV.
+        """cache_salt, the weight key and the adapter: two adapters (or an adapter and the base model)
+        never share KV, nor do two versions of the weights.
 
         The adapter is keyed by its content digest when known (set by the engine), so blocks kept in
         the disk tier stay with their adapter across restarts whatever id or name it gets; else by id and name."""
         keys = (request.cache_salt,) if request.cache_salt else ()
+        if self.weight_key is not None:
+            keys += (self.weight_key,)
         if request.lora_digest is not None:
             keys += (f"lora:{request.lora_digest}",)
         elif request.lora_request is not None:

@@ -210,6 +210,22 @@ class DiskTier:
                 self._cond.wait()
             self._flush_requests -= 1
 
+    def clear(self) -> None:
+        """Delete every record: flush the write buffer, then drop all segments (files deleted);
+        reported as AllBlocksCleared. Engine thread (the only one that puts)."""
+        if not self.enabled:
+            return
+        self.flush()
+        with self._cond:
+            collector, self.kv_events = self.kv_events, None  # one AllBlocksCleared, not one event per block
+            try:
+                for seg in list(self._segments.values()):
+                    self._drop_segment(seg, delete_file=True)
+            finally:
+                self.kv_events = collector
+            if collector is not None:
+                collector.all_cleared(self.name)
+
     def close(self) -> None:
         """Flush, stop the threads, sync the current segment and release the directory lock."""
         if self._closed:

@@ -46,6 +46,14 @@ class RamTier:
         """Stored block hashes, least recently used first."""
         return list(self._slots)
 
+    def clear(self) -> None:
+        """Forget every stored block (all slots free again); reported as AllBlocksCleared."""
+        self._slots.clear()
+        self._free_slots = list(range(self.capacity_blocks - 1, -1, -1))
+        self.stats.blocks_stored = 0
+        if self.kv_events is not None:
+            self.kv_events.all_cleared(self.name)
+
     def block(self, block_hash: int) -> torch.Tensor:
         """A view of one stored block (its recency is left alone)."""
         return self.slab[self._slots[block_hash]]

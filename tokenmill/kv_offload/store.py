@@ -59,6 +59,8 @@ class TieredKVStore:
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()  # (block_hash, payload | None) from the loader
         self._start = time.monotonic()
         self._closed = False
+        # Blocks made with weights no longer served (an update without a flush): never written below the pool.
+        self.stale_hashes: set[int] = set()
         self.transfer_seconds = 0.0  # engine-thread time spent in per-step copies
         self.load_wait_seconds = 0.0  # engine-thread time spent waiting for disk reads (nothing else to run)
 
@@ -154,6 +156,10 @@ class TieredKVStore:
             if h in seen:
                 continue
             seen.add(h)
+            if h in self.stale_hashes:  # made with earlier weights: dropped, not kept below the pool
+                if self.ram is None or h not in self.ram:
+                    self.stale_hashes.discard(h)
+                continue
             if self.ram is not None and h in self.ram:
                 self.ram.touch(h)
                 continue
@@ -187,10 +193,60 @@ class TieredKVStore:
 
     def _store(self, hashes: list[int], data: torch.Tensor) -> None:
         evicted = self.ram.write(hashes, data) if self.ram is not None else list(zip(hashes, data))
-        if self._disk_on:
-            for h, block in evicted:
-                if h not in self.disk:
-                    self.disk.put(h, _block_bytes(block))
+        for h, block in evicted:
+            if h in self.stale_hashes:
+                self.stale_hashes.discard(h)
+            elif self._disk_on and h not in self.disk:
+                self.disk.put(h, _block_bytes(block))
+
+    # ---- weight updates (tokenmill/rl): flush, or keep old blocks out of reach ---------------------
+    def mark_stale(self, pool_hashes: list[int]) -> None:
+        """The weights changed without a flush: the pool's cached blocks (``pool_hashes``) and the RAM
+        tier's were made with the old weights. They stay where they are (their block hashes no longer
+        match any request) but are never written to a lower tier, so no tier under a new fingerprint
+        ever holds them."""
+        self.stale_hashes.update(pool_hashes)
+        if self.ram is not None:
+            self.stale_hashes.update(self.ram.hashes())
+
+    def clear(self, clear_disk: bool) -> None:
+        """Drop every block below the pool: the RAM tier, blocks read back from disk and not yet
+        taken, and with ``clear_disk`` every disk record of this fingerprint (files deleted)."""
+        if self.ram is not None:
+            self.ram.clear()
+        self._drop_staged()
+        self.stale_hashes.clear()
+        if clear_disk and self._disk_on:
+            self.disk.clear()
+
+    def _drop_staged(self) -> None:
+        self._staged.clear()
+        while True:
+            try:
+                block_hash, _ = self._arrived.get_nowait()
+            except queue.Empty:
+                return
+            self._loading.discard(block_hash)
+
+    def replace_disk(self, fingerprint: str) -> None:
+        """Move the disk tier to ``<root>/<fingerprint[:16]>`` (the weights changed): the old tier is
+        flushed and closed, so its records stay under the old fingerprint, readable only by an engine
+        serving those weights; the new directory's records (if an earlier run served these weights) are
+        reported stored. Reads in flight are dropped."""
+        old = self.disk
+        if old is None:
+            return
+        collector = old.kv_events
+        old.close()  # its loader finishes the reads queued so far; they are dropped just below
+        self._drop_staged()
+        self._loading.clear()
+        if collector is not None:
+            collector.all_cleared(old.name)
+        self.disk = DiskTier(old.root, fingerprint, old.block_bytes, old.capacity_bytes, old.segment_bytes,
+                             old.batch_bytes, old.max_pending_bytes, old.max_delay_s)
+        self.disk.kv_events = collector
+        if collector is not None and self._disk_on:
+            collector.hashes_stored(self.disk.hashes(), self.disk.name)
 
     # ---- reporting and shutdown -----------------------------------------------------------------
     def dwpd(self) -> float | None:
@@ -233,9 +289,9 @@ class TieredKVStore:
             num_saved = 0
             if self.ram is not None:
                 for h in self.ram.hashes():
-                    if h not in self.disk:
+                    if h not in self.disk and h not in self.stale_hashes:
                         num_saved += self.disk.put(h, _block_bytes(self.ram.block(h)), wait=True)
-            todo = [(b, h) for b, h in cached_blocks if h not in self.disk]
+            todo = [(b, h) for b, h in cached_blocks if h not in self.disk and h not in self.stale_hashes]
             for start in range(0, len(todo), 64):
                 chunk = todo[start : start + 64]
                 ids = torch.tensor([b for b, _ in chunk], dtype=torch.int64, device=self.kv_cache.device)

@@ -29,6 +29,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        # KV transfer (tokenmill/kv_transfer/connector.py; None: off): requests whose prompt K/V is
+        # arriving from a producer, and finished requests whose blocks a consumer has yet to pull.
+        self.connector = None
+        self.waiting_for_remote: dict[str, Request] = {}
+        self.leased: dict[str, Request] = {}
 
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -45,6 +50,9 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.waiting_for_remote[request_id]
+                self.connector.cancel_load(request_id)
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
@@ -53,11 +61,16 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv_cache_manager.free(request)
+        kv = self.kv_cache_manager
+        if self.connector is not None and self.connector.request_finished(
+                request, kv.get_block_ids(request.request_id), kv._extra_keys(request)):
+            self.leased[request.request_id] = request  # freed when its consumer confirms or the lease expires
+        else:
+            kv.free(request)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_remote)
 
     @property
     def num_running(self) -> int:
@@ -73,6 +86,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
+        if self.connector is not None:
+            self._update_from_connector()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -105,9 +120,14 @@ class Scheduler:
             if not adapters.fits(request):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            if request.num_computed_tokens:  # its prompt K/V came from a producer: blocks held, no lookup
+                hits, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hits, num_hit_tokens = kv.get_computed_blocks(request)
             if kv.is_loading(request):
                 skipped.append(self.waiting.popleft())
+                continue
+            if self.connector is not None and self._start_remote_prefill(request, hits, num_hit_tokens):
                 continue
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -129,6 +149,46 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         out.blocks_to_offload, out.blocks_to_load = kv.take_kv_transfers()
         return out
+
+    def _start_remote_prefill(self, request: Request, hits: list, num_hit_tokens: int) -> bool:
+        """Park the head waiting request while its prompt K/V loads from a producer, if it should:
+        its blocks are allocated now (not indexed until the K/V is in). False: schedule it as usual."""
+        num_remote = self.connector.num_remote_tokens(request, num_hit_tokens)
+        kv = self.kv_cache_manager
+        if num_remote <= 0 or kv.allocate_slots(request, num_remote, hits, delay_cache_blocks=True) is None:
+            return False
+        self.waiting.popleft()
+        request.num_computed_tokens = num_hit_tokens
+        request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote[request.request_id] = request
+        self.connector.start_load(request, num_hit_tokens, num_remote, kv.get_block_ids(request.request_id),
+                                  kv._extra_keys(request))
+        return True
+
+    def _update_from_connector(self) -> None:
+        """Loads that ended go back to the head of the queue (K/V in: only the last prompt token left to
+        compute; failed: blocks freed, the prompt computed here); ended leases free their blocks."""
+        kv = self.kv_cache_manager
+        for request_id, ok in self.connector.poll_loads():
+            request = self.waiting_for_remote.pop(request_id, None)
+            if request is None:
+                continue
+            if ok:
+                num_remote = request.num_prompt_tokens - 1 - request.num_computed_tokens
+                self.connector.count_remote_tokens(num_remote)
+                request.num_computed_tokens = request.num_prompt_tokens - 1
+                kv.cache_blocks(request, request.num_computed_tokens)
+            else:
+                kv.free(request)
+                request.num_computed_tokens = 0
+                request.num_cached_tokens = None
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        for request_id in self.connector.released():
+            request = self.leased.pop(request_id, None)
+            if request is not None:
+                kv.free(request)
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)

@@ -39,6 +39,7 @@ from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from tokenmill.server.serving_chat import create_chat_completion, render_chat
 from tokenmill.server.serving_completions import create_completion
 from tokenmill.server.serving_lora import lora_router
+from tokenmill.server.serving_rl import rl_router
 from tokenmill.server.serving_sessions import sessions_router
 from tokenmill.server.state import ServerConfig, ServerState
 
@@ -216,6 +217,7 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
     v1.include_router(lora_router(state, config.allow_runtime_lora_updating))
     v1.include_router(sessions_router(state, config.session_save_path))
     app.include_router(v1)
+    app.include_router(rl_router(state, config.enable_rl_endpoints, _api_key_check(config.api_key)))  # docs/rl.md
 
     @app.get("/health")
     async def health():

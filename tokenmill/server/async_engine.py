@@ -78,6 +78,7 @@ class RequestStream:
         self._engine = engine
         self._outputs = outputs
         self.unfinished = set(request_ids)
+        self.weight_version: str | None = None  # the weights these requests are generated with (RLGate)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -308,6 +309,13 @@ class AsyncEngine:
             if self._tracker is not None:
                 self._tracker.on_added(engine, r.request_id, command.arrival_time)
         command.accepted.set_result(None)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs made outside ``step`` (by a ``call`` function, e.g. an abort with final outputs)
+        to their streams and the metrics, as a step's are. Engine thread only."""
+        if self._tracker is not None:
+            self._tracker.on_step(self.llm.engine, time.monotonic(), outputs)
+        self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batch = []

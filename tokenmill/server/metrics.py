@@ -46,6 +46,7 @@ class EngineStats:
     waiting_lora_adapters: tuple[str, ...] = ()
     lora_counters: dict[str, int] = field(default_factory=dict)  # LoRAManager.stats()
     spec_decode: dict | None = None  # SpecDecodingStats.snapshot() (None: speculative decoding off)
+    kv_transfer: dict | None = None  # KVConnector.status() (None: no --kv-transfer-config)
 
 
 class _EngineStatsCollector(Collector):
@@ -78,6 +79,7 @@ class _EngineStatsCollector(Collector):
         yield from self._structured_output(stats)
         yield from self._lora(stats)
         yield from self._spec_decode(stats)
+        yield from self._kv_transfer(stats)
 
     def _spec_decode(self, stats: EngineStats) -> Iterator[Metric]:
         """Speculative decoding's counters (vLLM's names), the per-position one labelled ``position``."""

@@ -103,6 +103,7 @@ class SamplingRequest(BaseModel):
     structured_outputs: StructuredOutputsRequest | None = None
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
     disable_speculative_decoding: bool = False  # this request verifies no draft tokens (docs/spec_decode.md)
+    kv_transfer_params: dict | None = None  # vLLM's: prefill/decode disaggregation (docs/pd_disaggregation.md)
 
     @property
     def include_usage(self) -> bool:

@@ -117,15 +117,17 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     request, tool_request = await _engine_request(body, state, response_id, lora_request)
     stream = await state.submit([request], "messages")
     created = int(time.time())
+    metadata = {"weight_version": stream.weight_version}  # SGLang's field: the weights that made it (docs/rl.md)
     if body.stream:
-        header = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        header = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                  "metadata": metadata}
         return StreamingResponse(sse_stream(_stream_events(body, state, stream, header, tool_request,
                                                    request.prompt_token_ids), stream),
                                  media_type="text/event-stream")
     output = (await state.collect(stream, raw_request))[response_id]
     choices = await asyncio.to_thread(_choices, body, state, output, tool_request)  # long logprobs take a while
     body_json = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-                 "choices": choices, "usage": usage([output])}
+                 "choices": choices, "usage": usage([output]), "metadata": metadata}
     if body.return_token_ids:
         body_json["prompt_token_ids"] = output.prompt_token_ids
     return JSONResponse(body_json)

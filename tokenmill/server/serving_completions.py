@@ -71,7 +71,8 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
     requests = await asyncio.to_thread(_engine_requests, body, state, response_id, lora_request)
     stream = await state.submit(requests, "prompt")
     header = {"id": response_id, "object": "text_completion", "created": int(time.time()),
-              "model": body.model or state.model_name}
+              "model": body.model or state.model_name,
+              "metadata": {"weight_version": stream.weight_version}}  # SGLang's field (docs/rl.md); every chunk
     if body.stream:
         events = _stream_events(body, state, requests, stream, header)
         return StreamingResponse(sse_stream(events, stream), media_type="text/event-stream")

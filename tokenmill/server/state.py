@@ -19,6 +19,7 @@ from tokenmill.server.async_engine import AsyncEngine, EngineDeadError, EngineRe
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import RequestMetricsTracker, ServerMetrics
 from tokenmill.server.openai_format import SSE_DONE, sse
+from tokenmill.server.rl_gate import RLGate
 from tokenmill.server.serving_lora import LoRAModulePath, ServedAdapters
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output import ConstraintError
@@ -49,6 +50,8 @@ class ServerConfig:
         session_save_path: directory of saved sessions (``/v1/sessions/{id}/save|restore``); None: off.
         enable_log_requests: one INFO log line per finished request (id, model or adapter, tokens,
             finish reason, latency).
+        enable_rl_endpoints: serve the RL rollout routes (weight updates, pause, sleep; docs/rl.md).
+        max_paused_requests: most requests held while generation is paused (more get 503 + Retry-After).
     """
 
     served_model_name: str
@@ -63,6 +66,8 @@ class ServerConfig:
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False
     enable_log_requests: bool = True
+    enable_rl_endpoints: bool = False
+    max_paused_requests: int = 1024
     session_save_path: str | None = None
 
 
@@ -80,6 +85,7 @@ class ServerState:
                                         base_model_name=self.model_name)
         self.engine = AsyncEngine(config.engine_kwargs, tracker, on_load_failure,
                                   on_loaded=lambda llm: self.adapters.register_static(llm.engine))
+        self.rl = RLGate(self.engine, config.max_paused_requests)  # pause / sleep gate, weight version
         self._token_strings: TokenStrings | None = None
 
     # ---- facts of the loaded engine (raise 503 until it is loaded) ---------------------------
@@ -136,9 +142,13 @@ class ServerState:
 
     # ---- talking to the engine -----------------------------------------------------------------
     async def submit(self, requests: list[EngineRequest], prompt_param: str) -> RequestStream:
-        """Queue requests (all or none); engine rejections become 400s naming ``prompt_param``."""
+        """Queue requests (all or none) once the RL gate lets them through (paused: they wait; asleep:
+        503); engine rejections become 400s naming ``prompt_param``. The stream carries its weight version."""
+        weight_version = await self.rl.admit()
         try:
-            return await self.engine.add(requests)
+            stream = await self.engine.add(requests)
+            stream.weight_version = weight_version
+            return stream
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, "service_unavailable_error") from None
         except LoRAAdapterError as exc:  # unloaded between the name lookup and the queueing
