@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokenmill.kv_transfer.config import KVTransferConfig
     from tokenmill.spec_decode.config import SpeculativeConfig
 
 DEFAULT_KV_OFFLOAD_DISK_SIZE_GIB = 16.0
@@ -346,6 +347,7 @@ class EngineConfig:
     ``lora``: multi-LoRA settings (None: LoRA off, ``enable_lora=False``).
     ``kv_events_config``: KV cache events for a KV-aware router (off by default; docs/kv_events.md).
     ``speculative_config``: speculative decoding (None: off; docs/spec_decode.md).
+    ``kv_transfer_config``: prefill/decode disaggregation (None: off; docs/pd_disaggregation.md).
     """
 
     model: str | None = None
@@ -364,6 +366,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     speculative_config: SpeculativeConfig | None = None
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):

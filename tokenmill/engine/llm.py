@@ -59,6 +59,9 @@ class LLM:
             "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
             "disable_by_batch_size": 8}``; a dict, its JSON text or a ``SpeculativeConfig``; None: off;
             docs/spec_decode.md). Outputs are the same as without it.
+        kv_transfer_config: prefill/decode disaggregation, vLLM's fields (``{"kv_role": "kv_producer" |
+            "kv_consumer" | "kv_both", "kv_connector": ..., "kv_ip", "kv_port"}``; a dict or its JSON
+            text; None: off; docs/pd_disaggregation.md).
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class LLM:
         max_cpu_loras: int | None = None,
         kv_events_config: dict | str | KVEventsConfig | None = None,
         speculative_config: dict | str | SpeculativeConfig | None = None,
+        kv_transfer_config: dict | str | None = None,
     ) -> None:
         config = build_engine_config(
             model=model, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -104,7 +108,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, cpu_kernels=cpu_kernels,
             structured_outputs_config=structured_outputs_config, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, kv_events_config=kv_events_config,
-            speculative_config=speculative_config,
+            speculative_config=speculative_config, kv_transfer_config=kv_transfer_config,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -281,6 +285,7 @@ def build_engine_config(
     max_cpu_loras: int | None = None,
     kv_events_config: dict | str | KVEventsConfig | None = None,
     speculative_config: dict | str | SpeculativeConfig | None = None,
+    kv_transfer_config: dict | str | None = None,
 ) -> EngineConfig:
     """The EngineConfig for ``LLM(**kwargs)`` (same keyword names), without loading anything.
 
@@ -302,6 +307,7 @@ def build_engine_config(
         lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         kv_events_config=KVEventsConfig.from_value(kv_events_config),
         speculative_config=SpeculativeConfig.from_value(speculative_config),
+        kv_transfer_config=_kv_transfer_config(kv_transfer_config),
         cache=CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -322,3 +328,9 @@ def build_engine_config(
             enable_chunked_prefill=enable_chunked_prefill,
         ),
     )
+
+
+def _kv_transfer_config(value):
+    from tokenmill.kv_transfer.config import kv_transfer_config
+
+    return kv_transfer_config(value)

@@ -122,11 +122,26 @@ class LLMEngine:
         self.stats_logger = StatsLogger()
         self.model_name = self.loaded.model_path
         self.rl_state = RLState.initial(self.loaded)  # weight version and sleep state (tokenmill/rl, docs/rl.md)
+        self.kv_connector = None  # prefill/decode disaggregation (tokenmill/kv_transfer, docs/pd_disaggregation.md)
+        if config.kv_transfer_config is not None:
+            self.kv_connector = self._build_kv_connector(config.kv_transfer_config)
+            self.scheduler.connector = self.kv_connector
         self.kv_events = build_kv_event_publisher(config.kv_events_config, kv_events)  # binds its sockets: last
         logger.info(
             "engine ready in %.1fs: %s (%s), max_model_len=%d, %d KV tokens",
             time.perf_counter() - t0, self.loaded.model_path, self.loaded.dtype, max_model_len, self.runner.num_kv_tokens,
         )
+
+    def _build_kv_connector(self, transfer_config):
+        from tokenmill.kv_transfer.blocks import engine_fingerprints
+        from tokenmill.kv_transfer.connector import KVConnector
+
+        if self.device.type != "cpu":
+            raise ConfigError("`kv_transfer_config` runs on the CPU backend for now")
+        if not self.config.cache.enable_prefix_caching:
+            raise ConfigError("`kv_transfer_config` needs prefix caching (transferred blocks are prefix-cache entries)")
+        return KVConnector(transfer_config, self.runner.kv_cache, self.config.cache.block_size,
+                           lambda: engine_fingerprints(self)[0])
 
     @property
     def max_model_len(self) -> int:
@@ -169,9 +184,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         """Validate, tokenize and queue a request (``params.n`` sequences), with ``lora_request``'s
-        adapter applied (None: the base model).
+        adapter applied (None: the base model). ``kv_transfer_params``: prefill/decode disaggregation
+        (vLLM's field; needs ``kv_transfer_config``).
 
         Raises:
             ValueError: empty prompt, prompt too long, or prompt + max_tokens over max_model_len;
@@ -204,6 +221,13 @@ class LLMEngine:
             lora_digest = self.lora_manager.register(lora_request).digest  # read and checked before anything is queued
         else:
             lora_digest = None
+        if kv_transfer_params is not None:
+            if not isinstance(kv_transfer_params, dict):
+                raise ValueError(f"kv_transfer_params must be an object, got {type(kv_transfer_params).__name__}")
+            if self.kv_connector is None:
+                raise ValueError("kv_transfer_params needs a server started with --kv-transfer-config")
+            if params.n != 1:
+                raise ValueError("kv_transfer_params needs n = 1")
         constraint = params.structured_outputs
         if constraint is not None:
             self.structured_output_manager.compile(constraint)  # raises before anything is queued
@@ -218,7 +242,7 @@ class LLMEngine:
             children.append(
                 Request(child_id, token_ids, params, self.loaded.eos_token_ids, max_tokens,
                         arrival_time=arrival_time, cache_salt=cache_salt, generator=generator, seed=seed, grammar=grammar,
-                        lora_request=lora_request, lora_digest=lora_digest)
+                        lora_request=lora_request, lora_digest=lora_digest, kv_transfer_params=kv_transfer_params)
             )
         self.output_processor.add_request(request_id, text, children)
         for child in children:
@@ -241,7 +265,9 @@ class LLMEngine:
             self.output_processor.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or KV transfers to finish (loads in flight, leases to free when they end)."""
+        return self.scheduler.has_unfinished_requests() or (
+            self.kv_connector is not None and self.kv_connector.has_pending)
 
     # ---- adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------
     def _lora(self):
@@ -296,6 +322,8 @@ class LLMEngine:
         if scheduler_output.is_empty:
             if self.kv_store is not None:  # nothing runnable: wait for prefix blocks coming back from disk
                 self.kv_store.wait_for_loads(timeout=0.5)
+            if self.kv_connector is not None:  # ... or for K/V from a producer, or a lease to end
+                self.kv_connector.wait(0.05)
             return []
         # Constrained requests' masks are filled on a worker thread while the forward runs.
         scheduler_output.grammar_bitmask = self.structured_output_manager.start_bitmask(
@@ -329,6 +357,12 @@ class LLMEngine:
         flush and sync the disk writer and release its directory lock. Idempotent. With KV events,
         a last batch says every block is gone, and the publisher's sockets are released."""
         self.structured_output_manager.close()
+        if self.kv_connector is not None:
+            for request_id in self.kv_connector.close():  # leases nobody will pull any more
+                request = self.scheduler.leased.pop(request_id, None)
+                if request is not None:
+                    self.kv_cache_manager.free(request)
+            self.kv_connector = self.scheduler.connector = None
         if self.kv_store is not None:
             offload = self.kv_cache_manager.offload
             self.kv_store.close(offload.cached_blocks() if save_cached and offload is not None else None)

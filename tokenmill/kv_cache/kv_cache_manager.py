@@ -115,13 +115,15 @@ class KVCacheManager:
         return self.offload.take_transfers() if self.offload is not None else ([], [])
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the request's computed ones.
 
         ``new_computed_blocks`` are prefix hits from :meth:`get_computed_blocks` (first scheduling).
         Returns the newly allocated blocks, or None (nothing changed) if the pool cannot supply them.
-        Full blocks covered by this step are indexed for prefix caching right away.
+        Full blocks covered by this step are indexed for prefix caching right away, unless
+        ``delay_cache_blocks`` (their K/V arrives later, e.g. from a KV transfer: :meth:`cache_blocks`).
         """
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -139,9 +141,14 @@ class KVCacheManager:
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             self._cache_full_blocks(request, req_blocks, min(total, request.num_tokens))
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the request's full blocks among its first ``num_tokens`` tokens, now that their K/V is in."""
+        if self.enable_caching and request.request_id in self.req_to_blocks:
+            self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
         self._update_block_hashes(request)

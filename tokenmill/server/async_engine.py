@@ -42,6 +42,7 @@ class EngineRequest:
     prompt: str | None = None
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -298,7 +299,7 @@ class AsyncEngine:
             for r in command.requests:
                 engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, r.params,
                                    arrival_time=command.arrival_time, cache_salt=r.cache_salt,
-                                   lora_request=r.lora_request)
+                                   lora_request=r.lora_request, kv_transfer_params=r.kv_transfer_params)
                 added.append(r.request_id)
         except Exception as exc:  # noqa: BLE001 - a rejected request, handed to the caller
             engine.abort_request(added)
@@ -369,6 +370,7 @@ class AsyncEngine:
             structured_output_mask_seconds=constraints.mask_seconds_total,
             structured_output_mask_steps=constraints.mask_steps_total,
             spec_decode=engine.speculator.stats.snapshot() if engine.speculator is not None else None,
+            kv_transfer=engine.kv_connector.status() if engine.kv_connector is not None else None,
             **self._lora_stats(engine),
         )
 

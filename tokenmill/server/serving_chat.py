@@ -106,7 +106,8 @@ async def _engine_request(
     token_ids = await asyncio.to_thread(render_chat, state, body.messages, body.add_generation_prompt,
                                         body.allow_special_tokens_in_content, tool_request)
     check_length(len(token_ids), max_tokens, state.max_model_len, "messages", max_tokens_param)
-    return EngineRequest(request_id, token_ids, params, None, body.cache_salt, lora_request), tool_request
+    return (EngineRequest(request_id, token_ids, params, None, body.cache_salt, lora_request, body.kv_transfer_params),
+            tool_request)
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, state: ServerState):
@@ -130,6 +131,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
                  "choices": choices, "usage": usage([output]), "metadata": metadata}
     if body.return_token_ids:
         body_json["prompt_token_ids"] = output.prompt_token_ids
+    if output.kv_transfer_params is not None:  # a KV producer's lease (vLLM's field)
+        body_json["kv_transfer_params"] = output.kv_transfer_params
     return JSONResponse(body_json)
 
 

@@ -60,7 +60,10 @@ def _engine_requests(
         if text is None and body.echo:
             text = state.decode(token_ids)
         request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
-        requests.append(EngineRequest(request_id, token_ids, params, text, body.cache_salt, lora_request))
+        requests.append(EngineRequest(request_id, token_ids, params, text, body.cache_salt, lora_request,
+                                      body.kv_transfer_params))
+    if body.kv_transfer_params is not None and len(requests) > 1:
+        raise APIError("kv_transfer_params needs a single prompt", param="kv_transfer_params")
     return requests
 
 
@@ -78,7 +81,10 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
         return StreamingResponse(sse_stream(events, stream), media_type="text/event-stream")
     finals = await state.collect(stream, raw_request)
     choices = await asyncio.to_thread(_choices, body, state, requests, finals)  # long logprobs take a while
-    return JSONResponse({**header, "choices": choices, "usage": usage([finals[r.request_id] for r in requests])})
+    response = {**header, "choices": choices, "usage": usage([finals[r.request_id] for r in requests])}
+    if finals[requests[0].request_id].kv_transfer_params is not None:  # a KV producer's lease (vLLM's field)
+        response["kv_transfer_params"] = finals[requests[0].request_id].kv_transfer_params
+    return JSONResponse(response)
 
 
 def _choices(
