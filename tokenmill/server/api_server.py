@@ -107,6 +107,7 @@ def engine_status(engine, check_integrity: bool = True) -> dict:
         # What a KV-aware router needs: the block size it hashes prompts with, and where events are published.
         "block_size": engine.config.cache.block_size,
         "kv_events": engine.kv_events.status() if engine.kv_events is not None else {"enabled": False},
+        "kv_transfer": engine.kv_connector.status() if engine.kv_connector is not None else None,
     }
 
 
