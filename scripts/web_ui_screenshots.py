@@ -43,7 +43,7 @@ def main() -> int:
     try:
         model = server.client().models.list().data[0].id
         stop = threading.Event()
-        worker = threading.Thread(target=traffic, args=(server, model, stop))
+        workers = [threading.Thread(target=traffic, args=(server, model, stop)) for _ in range(3)]
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1280, "height": 800}, device_scale_factor=1)
@@ -59,12 +59,14 @@ def main() -> int:
             OUT.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(OUT / "web_ui_chat.png"))
             page.click("#tab-status")
-            worker.start()
+            for worker in workers:
+                worker.start()
             time.sleep(60)
             page.screenshot(path=str(OUT / "web_ui_status.png"), full_page=False)
             stop.set()
             browser.close()
-        worker.join()
+        for worker in workers:
+            worker.join()
     finally:
         server.stop()
     print(f"wrote {OUT / 'web_ui_chat.png'} and {OUT / 'web_ui_status.png'}")

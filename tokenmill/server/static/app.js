@@ -302,6 +302,7 @@ function renderStatus(status) {
       ttft: meanOver(m, before, "time_to_first_token_seconds"),
       itl: meanOver(m, before, "inter_token_latency_seconds"),
       e2e: meanOver(m, before, "e2e_request_latency_seconds"),
+      queue: meanOver(m, before, "request_queue_time_seconds"),
       running: m.num_requests_running, waiting: m.num_requests_waiting, kv: 100 * m.kv_cache_usage_perc,
     });
     while (history.length && history[0].t < status.time - WINDOW_S) history.shift();
@@ -377,7 +378,11 @@ function drawChart(svg, series, scale) {
     // a gap (null: no request finished in that interval) breaks the line
     let run = [];
     const flush = () => {
-      if (run.length) parts.push(el("polyline", { points: run.join(" "), stroke: s.color, "data-series": s.key }));
+      if (run.length > 1) parts.push(el("polyline", { points: run.join(" "), stroke: s.color, "data-series": s.key }));
+      if (run.length === 1) {  // a lone point between gaps: a dot
+        const [cx, cy] = run[0].split(",");
+        parts.push(el("circle", { cx, cy, r: 2, fill: s.color, "data-series": s.key }));
+      }
       run = [];
     };
     for (const p of history) {
@@ -398,8 +403,9 @@ function redrawCharts() {
   drawChart($("chart-throughput"), [{ key: "gen", label: "generation", color: "var(--s1)" },
                                     { key: "prompt", label: "prompt", color: "var(--s2)" }], 1);
   drawChart($("chart-latency"), [{ key: "ttft", label: "TTFT", color: "var(--s1)" },
-                                 { key: "itl", label: "ITL", color: "var(--s2)" },
-                                 { key: "e2e", label: "E2E", color: "var(--s3)" }], 1);
+                                 { key: "itl", label: "ITL", color: "var(--s2)" }], 1);
+  drawChart($("chart-e2e"), [{ key: "e2e", label: "E2E", color: "var(--s3)" },
+                             { key: "queue", label: "queue", color: "var(--s2)" }], 1);
   drawChart($("chart-queue"), [{ key: "running", label: "running", color: "var(--s1)" },
                                { key: "waiting", label: "waiting", color: "var(--s2)" }], 1);
   drawChart($("chart-kv"), [{ key: "kv", label: "KV pool", color: "var(--s4)" }], 1);
