@@ -2,6 +2,7 @@
 transformers references (log-probabilities of a prompt, greedy continuations) for any of them."""
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -26,8 +27,19 @@ def perturbed_copy(src: Path, dst: Path, scale: float = 0.05, seed: int = 1, dro
     return dst
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread (a tiny model on a busy 2-core box runs several times faster so)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 class Reference:
-    """A transformers model loaded from a checkpoint directory (float32, eval)."""
+    """A transformers model loaded from a checkpoint directory (float32, eval); computed on one thread."""
 
     def __init__(self, path: Path) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -35,13 +47,15 @@ class Reference:
     @torch.no_grad()
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """log p(token_i | tokens before it) for i >= 1."""
-        logits = self.model(torch.tensor([token_ids])).logits[0].float()  # (T, vocab)
+        with _one_thread():
+            logits = self.model(torch.tensor([token_ids])).logits[0].float()  # (T, vocab)
         logprobs = torch.log_softmax(logits, dim=-1)
         return [logprobs[i - 1, token_ids[i]].item() for i in range(1, len(token_ids))]
 
     @torch.no_grad()
     def greedy(self, token_ids: list[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation (stops at EOS, as the server does)."""
-        out = self.model.generate(torch.tensor([token_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                  attention_mask=torch.ones(1, len(token_ids), dtype=torch.long))
+        with _one_thread():
+            out = self.model.generate(torch.tensor([token_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                      attention_mask=torch.ones(1, len(token_ids), dtype=torch.long))
         return out[0, len(token_ids):].tolist()

@@ -293,3 +293,31 @@ def test_without_the_flag_the_routes_are_404s_naming_it():
     for response in asyncio.run(calls()):
         assert response.status_code == 404
         assert "--enable-rl-endpoints" in response.json()["error"]["message"]
+
+
+def test_update_from_tensor_takes_base64_safetensors_and_refuses_bad_ones(env):
+    import base64
+
+    from safetensors.torch import load_file, save
+
+    server, paths, _ = env
+    assert _update(server, paths["base"], weight_version="base").status_code == 200
+    prompt = _prompts(51, 1, 12)[0]
+    expected = _complete(server, prompt, max_tokens=8)["choices"][0]["token_ids"]
+    new_norm = load_file(paths["new"] / "model.safetensors")["model.norm.weight"]
+
+    def blob(tensors: dict) -> str:
+        return base64.b64encode(save(tensors)).decode()
+
+    for body, needle in (({"serialized_named_tensors": ["not base64!"]}, "not base64 safetensors"),
+                         ({"serialized_named_tensors": [blob({"model.norm.weight": new_norm[:10]})]}, "shape")):
+        response = _post(server, "/update_weights_from_tensor", body)
+        assert response.status_code == 400 and needle in response.json()["error"]["message"], response.text
+        assert response.json()["error"]["param"] == "serialized_named_tensors"
+    base_norm = load_file(paths["base"] / "model.safetensors")["model.norm.weight"]
+    response = _post(server, "/update_weights_from_tensor",
+                     {"serialized_named_tensors": [blob({"model.norm.weight": base_norm})], "weight_version": "t1"})
+    assert response.status_code == 200, response.text
+    body = _complete(server, prompt, max_tokens=8)
+    assert body["choices"][0]["token_ids"] == expected and body["metadata"]["weight_version"] == "t1"
+    assert server.get_json("/weight_info")["model_path"] is None
