@@ -204,6 +204,26 @@ def test_router_pd_disaggregation_end_to_end(tiny, tmp_path):
         assert streamed == want["choices"][0]["message"]["content"]
         assert metric(d.url, "tokenmill:kv_transfer_remote_prefill_requests_total") == 2
 
+        # Multi-round with a session: short rounds stay on the decode worker (local incremental prefill).
+        history, rounds = [CHAT[0]], []
+        for i in range(6):
+            history.append({"role": "user", "content": f"Round {i}: one more detail, briefly."})
+            reply = router.post("/v1/chat/completions", {**body, "messages": history, "user": "agent-7",
+                                                         "max_tokens": 8}).json()
+            assert reply["choices"][0]["message"] == direct(history, 8), i
+            history.append(reply["choices"][0]["message"])
+            rounds.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert metric(router.url, "tokenmill_router:pd_requests_total", 'path="local"') == 5
+        assert all(cached > 0 for cached in rounds[1:])  # each later round reused the decode worker's history
+        # A long round goes to the prefill worker, and only its new blocks move.
+        history.append({"role": "user", "content": "Now a long question: " + "tell me more about it; " * 40})
+        remote_before = metric(d.url, "tokenmill:kv_transfer_remote_tokens_total")
+        reply = router.post("/v1/chat/completions", {**body, "messages": history, "user": "agent-7",
+                                                     "max_tokens": 8}).json()
+        assert reply["choices"][0]["message"] == direct(history, 8)
+        cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        remote = metric(d.url, "tokenmill:kv_transfer_remote_tokens_total") - remote_before
+        assert cached > 0 and remote == reply["usage"]["prompt_tokens"] - 1 - cached  # history local, rest pulled
         # The producer dies after leasing, before the pull: the decode worker computes the prompt itself.
         lease = p.post("/v1/chat/completions", {**body, "max_tokens": 1,
                                                   "kv_transfer_params": {"do_remote_decode": True}}).json()
@@ -218,17 +238,6 @@ def test_router_pd_disaggregation_end_to_end(tiny, tmp_path):
         assert router.post("/v1/chat/completions", body).json()["choices"][0]["message"] == \
             want["choices"][0]["message"]
 
-        # Multi-round with a session: short rounds stay on the decode worker (local incremental prefill).
-        history, rounds = [CHAT[0]], []
-        for i in range(6):
-            history.append({"role": "user", "content": f"Round {i}: one more detail, briefly."})
-            reply = router.post("/v1/chat/completions", {**body, "messages": history, "user": "agent-7",
-                                                         "max_tokens": 8}).json()
-            assert reply["choices"][0]["message"] == direct(history, 8), i
-            history.append(reply["choices"][0]["message"])
-            rounds.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
-        assert metric(router.url, "tokenmill_router:pd_requests_total", 'path="local"') == 5
-        assert all(cached > 0 for cached in rounds[1:])  # each later round reused the decode worker's history
         assert d.kv_cache()["integrity"] == "ok" and d.wait_idle()
     finally:
         if router is not None:
