@@ -1,5 +1,5 @@
 """The web page at / in a real headless Chromium against a real `tokenmill serve` (tiny random Llama, --api-key,
-RAM and disk KV tiers), plus the JSON the page reads and the Grafana dashboards' metric names.
+RAM and disk KV tiers, n-gram speculation), plus the JSON the page reads and the Grafana dashboards' metric names.
 
 Browser: Debian's system `chromium` driven by Playwright (`executable_path=`, no browser download); the test
 is skipped, saying why, when either is missing. It enters the API key, sends a chat and sees the streamed answer
@@ -36,7 +36,8 @@ def server(tiny_path, tmp_path_factory):
     disk = tmp_path_factory.mktemp("kv_disk")
     args = ["--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "16", "--num-threads", "1",
             "--kv-offload-memory", "0.01", "--kv-offload-disk-path", str(disk), "--kv-offload-disk-size", "0.05",
-            "--kv-offload-disk-drive-size", "1"]
+            "--kv-offload-disk-drive-size", "1",
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']  # for its dashboard
     proc = ServerProcess(tiny_path, args, tmp_path_factory.mktemp("logs") / "server.log", api_key=API_KEY)
     proc.wait_healthy()
     yield proc
@@ -145,7 +146,8 @@ def test_every_dashboard_metric_exists_in_metrics(server, tiny_path):
     exported = set(re.findall(r"^([A-Za-z_:][\w:]*)(?:\{|\s)", text, re.M))  # every sample name
     histograms = set(re.findall(r"^# TYPE (\S+) histogram$", text, re.M))
     dashboards = sorted(GRAFANA_DIR.glob("*.json"))
-    assert {p.name for p in dashboards} >= {"tokenmill_overview.json", "tokenmill_kv_cache.json"}
+    assert {p.name for p in dashboards} >= {"tokenmill_overview.json", "tokenmill_kv_cache.json",
+                                            "tokenmill_spec_decode.json"}
     for path in dashboards:
         exprs = dashboard_exprs(path)
         assert len(exprs) >= 6, f"{path.name}: {len(exprs)} queries"
