@@ -150,7 +150,7 @@ def test_bfloat16_smollm2_matches_transformers(hf_smollm2):
     transformers' argmax wherever its float32 logits give a clear winner. Clarity is judged on the
     float32 reference (its top-2 gap > 0.5, twice the bf16 log-probability tolerance) because bf16
     logits would turn near-ties into exact ties that land differently on each machine."""
-    llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=0.1)
+    llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=0.1, quantization="none")
     hf = hf_smollm2
     conversations = [[{"role": "user", "content": c}] for c in CHATS]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)

@@ -17,7 +17,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory=0.25)
+    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory=0.25, quantization="none")
 
 
 @pytest.fixture(scope="module")

@@ -348,6 +348,7 @@ class EngineConfig:
     ``kv_events_config``: KV cache events for a KV-aware router (off by default; docs/kv_events.md).
     ``speculative_config``: speculative decoding (None: off; docs/spec_decode.md).
     ``kv_transfer_config``: prefill/decode disaggregation (None: off; docs/pd_disaggregation.md).
+    ``quantization``: "gguf", "int8", "none", or None for the model's default (docs/quantization.md).
     """
 
     model: str | None = None
@@ -367,8 +368,11 @@ class EngineConfig:
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     speculative_config: SpeculativeConfig | None = None
     kv_transfer_config: KVTransferConfig | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "gguf", "int8", "none"):
+            raise ConfigError(f"`quantization` must be 'gguf', 'int8' or 'none', got {self.quantization!r}")
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise ConfigError(f"`enable_lora` settings must be a LoRAConfig, got {self.lora!r}")
         check_bool("deterministic", self.deterministic)

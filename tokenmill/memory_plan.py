@@ -4,7 +4,10 @@ Model facts come from config.json + safetensors headers, or GGUF metadata + tens
 (parameter counts are sums of tensor shapes; no tensor data is read). The budget is split as
 
     usable      = memory × memory_utilization
-    weights     = num_params × bytes(dtype)              (tokenmill runs dense in dtype)
+    weights     = num_params × bytes(dtype)              (dense in dtype; with --quantization gguf (the
+                                                          default for GGUF) the quantized matrices count
+                                                          their stored bytes, with int8 the decoder's
+                                                          linear layers count 34 bytes per 32 weights)
     reserve     = RUNTIME_OVERHEAD + activations
     activations = T × (4·hidden + 2·q + 2·kv + 3·intermediate) × bytes(dtype)   one step's flat tensors
                 + S × vocab × 4 × 3                      fp32 logits of the sampled rows + 2 sampler copies
@@ -56,6 +59,8 @@ class ModelShape:
     num_params: int
     checkpoint_bytes: int  # tensor data as stored (quantized for GGUF)
     checkpoint_dtype: str | None  # what dtype="auto" follows; None for GGUF
+    quantized_params: int = 0  # GGUF: parameters of the matrices --quantization gguf keeps in their blocks
+    quantized_bytes: int = 0  # ... and their stored bytes
 
 
 def _safetensors_header(path: Path) -> dict:
@@ -77,7 +82,7 @@ def _checkpoint_dtype(config, headers: list[dict]) -> str | None:
 
 
 def _shape_from_config(config, path: Path, file_format: str, num_params: int, nbytes: int,
-                       checkpoint_dtype: str | None) -> ModelShape:
+                       checkpoint_dtype: str | None, quantized: tuple[int, int] = (0, 0)) -> ModelShape:
     from tokenmill.models.llama import head_dim_of
     from tokenmill.models.registry import get_model_class
 
@@ -90,6 +95,7 @@ def _shape_from_config(config, path: Path, file_format: str, num_params: int, nb
         head_dim=int(head_dim_of(config)), intermediate_size=int(config.intermediate_size),
         vocab_size=int(config.vocab_size), max_position_embeddings=int(config.max_position_embeddings),
         num_params=num_params, checkpoint_bytes=nbytes, checkpoint_dtype=checkpoint_dtype,
+        quantized_params=quantized[0], quantized_bytes=quantized[1],
     )
 
 
@@ -110,13 +116,16 @@ def read_model_shape(model: str | None) -> ModelShape:
         if len(ggufs) == 1:
             path = ggufs[0]
     if path.is_file() and path.suffix == ".gguf":
-        from tokenmill.models.gguf_loader import gguf_to_hf_config, open_gguf
+        from tokenmill.models.gguf_loader import _kept_quantized, gguf_to_hf_config, open_gguf
 
         reader = open_gguf(path)
         config = gguf_to_hf_config(reader)
         num_params = sum(int(t.n_elements) for t in reader.tensors)
         nbytes = sum(int(t.n_bytes) for t in reader.tensors)
-        return _shape_from_config(config, path, "gguf", num_params, nbytes, None)
+        kept = _kept_quantized(reader)
+        quantized = (sum(int(t.n_elements) for t in reader.tensors if t.name in kept),
+                     sum(int(t.n_bytes) for t in reader.tensors if t.name in kept))
+        return _shape_from_config(config, path, "gguf", num_params, nbytes, None, quantized)
     if not path.is_dir():
         raise ValueError(f"model {model!r} is not a local model directory or .gguf file")
     from transformers import AutoConfig
@@ -153,8 +162,11 @@ class PlanConfig:
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 128
     kv_cache_memory: float | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "gguf", "int8", "none"):
+            raise ValueError(f"quantization must be one of 'gguf', 'int8', 'none'; got {self.quantization!r}")
         check_number("memory", self.memory, 0, inclusive=False)
         check_number("memory_utilization", self.memory_utilization, 0, inclusive=False, maximum=1)
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -246,6 +258,29 @@ def run_dtype(shape: ModelShape, dtype: str) -> str:
     return "float32" if shape.checkpoint_dtype == "float32" or not cpu_has_native_bf16() else "bfloat16"
 
 
+def weight_bytes(shape: ModelShape, dtype: str, quantization: str | None) -> int:
+    """Bytes of the weights as the engine holds them: dense in ``dtype``, but for ``quantization`` "gguf"
+    (the default for a GGUF file) the kept matrices at their stored size, and for "int8" the decoder's
+    linear layers at 34 bytes per 32 weights (int8 codes + a float16 scale per block).
+
+    Raises:
+        ValueError: "gguf" for a safetensors model or "int8" for a GGUF file (as the loader refuses them).
+    """
+    dense = shape.num_params * DTYPE_BYTES[dtype]
+    if quantization == "gguf" and shape.file_format != "gguf":
+        raise ValueError("quantization 'gguf' needs a .gguf model file")
+    if quantization == "int8" and shape.file_format != "safetensors":
+        raise ValueError("quantization 'int8' is for safetensors checkpoints")
+    if shape.file_format == "gguf" and quantization in (None, "gguf"):
+        return dense - shape.quantized_params * DTYPE_BYTES[dtype] + shape.quantized_bytes
+    if quantization == "int8":
+        q, kv = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        per_layer = shape.hidden_size * (2 * q + 2 * kv) + 3 * shape.hidden_size * shape.intermediate_size
+        linear = shape.num_layers * per_layer
+        return dense - linear * DTYPE_BYTES[dtype] + linear * 34 // 32
+    return dense
+
+
 def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
     """Split ``config.memory`` into weights, reserve and KV pool for ``shape``.
 
@@ -259,7 +294,7 @@ def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
     if max_model_len > shape.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                          f"{shape.max_position_embeddings}")
-    weights = shape.num_params * DTYPE_BYTES[dtype]
+    weights = weight_bytes(shape, dtype, config.quantization)
     activations = activation_bytes(shape, DTYPE_BYTES[dtype], config.max_num_batched_tokens, config.max_num_seqs,
                                    max_model_len)
     usable = int(config.memory * config.memory_utilization * GIB)

@@ -13,6 +13,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="local HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--model", dest="model_flag", metavar="MODEL", default=None, help="same as the positional MODEL")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--quantization", default=None, choices=["gguf", "int8", "none"],
+                        help="weights: gguf = a GGUF file's quantized blocks as stored (default for .gguf on CPU), "
+                             "int8 = weight-only int8 for safetensors, none = dense in --dtype (docs/quantization.md)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -76,6 +79,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, kv_events_config=args.kv_events_config,
         speculative_config=args.speculative_config, kv_transfer_config=args.kv_transfer_config,
+        quantization=args.quantization,
     )
 
 

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict
 
 from tokenmill.memory_plan import (
+    DTYPE_BYTES,
     KV_CACHE_DTYPES,
     MemoryPlan,
     PlanConfig,
@@ -27,6 +28,8 @@ def register(subparsers) -> None:
     p.add_argument("--memory", type=float, default=None, help="memory in GiB (default: this machine's RAM)")
     p.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of --memory tokenmill may use")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, choices=["gguf", "int8", "none"],
+                   help="weights as the engine would hold them (default: gguf for a .gguf file, else none)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto = model dtype; fp8 = 1 byte per element")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -67,7 +70,9 @@ def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
         f"model: {m.path} ({m.architecture}, {m.file_format}, {_gib(m.checkpoint_bytes)} on disk)",
         f"  layers {m.num_layers}, hidden {m.hidden_size}, heads {m.num_attention_heads}, kv heads {m.num_kv_heads}, "
         f"head_dim {m.head_dim}, intermediate {m.intermediate_size}, vocab {m.vocab_size}",
-        f"parameters: {m.num_params:,} x {plan.dtype} = {_gib(plan.weight_bytes)}",
+        f"parameters: {m.num_params:,} x {plan.dtype} = {_gib(plan.weight_bytes)}" if plan.weight_bytes ==
+        m.num_params * DTYPE_BYTES[plan.dtype] else f"parameters: {m.num_params:,}, {_gib(plan.weight_bytes)} with "
+        f"quantized weights ({c.quantization or 'gguf'}; the rest in {plan.dtype})",
         f"KV bytes per token: 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim} head_dim x "
         f"{plan.kv_bytes_per_token // (2 * m.num_layers * m.num_kv_heads * m.head_dim)} B ({plan.kv_cache_dtype}) "
         f"= {plan.kv_bytes_per_token:,} B; block of {c.block_size} tokens = {plan.bytes_per_block:,} B",
@@ -103,7 +108,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         memory_utilization=args.memory_utilization, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
     )
     plan = plan_memory(read_model_shape(args.model), config)
     print(json.dumps(plan_record(plan), indent=2) if args.json else format_plan(plan, args.model))

@@ -12,6 +12,8 @@ def startup_line(engine) -> str:
     from tokenmill import csrc_build
 
     dtype = str(engine.loaded.dtype).removeprefix("torch.")
+    if getattr(engine.loaded, "quantization", "none") != "none":
+        dtype += f" activations, {engine.loaded.quantization} weights"
     isa = f", ISA {csrc_build.selected_isa()}" if engine.device.type == "cpu" else ""
     return (f"tokenmill: {Path(engine.loaded.model_path).name}, {dtype} on {engine.device}{isa}, "
             f"kernels: {engine.runner.kernel_choice}")

@@ -59,6 +59,9 @@ class LLM:
             "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
             "disable_by_batch_size": 8}``; a dict, its JSON text or a ``SpeculativeConfig``; None: off;
             docs/spec_decode.md). Outputs are the same as without it.
+        quantization: "gguf" (a GGUF file's quantized weights run as stored; the default for GGUF
+            models on CPU), "int8" (weight-only int8 for safetensors checkpoints), "none" (dense
+            weights in ``dtype``); docs/quantization.md.
         kv_transfer_config: prefill/decode disaggregation, vLLM's fields (``{"kv_role": "kv_producer" |
             "kv_consumer" | "kv_both", "kv_connector": ..., "kv_ip", "kv_port"}``; a dict or its JSON
             text; None: off; docs/pd_disaggregation.md).
@@ -94,6 +97,7 @@ class LLM:
         max_cpu_loras: int | None = None,
         kv_events_config: dict | str | KVEventsConfig | None = None,
         speculative_config: dict | str | SpeculativeConfig | None = None,
+        quantization: str | None = None,
         kv_transfer_config: dict | str | None = None,
     ) -> None:
         config = build_engine_config(
@@ -108,7 +112,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, cpu_kernels=cpu_kernels,
             structured_outputs_config=structured_outputs_config, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, kv_events_config=kv_events_config,
-            speculative_config=speculative_config, kv_transfer_config=kv_transfer_config,
+            speculative_config=speculative_config, quantization=quantization, kv_transfer_config=kv_transfer_config,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -285,6 +289,7 @@ def build_engine_config(
     max_cpu_loras: int | None = None,
     kv_events_config: dict | str | KVEventsConfig | None = None,
     speculative_config: dict | str | SpeculativeConfig | None = None,
+    quantization: str | None = None,
     kv_transfer_config: dict | str | None = None,
 ) -> EngineConfig:
     """The EngineConfig for ``LLM(**kwargs)`` (same keyword names), without loading anything.
@@ -307,6 +312,7 @@ def build_engine_config(
         lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         kv_events_config=KVEventsConfig.from_value(kv_events_config),
         speculative_config=SpeculativeConfig.from_value(speculative_config),
+        quantization=quantization,
         kv_transfer_config=_kv_transfer_config(kv_transfer_config),
         cache=CacheConfig(
             block_size=block_size,

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.batch_invariant import bi_linear
+from tokenmill.quantization.formats import QuantizedTensor
+from tokenmill.quantization.gguf_weight import GGUFWeight
 
 
 # Vocabulary rows per float32 chunk when torch computes float32 logits from bf16 weights on CPU.
@@ -32,12 +34,16 @@ class Linear(nn.Module):
     ``forward_float32`` is the LM head's entry point (float32 logits). ``lora`` (set by
     ``tokenmill.lora.manager.LoRAManager`` on the adapter target projections) adds each token's
     adapter delta to the output, in the same batch-invariant mode; None costs nothing.
+    ``quant`` (set by ``load_quantized``): the weight kept in GGUF block formats
+    (``tokenmill.quantization.GGUFWeight``); ``weight`` is then None and the blocks are buffers
+    ``qweight_<i>``.
     """
 
     batch_invariant = False
     cpu_gemm_table: tuple[bool, ...] = ()
     float32_logits_kernel = False
     lora = None  # a tokenmill.lora.slots.ModuleLoRA, or None
+    quant: GGUFWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -46,9 +52,26 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
+    def load_quantized(self, weight: QuantizedTensor | GGUFWeight) -> None:
+        """Keep ``weight`` (shape [out_features, in_features]) quantized in place of the dense weight.
+
+        Raises:
+            ValueError: the shape does not match the layer.
+        """
+        quant = weight if isinstance(weight, GGUFWeight) else GGUFWeight([weight])
+        if (quant.out_features, quant.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight {quant.out_features}x{quant.in_features} does not fit a "
+                             f"{self.out_features}x{self.in_features} layer")
+        self.weight = None
+        self.quant = quant
+        for i, data in enumerate(quant.tensors()):
+            self.register_buffer(f"qweight_{i}", data)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         table = self.cpu_gemm_table
-        if self.batch_invariant or (table and x.dim() == 2 and table[min(x.shape[0], len(table) - 1)]):
+        if self.quant is not None:
+            y = self.quant.matmul(x, self.bias, self.batch_invariant)
+        elif self.batch_invariant or (table and x.dim() == 2 and table[min(x.shape[0], len(table) - 1)]):
             y = bi_linear(x, self.weight, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
@@ -65,6 +88,8 @@ class Linear(nn.Module):
         CUDA ``torch.mm`` with ``out_dtype=float32`` where torch offers it; otherwise torch in float32
         over chunks of ``_LOGITS_CHUNK`` weight rows converted on the fly (no float32 copy is kept).
         """
+        if self.quant is not None:
+            return self.quant.matmul(x, self.bias, self.batch_invariant, out_dtype=torch.float32)
         if self.weight.dtype == torch.float32:
             return self(x).float()
         if self.batch_invariant or self.float32_logits_kernel:
@@ -100,12 +125,24 @@ class MergedLinear(Linear):
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
 
     @torch.no_grad()
-    def load_shard(self, param_name: str, shard: int, loaded: torch.Tensor) -> None:
+    def load_shard(self, param_name: str, shard: int, loaded: torch.Tensor | QuantizedTensor) -> None:
         """Copy one projection's ``weight`` [size, in] or ``bias`` [size] into shard ``shard``.
+
+        A QuantizedTensor weight is held until every shard has arrived (all of them must be quantized),
+        then the layer keeps them quantized (``load_quantized``).
 
         Raises:
             ValueError: unknown param_name or a tensor whose shape does not fit the shard.
         """
+        if isinstance(loaded, QuantizedTensor):
+            if param_name != "weight" or loaded.shape != (self.output_sizes[shard], self.in_features):
+                raise ValueError(f"shard {shard} {param_name}: a quantized tensor of shape {loaded.shape} does not fit")
+            pending = self.__dict__.setdefault("_pending_quantized", {})
+            pending[shard] = loaded
+            if len(pending) == len(self.output_sizes):
+                self.load_quantized(GGUFWeight([pending[i] for i in range(len(self.output_sizes))]))
+                del self.__dict__["_pending_quantized"]
+            return
         param = {"weight": self.weight, "bias": self.bias}.get(param_name)
         if param is None:
             raise ValueError(f"MergedLinear has no parameter {param_name!r}")

@@ -1,6 +1,7 @@
 """A per-machine cache of what a GGUF file turns into: its dequantized, HF-named tensors (one
-safetensors file) and its tokenizer (``save_pretrained``), so a second load of the same file skips
-dequantizing in numpy and rebuilding the tokenizer from metadata (seconds each).
+safetensors file), its quantized ones (the blocks as uint8 rows, their formats in the file's metadata),
+its config (``config.json``) and its tokenizer (``save_pretrained``), so a second load of the same
+file skips parsing the GGUF metadata, dequantizing in numpy and rebuilding the tokenizer (seconds each).
 
 Keyed by the file's resolved path, size and modification time, under
 ``$TOKENMILL_CACHE_DIR/gguf`` (default ``~/.cache/tokenmill/gguf``). Entries are written to a
@@ -24,8 +25,10 @@ if TYPE_CHECKING:  # torch only where weights are read or written: the router re
 logger = logging.getLogger(__name__)
 
 # Bump when what the loader yields for a GGUF file changes (names, layouts, dequantization).
-CACHE_VERSION = 1
+CACHE_VERSION = 1  # the quantized entry and the config were added beside the version-1 files
 _WEIGHTS = "model.safetensors"
+_QUANTIZED = "quantized.safetensors"
+_CONFIG = "config"
 _TOKENIZER = "tokenizer"
 
 
@@ -57,6 +60,52 @@ def cached_weights(path: Path, produce: Callable[[], Iterator[tuple[str, torch.T
         tensors[name] = tensor
         yield name, tensor
     _store(entry, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / _WEIGHTS)), _WEIGHTS)
+
+
+def cached_quantized_weights(path: Path,
+                             produce: Callable[[], Iterator[tuple[str, object]]]) -> Iterator[tuple[str, object]]:
+    """Like ``cached_weights`` for a loader that yields ``tokenmill.quantization.QuantizedTensor``s
+    beside float tensors: both come back exactly (formats and logical shapes kept in the metadata)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tokenmill.quantization.formats import QuantizedTensor
+
+    weights = entry_dir(path) / _QUANTIZED
+    if weights.is_file():
+        with safe_open(str(weights), framework="pt") as f:
+            meta = f.metadata() or {}
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if name in meta:
+                    qtype, n, k = (int(v) for v in meta[name].split(","))
+                    yield name, QuantizedTensor(qtype, (n, k), tensor)
+                else:
+                    yield name, tensor
+        return
+    tensors, meta = {}, {}
+    for name, tensor in produce():
+        if isinstance(tensor, QuantizedTensor):
+            tensors[name] = tensor.data
+            meta[name] = f"{tensor.qtype},{tensor.shape[0]},{tensor.shape[1]}"
+        else:
+            tensors[name] = tensor
+        yield name, tensor
+    _store(entry_dir(path), lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()},
+                                                  str(tmp / _QUANTIZED), metadata=meta), _QUANTIZED)
+
+
+def cached_config(path: Path, produce: Callable[[], object]):
+    """The GGUF file's transformers config: reloaded from the cache when present, else ``produce()``
+    (then saved for next time)."""
+    from transformers import AutoConfig
+
+    saved = entry_dir(path) / _CONFIG
+    if (saved / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(saved))
+    config = produce()
+    _store(entry_dir(path), lambda tmp: config.save_pretrained(str(tmp / _CONFIG)), _CONFIG)
+    return config
 
 
 def cached_tokenizer(path: Path, produce: Callable[[], object]):

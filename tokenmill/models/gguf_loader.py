@@ -1,7 +1,9 @@
 """Reads a GGUF file into Hugging Face terms: a transformers config, HF-named float tensors, a tokenizer.
 
-Tensors are dequantized with ``gguf.quants.dequantize`` (the model then runs dense in bf16/fp32);
-llama.cpp's Q/K row permutation is undone for the ``llama`` architecture. Supported GGUF
+Tensors are dequantized with ``gguf.quants.dequantize`` (the model then runs dense in bf16/fp32), or,
+with ``quantized=True``, the matrices in a format of ``tokenmill.quantization`` (Q4_0, Q4_1, Q8_0,
+Q4_K, Q6_K) come out as ``QuantizedTensor``s holding the file's blocks; llama.cpp's Q/K row
+permutation is undone for the ``llama`` architecture (whole rows, so blocks are moved as they are). Supported GGUF
 architectures: llama (incl. Mistral exported as llama), qwen2, qwen3.
 """
 from __future__ import annotations
@@ -151,14 +153,50 @@ def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(rows, *w.shape[3:])  # (H * D, ...) as (H, 2, D/2, ...)
 
 
-def iter_gguf_weights(reader: GGUFReader, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float tensor) for every tensor in the file, dequantized.
+# Tensors that tokenmill fuses into one projection: all kept quantized or all dequantized.
+_FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+def _kept_quantized(reader: GGUFReader) -> set[str]:
+    """Names of the matrices whose blocks tokenmill runs as stored (a fused group only when all its members can)."""
+    from tokenmill.quantization.formats import GGUF_QUANT_TYPES
+
+    names = {t.name for t in reader.tensors
+             if int(t.tensor_type) in GGUF_QUANT_TYPES and len(t.shape) == 2 and t.name.endswith(".weight")}
+    for name in list(names):
+        match = _BLOCK_RE.fullmatch(name)
+        if match is None:
+            continue
+        layer, part, _ = match.groups()
+        group = next((g for g in _FUSED_GROUPS if part in g), None)
+        if group and not all(f"blk.{layer}.{p}.weight" in names for p in group):
+            names.discard(name)
+    return names
+
+
+def iter_gguf_weights(reader: GGUFReader, config: PretrainedConfig,
+                      quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) for every tensor in the file: a float tensor, dequantized, or with
+    ``quantized`` a ``tokenmill.quantization.QuantizedTensor`` for the matrices in a supported block
+    format (the file's bytes, rows permuted as the dense tensor's would be).
 
     Shapes come out in PyTorch order ([out_features, in_features] for matrices).
     """
+    from tokenmill.quantization.formats import QuantizedTensor
+
     permute = gguf_architecture(reader) == "llama"
+    keep = _kept_quantized(reader) if quantized else set()
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
+        if tensor.name in keep:
+            n, k = int(tensor.shape[1]), int(tensor.shape[0])
+            data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(n, -1))  # (N, row bytes)
+            if permute and ".self_attn.q_proj." in name:
+                data = _unpermute_rows(data, config.num_attention_heads).contiguous()
+            elif permute and ".self_attn.k_proj." in name:
+                data = _unpermute_rows(data, config.num_key_value_heads).contiguous()
+            yield name, QuantizedTensor(int(tensor.tensor_type), (n, k), data)
+            continue
         array = dequantize(tensor.data, tensor.tensor_type)
         if not array.flags.writeable:  # F32 tensors come back as read-only views of the memory map
             array = np.array(array)

@@ -25,6 +25,7 @@ from tokenmill.layers import (
     VocabEmbedding,
     apply_rotary_emb,
 )
+from tokenmill.quantization.formats import QuantizedTensor
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,7 @@ class LlamaForCausalLM(nn.Module):
             ValueError: an unknown tensor name, a shape mismatch, or parameters left unloaded.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
+        expected = set(self._expected_checkpoint_names())  # before quantized tensors replace parameters
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -246,11 +248,16 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
-            param.copy_(tensor)
+            if isinstance(tensor, QuantizedTensor):  # kept in its GGUF block format (tokenmill.quantization)
+                self.get_submodule(module_path).load_quantized(tensor)
+            else:
+                param.copy_(tensor)
             loaded.add(name)
-        missing = sorted(set(self._expected_checkpoint_names()) - loaded)
+        missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        if self.tie_word_embeddings and self.model.embed_tokens.quant is not None:
+            self.lm_head.load_quantized(self.model.embed_tokens.quant)  # the same blocks, not a copy
 
     def _expected_checkpoint_names(self) -> list[str]:
         """Every checkpoint tensor name load_weights needs (fused params expanded to their sources)."""

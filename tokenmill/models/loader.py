@@ -44,6 +44,7 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float = field(default=0.0)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    quantization: str = "none"  # "gguf", "int8" or "none" (tokenmill.quantization)
 
     @property
     def num_layers(self) -> int:
@@ -181,7 +182,9 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None, device: torch.device) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None, device: torch.device,
+                 quantization: str | None = None) -> LoadedModel:
+    quantization = resolve_quantization(quantization, "safetensors", device)
     files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(str(path))
     get_model_class(config)  # fail on unsupported architectures before touching weights
@@ -189,6 +192,10 @@ def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None, device: torc
     torch_dtype = resolve_dtype(dtype, _checkpoint_dtype(config, files), device)
     model = _build_model(config, torch_dtype, device)
     model.load_weights(_iter_safetensors(files))
+    if quantization == "int8":
+        from tokenmill.quantization.int8 import quantize_linears_int8
+
+        quantize_linears_int8(model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     gen_path = path / "generation_config.json"
     generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
@@ -201,23 +208,77 @@ def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None, device: torc
         model_path=str(path),
         dtype=torch_dtype,
         device=device,
+        quantization=quantization,
     )
 
 
-def _load_gguf(path: Path, dtype: str, max_model_len: int | None, device: torch.device) -> LoadedModel:
+def resolve_quantization(quantization: str | None, file_format: str, device: torch.device) -> str:
+    """The weight format a model runs in: None means "gguf" for a GGUF file on CPU (its own blocks, when
+    the C kernels can be built here; else "none" with a warning) and "none" otherwise.
+
+    Raises:
+        ValueError: an unknown value, "gguf" for a safetensors checkpoint, "int8" for a GGUF file, a
+            quantized format on a non-CPU device, or "gguf" asked for where the kernels cannot be built.
+    """
+    from tokenmill.quantization import QUANTIZATION_METHODS
+
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {quantization!r}")
+    if quantization is None:
+        if file_format != "gguf" or device.type != "cpu":
+            return "none"
+        from tokenmill.quantization import qgemm
+
+        if not qgemm.available():
+            logger.warning("quantization: the GGUF kernels cannot be built here, so the weights are dequantized "
+                           "(quantization='none')")
+            return "none"
+        return "gguf"
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only; pass quantization='none' on {device}")
+    if quantization == "gguf":
+        if file_format != "gguf":
+            raise ValueError("quantization 'gguf' needs a .gguf model file; use 'int8' or 'none' for a safetensors "
+                             "checkpoint")
+        from tokenmill.quantization import qgemm
+
+        if not qgemm.available():
+            raise ValueError("quantization 'gguf' needs the C kernels, which cannot be built here (no C compiler, "
+                             "or TOKENMILL_DISABLE_CPU_KERNELS=1); pass quantization='none'")
+    if quantization == "int8" and file_format != "safetensors":
+        raise ValueError("quantization 'int8' is for safetensors checkpoints; a GGUF file runs its own blocks "
+                         "('gguf') or dequantized ('none')")
+    return quantization
+
+
+def _load_gguf(path: Path, dtype: str, max_model_len: int | None, device: torch.device,
+               quantization: str | None = None) -> LoadedModel:
     from tokenmill.models import gguf_cache, gguf_loader  # needs the `gguf` package, only for GGUF files
 
     torch_dtype = resolve_dtype(dtype, None, device)
+    quantization = resolve_quantization(quantization, "gguf", device)
     # transformers rebuilds the tokenizer by re-reading the file's metadata (seconds of Python);
     # overlap that with dequantization, which spends its time in numpy/torch kernels.
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_future = pool.submit(gguf_cache.cached_tokenizer, path,
                                        lambda: gguf_loader.load_gguf_tokenizer(path))
-        reader = gguf_loader.open_gguf(path)
-        config = gguf_loader.gguf_to_hf_config(reader)
+        reader = None  # parsing the GGUF metadata takes seconds: only when the cache lacks something
+
+        def get_reader():
+            nonlocal reader
+            if reader is None:
+                reader = gguf_loader.open_gguf(path)
+            return reader
+
+        config = gguf_cache.cached_config(path, lambda: gguf_loader.gguf_to_hf_config(get_reader()))
         check_sliding_window(config, max_model_len)
         model = _build_model(config, torch_dtype, device)
-        model.load_weights(gguf_cache.cached_weights(path, lambda: gguf_loader.iter_gguf_weights(reader, config)))
+        if quantization == "gguf":  # the file's blocks as they are, no dequantization
+            model.load_weights(gguf_cache.cached_quantized_weights(
+                path, lambda: gguf_loader.iter_gguf_weights(get_reader(), config, quantized=True)))
+        else:
+            model.load_weights(gguf_cache.cached_weights(
+                path, lambda: gguf_loader.iter_gguf_weights(get_reader(), config)))
         del reader
         tokenizer = tokenizer_future.result()
     return LoadedModel(
@@ -229,11 +290,13 @@ def _load_gguf(path: Path, dtype: str, max_model_len: int | None, device: torch.
         model_path=str(path),
         dtype=torch_dtype,
         device=device,
+        quantization=quantization,
     )
 
 
 def load_model(
-    model: str | None, dtype: str = "auto", max_model_len: int | None = None, device: torch.device | str = "cpu"
+    model: str | None, dtype: str = "auto", max_model_len: int | None = None, device: torch.device | str = "cpu",
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a model from a local path; ``None`` means the embedded SmolLM2-135M-Instruct GGUF.
 
@@ -246,6 +309,10 @@ def load_model(
         max_model_len: the longest sequence that will be served; only used to decide whether a
             sliding window can be ignored (default: max_position_embeddings).
         device: where the weights live ("cpu", or a CUDA device, where "auto" means bfloat16).
+        quantization: "gguf" (a GGUF file's quantized matrices run as stored; the default for GGUF
+            files on CPU), "int8" (weight-only int8 with per-channel scales, safetensors checkpoints),
+            "none" (dense weights in ``dtype``) or None for the default (``resolve_quantization``).
+            ``dtype`` still chooses the activations' type.
     Raises:
         ValueError: a bad dtype, a path that does not exist (tokenmill never downloads), a
             directory without config.json/safetensors, an unsupported architecture.
@@ -262,9 +329,9 @@ def load_model(
         if len(gguf_files) == 1:  # a directory holding just one GGUF file means that file
             path = gguf_files[0]
     if path.is_dir():
-        loaded = _load_hf_dir(path, dtype, max_model_len, device)
+        loaded = _load_hf_dir(path, dtype, max_model_len, device, quantization)
     elif path.is_file() and path.suffix == ".gguf":
-        loaded = _load_gguf(path, dtype, max_model_len, device)
+        loaded = _load_gguf(path, dtype, max_model_len, device, quantization)
     elif path.is_file():
         raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a .gguf file or a model directory")
     else:

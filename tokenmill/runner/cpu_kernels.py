@@ -35,6 +35,7 @@ from tokenmill.layers import batch_invariant, silu_and_mul_kernel
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import Linear
+from tokenmill.quantization import qgemm
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 # of the smallest ladder point >= M (rows above the last point follow the last point).
 ROW_LADDER: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _DECODE_BATCHES = (1, 8, 32)  # paged decode attention: sequences per call, 512 context tokens each
-_DISPATCH_VERSION = 2  # bump when the measurement or the file format changes
+_DISPATCH_VERSION = 3  # bump when the measurement or the file format changes
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,9 @@ class KernelPlan:
     ROW_LADDER point; ``paged_decode``: decode attention (one decision for all batch sizes: the
     kernel is chosen only if it wins at each of 1, 8 and 32 sequences); ``logits``: a bf16 LM head's
     float32 logits from the C GEMM (False: torch's chunked float32 path; float32 LM heads follow
-    ``gemm``); ``source``: "measured", "cache" or "off" (``--no-cpu-kernels``,
+    ``gemm``); ``quantized``: for layers whose weights stay in GGUF blocks, the quantized kernel
+    (True) or dequantize-then-torch-GEMM (False), per ROW_LADDER point (empty: no such layers);
+    ``source``: "measured", "cache" or "off" (``--no-cpu-kernels``,
     TOKENMILL_DISABLE_CPU_KERNELS=1, no compiler, or a dtype the kernels do not take).
     """
 
@@ -64,6 +67,7 @@ class KernelPlan:
     silu_and_mul: tuple[bool, ...] = ()
     paged_decode: bool = False
     logits: bool = False
+    quantized: tuple[bool, ...] = ()
     source: str = "off"
 
     def describe(self) -> str:
@@ -75,6 +79,11 @@ class KernelPlan:
                  f"paged decode {'C' if self.paged_decode else 'torch'}",
                  "LM head " + ("as GEMM" if self.dtype == "float32" else
                                f"{'C' if self.logits else 'torch'}, float32 logits")]
+        if self.quantized:
+            text = _rows_text(self.quantized)
+            parts.append("quantized weights: " + ("kernel" if text == "C" else "dequantized + torch GEMM"
+                                                  if text == "torch" else text.replace("C at", "kernel at")
+                                                  .replace("torch otherwise", "dequantized + torch GEMM otherwise")))
         return f"C kernels ({self.isa} path, {self.source}): " + ", ".join(parts)
 
 
@@ -147,7 +156,7 @@ def _race_layer(layer: nn.Module, x: torch.Tensor, attribute: str, c_setting, to
 
 def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) -> dict:
     """Time every kernel against torch on ``model``'s weights and layers; returns the plan's fields."""
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head]
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head and m.quant is None]
     by_shape = {}
     for m in linears:
         by_shape.setdefault(tuple(m.weight.shape), m.weight)
@@ -166,7 +175,10 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
         rms = [_race_layer(norm, torch.randn(rows, norm.weight.numel()).to(dtype), "cpu_kernel_table", always, ())
                for rows in ROW_LADDER]
     act = next((m for m in model.modules() if isinstance(m, SiluAndMul)), None)
-    widths = [m.weight.shape[0] for m in linears if len(getattr(m, "output_sizes", ())) == 2]
+    quantized = _measure_quantized([m for m in model.modules() if isinstance(m, Linear) and m is not lm_head
+                                    and m.quant is not None], dtype)
+    widths = [m.out_features for m in model.modules()
+              if isinstance(m, Linear) and len(getattr(m, "output_sizes", ())) == 2]
     if act is not None and widths and silu_and_mul_kernel.available():
         silu = [_race_layer(act, torch.randn(rows, max(widths)).to(dtype), "cpu_kernel_table", always, ())
                 for rows in ROW_LADDER]
@@ -177,11 +189,39 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
     # The LM head's float32 logits from bf16 weights: the C GEMM against torch's chunked float32 path,
     # at one and eight rows (sampled rows per step). float32 weights follow the GEMM decisions.
     logits = False
-    if isinstance(lm_head, Linear) and lm_head.weight.dtype == torch.bfloat16:
+    if isinstance(lm_head, Linear) and lm_head.quant is None and lm_head.weight.dtype == torch.bfloat16:
         logits = all(_race_layer(lm_head, torch.randn(rows, lm_head.in_features).to(dtype), "float32_logits_kernel",
                                  True, False, call=lm_head.forward_float32) for rows in (1, 8))
     return {"gemm": tuple(gemm), "rms_norm": tuple(rms), "silu_and_mul": tuple(silu), "paged_decode": decode,
-            "logits": logits}
+            "logits": logits, "quantized": quantized}
+
+
+def _measure_quantized(linears: list[Linear], dtype: torch.dtype) -> tuple[bool, ...]:
+    """The quantized kernel against dequantize-then-torch-GEMM over every distinct quantized layer shape
+    and format once, per ROW_LADDER point. Decode-sized steps read few weights per row and go to the
+    kernel; prefill-sized steps may repay dequantizing for torch's blocked GEMM."""
+    by_kind = {}
+    for m in linears:
+        by_kind.setdefault((m.in_features, m.out_features, m.quant.describe()), m.quant)
+    if not by_kind:
+        return ()
+    decisions = []
+    for rows in ROW_LADDER:
+        xs = {k: torch.randn(rows, k).to(dtype) for k, _, _ in by_kind}
+
+        def run(table):
+            out = []
+            for quant in by_kind.values():
+                quant.dequantize_table = table
+                out.append(quant.matmul(xs[quant.in_features]))
+            return out
+
+        try:
+            decisions.append(_race(lambda: run(()), lambda: run((True,))))
+        finally:
+            for quant in by_kind.values():
+                quant.dequantize_table = ()
+    return tuple(decisions)
 
 
 def _race_decode(attn: Attention, dtype: torch.dtype, batch: int, context: int = 512, block_size: int = 16) -> bool:
@@ -204,8 +244,12 @@ def _race_decode(attn: Attention, dtype: torch.dtype, batch: int, context: int =
 
 
 def _cache_key(model: nn.Module, dtype: torch.dtype) -> str:
-    shapes = sorted({(type(m).__name__, tuple(p.shape)) for m in model.modules() for p in m.parameters(recurse=False)})
-    sources = b"".join(p.read_bytes() for p in (batch_invariant._SOURCE, silu_and_mul_kernel._SOURCE, cpu_decode._SOURCE))
+    shapes = sorted({(type(m).__name__, tuple(p.shape), str(p.dtype)) for m in model.modules()
+                     for p in (*m.parameters(recurse=False), *m.buffers(recurse=False))})
+    quant_kinds = sorted({m.quant.describe() for m in model.modules() if getattr(m, "quant", None) is not None})
+    shapes.append(("quantized", tuple(quant_kinds), ""))
+    sources = b"".join(p.read_bytes() for p in (batch_invariant._SOURCE, silu_and_mul_kernel._SOURCE,
+                                                cpu_decode._SOURCE, qgemm._SOURCE))
     parts = [str(_DISPATCH_VERSION), csrc_build.selected_isa(), torch.__version__, str(dtype),
              str(torch.get_num_threads()), repr(shapes), hashlib.sha256(sources).hexdigest()]
     return hashlib.sha256(csrc_build._machine_key(None) + "|".join(parts).encode()).hexdigest()[:24]
@@ -213,7 +257,7 @@ def _cache_key(model: nn.Module, dtype: torch.dtype) -> str:
 
 def _plan_from_json(fields: object, isa: str) -> KernelPlan:
     """A cached plan, checked field by field. Raises ValueError for anything but what ``asdict`` wrote."""
-    ladders = ("gemm", "rms_norm", "silu_and_mul")
+    ladders = ("gemm", "rms_norm", "silu_and_mul", "quantized")
     if not isinstance(fields, dict) or set(fields) != {"isa", "dtype", *ladders, "paged_decode", "logits"}:
         raise ValueError("not a kernel plan")
     if fields["isa"] != isa or not all(isinstance(fields[k], bool) for k in ("paged_decode", "logits")):
@@ -265,7 +309,10 @@ def apply_plan(model: nn.Module, plan: KernelPlan, lm_head: nn.Module | None = N
     gemm = row_table(plan.gemm) if plan.gemm else ()
     rms = row_table(plan.rms_norm) if plan.rms_norm else ()
     silu = row_table(plan.silu_and_mul) if plan.silu_and_mul else ()
+    dequantize = tuple(not c for c in row_table(plan.quantized)) if plan.quantized else ()
     for module in model.modules():
+        if isinstance(module, Linear) and module.quant is not None:  # the LM head: few rows, a huge weight
+            module.quant.dequantize_table = () if module is lm_head else dequantize
         if module is lm_head and isinstance(module, Linear):
             module.cpu_gemm_table = gemm
             module.float32_logits_kernel = plan.logits

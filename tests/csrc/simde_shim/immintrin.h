@@ -21,6 +21,8 @@
 #pragma push_macro("__AVX512VL__")
 #pragma push_macro("__AVX512DQ__")
 #pragma push_macro("__AVX512BF16__")
+#pragma push_macro("__AVX512VNNI__")
+#undef __AVX512VNNI__
 #undef __AVX512F__
 #undef __AVX512BW__
 #undef __AVX512VL__
@@ -32,7 +34,9 @@
 #pragma pop_macro("__AVX512VL__")
 #pragma pop_macro("__AVX512DQ__")
 #pragma pop_macro("__AVX512BF16__")
+#pragma pop_macro("__AVX512VNNI__")
 
+#define SIMDE_X86_AVX512VNNI_NO_NATIVE
 #define SIMDE_X86_AVX512F_NO_NATIVE
 #define SIMDE_X86_AVX512BW_NO_NATIVE
 #define SIMDE_X86_AVX512VL_NO_NATIVE
@@ -53,6 +57,24 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* SIMDe 0.7.4 aliases the unmasked vpmaddwd to its masked form's four arguments. */
+#undef _mm512_madd_epi16
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
+
+/* vcvtdq2ps: each 32-bit integer lane to float, rounded to nearest (native AVX2 on each half). */
+static inline __m512 tm_shim_mm512_cvtepi32_ps(__m512i a) {
+    __m256i h[2];
+    __m256 r[2];
+    memcpy(h, &a, sizeof h);
+    r[0] = _mm256_cvtepi32_ps(h[0]);
+    r[1] = _mm256_cvtepi32_ps(h[1]);
+    __m512 v;
+    memcpy(&v, r, sizeof v);
+    return v;
+}
+#undef _mm512_cvtepi32_ps
+#define _mm512_cvtepi32_ps tm_shim_mm512_cvtepi32_ps
 
 #undef _mm512_shuffle_f32x4 /* SIMDe has it, without the alias */
 #define _mm512_shuffle_f32x4(a, b, imm8) simde_mm512_shuffle_f32x4(a, b, imm8)

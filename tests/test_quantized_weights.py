@@ -1,0 +1,270 @@
+"""GGUF quantized weights run as stored (tokenmill/quantization): the kernels against a dequantize-then-
+float64 reference, and the embedded Q4_1 model against its dequantized float32 twin.
+
+Proves: every format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) dequantizes to exactly the `gguf` package's
+values; products at 1, 7, 33 and 300 rows (odd block counts, an odd number of output rows, float32 and
+bf16 activations) stay within the stated bound of the float64 product of the dequantized weights, on
+the portable and AVX2 builds and on the AVX-512 (BW and VNNI) builds emulated through SIMDe; each row's
+bits do not depend on the other rows; the embedded model's greedy tokens with native Q4_1 execution
+equal the dequantized path wherever the top-2 log-probability gap exceeds MARGIN (6 chats x 32
+tokens, mean |logprob difference| printed); deterministic mode keeps each request's bits whatever it is
+batched with; the weights stay quantized in memory and a second load comes from the cache.
+
+The bound (per output): sum over groups of 32 of 0.5 * max|x_group| / 127 * sum|w_group| (activations
+are rounded to int8 per group, at most half a step each) plus 1e-5 * sum|x||w| of float rounding.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from tokenmill import LLM, SamplingParams, csrc_build
+from tokenmill.quantization import GGUF_QUANT_TYPES, qgemm
+
+QTYPES = sorted(GGUF_QUANT_TYPES)
+ROWS = (1, 7, 33, 300)
+N = 37  # output rows: off every tile of the kernels
+# in_features per format: 3 and 17 groups of 32, or 3 super blocks of 256 for the K-quants
+KS = {2: (96, 544), 3: (96, 544), 8: (96, 544), 12: (768,), 14: (768,)}
+# float16 fields of each block (byte offsets): scales and mins that must stay finite and small
+HALF_OFFSETS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 14: (208,)}
+MARGIN = 0.5  # nats: a top-2 gap above this must not flip under Q4_1 execution
+
+SIMDE_INCLUDE = Path("/usr/include/simde")
+SHIM_DIR = Path(__file__).parent / "csrc" / "simde_shim"
+COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+pytestmark = pytest.mark.skipif(not qgemm.available(), reason="the C kernels cannot be built here")
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
+    """[n, row bytes] of random blocks: every code and sub-scale byte random, the float16 scales small."""
+    _, bs, bb = GGUF_QUANT_TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // bs, bb), dtype=np.uint8)
+    for off in HALF_OFFSETS[qtype]:
+        half = (rng.standard_normal((n, k // bs)) * 0.01).astype(np.float16)
+        raw[:, :, off:off + 2] = half.view(np.uint8).reshape(n, k // bs, 2)
+    return torch.from_numpy(raw.reshape(n, -1).copy())
+
+
+def reference_weights(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """The `gguf` package's dequantization, float64 [n, k]."""
+    return torch.from_numpy(gguf_dequantize(data.numpy(), GGMLQuantizationType(qtype))).reshape(-1, k).double()
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[M, N] bound of the module docstring for x [M, K] and w [N, K] (float64)."""
+    m, k = x.shape
+    groups = x.double().view(m, k // 32, 32).abs().amax(-1) / 127  # (M, G) activation steps
+    w_abs = w.abs().view(w.shape[0], k // 32, 32).sum(-1)  # (N, G)
+    return 0.5 * groups @ w_abs.T + 1e-5 * (x.double().abs() @ w.abs().T) + 1e-30
+
+
+def check_library(lib: ctypes.CDLL) -> None:
+    """Every format, shape and row count of the grid on one build of the kernels."""
+    g = torch.Generator().manual_seed(0)
+    for qtype in QTYPES:
+        for k in KS[qtype]:
+            data = random_blocks(qtype, N, k, seed=qtype * 1000 + k)
+            w = reference_weights(data, qtype, k)
+            assert torch.equal(qgemm._dequantize(lib, data, qtype, k, None, torch.float32).double(), w)
+            ids = torch.tensor([5, 0, 36, 5])
+            assert torch.equal(qgemm._dequantize(lib, data, qtype, k, ids, torch.float32).double(), w[ids])
+            x = torch.randn(max(ROWS), k, generator=g) * torch.logspace(-2, 1, max(ROWS)).unsqueeze(1)
+            for dtype in (torch.float32, torch.bfloat16):
+                xd = x.to(dtype)
+                full = qgemm._linear(lib, xd, data, qtype, N, k, out_dtype=torch.float32)
+                bound = error_bound(xd.float(), w)
+                for rows in ROWS:
+                    got = qgemm._linear(lib, xd[:rows], data, qtype, N, k, out_dtype=torch.float32)
+                    err = (got.double() - xd[:rows].double() @ w.T).abs()
+                    worst = (err / bound[:rows]).max().item()
+                    assert worst <= 1.0, f"{GGUF_QUANT_TYPES[qtype][0]} K={k} rows={rows} {dtype}: {worst:.3f} x bound"
+                    assert torch.equal(got, full[:rows]), "a row's result depends on the other rows"
+                out = qgemm._linear(lib, xd[:7], data, qtype, N, k)  # output in x's dtype
+                assert out.dtype == dtype and torch.equal(out, full[:7].to(dtype))
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+def test_native_builds_stay_within_the_bound_of_the_dequantized_product(isa):
+    if not csrc_build.isa_supported(isa):
+        pytest.skip(f"this CPU lacks {', '.join(csrc_build.missing_cpu_flags(isa))}")
+    lib = qgemm._load(isa)
+    assert lib is not None and lib.qg_isa().decode() == isa
+    check_library(lib)
+
+
+@pytest.mark.skipif(not SIMDE_INCLUDE.is_dir() or COMPILER is None or not csrc_build.isa_supported("avx2"),
+                    reason="needs SIMDe (apt-get install libsimde-dev), a C compiler and an AVX2 CPU")
+def test_emulated_avx512_builds_stay_within_the_bound(tmp_path):
+    """The AVX-512BW and AVX-512 VNNI branches, their intrinsics served by SIMDe (as tests/test_avx512_emulated.py)."""
+    builds = {
+        "avx512": ["-D__AVX512F__", "-D__AVX512BW__", "-D__AVX512VL__", "-D__AVX512DQ__"],
+        "avx512_bf16": ["-D__AVX512F__", "-D__AVX512BW__", "-D__AVX512VL__", "-D__AVX512DQ__", "-D__AVX512BF16__",
+                        "-D__AVX512VNNI__", "-DTM_VNNI"],
+    }
+    jobs = {}
+    for isa, macros in builds.items():
+        target = tmp_path / f"qgemm-{isa}.so"
+        cmd = [COMPILER, *qgemm._FLAGS, "-mavx2", "-mfma", "-mf16c", *macros, "-O1", "-Wno-psabi", "-I", str(SHIM_DIR),
+               "-I", str(csrc_build.SHARED_INCLUDE_DIR), str(qgemm._SOURCE), "-o", str(target), "-lm"]
+        jobs[isa] = (target, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for isa, (target, cmd, proc) in jobs.items():
+        output, _ = proc.communicate()
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output}"
+        lib = ctypes.CDLL(str(target))
+        qgemm._setup(lib)
+        assert lib.qg_isa().decode() == isa and lib.qg_vnni() == int(isa == "avx512_bf16")
+        check_library(lib)
+        csrc_build.loaded_kernels.add(("qgemm (SIMDe)", isa))
+
+
+def test_shapes_the_formats_cannot_take_are_refused():
+    data = random_blocks(3, 4, 64, seed=1)
+    with pytest.raises(ValueError, match="x must be"):
+        qgemm.quantized_linear(torch.zeros(2, 63), data, 3, 4, 64)
+    with pytest.raises(ValueError, match="not a supported quantized format"):
+        qgemm.quantized_linear(torch.zeros(2, 64), data, 1, 4, 64)
+
+
+# ---------------------------------------------------------------- the embedded Q4_1 model
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers.",
+    "How do I reverse a list in Python?",
+    "Tell me a fun fact about octopuses.",
+]
+
+
+def compare_greedy(names, got, want) -> list[float]:
+    """Walk each pair of greedy outputs (logprobs=2) while their contexts agree: a differing token is
+    allowed only where the reference's top-2 gap is at most MARGIN. Returns |logprob diff| per position."""
+    diffs = []
+    for name, q_out, d_out in zip(names, got, want):
+        q, d = q_out.outputs[0], d_out.outputs[0]
+        for step, (qt, dt) in enumerate(zip(q.token_ids, d.token_ids)):
+            top = sorted(d.logprobs[step].values(), key=lambda lp: -lp.logprob)
+            gap = top[0].logprob - top[1].logprob
+            diffs.append(abs(q.logprobs[step][qt].logprob - d.logprobs[step][dt].logprob))
+            if qt != dt:  # contexts differ from here on: stop comparing this output
+                assert gap <= MARGIN, f"{name!r} step {step}: the token flipped with a top-2 gap of {gap:.3f}"
+                break
+    return diffs
+
+
+@pytest.fixture(scope="module")
+def engines():
+    common = {"dtype": "float32", "num_threads": 1, "max_model_len": 256, "kv_cache_memory": 0.05,
+              "cpu_kernels": False}
+    quantized, dense = LLM(quantization="gguf", **common), LLM(quantization="none", **common)
+    yield quantized, dense
+    quantized.close()
+    dense.close()
+
+
+def test_weights_stay_quantized_and_reload_from_the_cache(engines):
+    quantized, _ = engines
+    loaded = quantized.engine.loaded
+    model = loaded.model
+    assert loaded.quantization == "gguf"
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight is None and layer.self_attn.qkv_proj.quant.describe() == "Q4_1"
+    assert model.lm_head.quant is model.model.embed_tokens.quant and model.lm_head.quant.describe() == "Q8_0"
+    qbytes = sum(b.numel() for b in model.buffers() if b.dtype == torch.uint8)
+    assert 90e6 < qbytes < 100e6  # Q4_1 layers + Q8_0 embedding, against ~540 MB in float32
+    from tokenmill.memory_plan import PlanConfig, plan_memory, read_model_shape
+    from tokenmill.models.loader import load_model
+
+    dense_bytes = sum(p.numel() * 4 for p in model.parameters())
+    plan = plan_memory(read_model_shape(None), PlanConfig(memory=4, dtype="float32"))
+    assert plan.weight_bytes == qbytes + dense_bytes  # `tokenmill plan` counts the blocks as stored
+    none = plan_memory(read_model_shape(None), PlanConfig(memory=4, dtype="float32", quantization="none"))
+    assert none.weight_bytes == none.model.num_params * 4
+    again = load_model(None, "float32")  # second start: the quantized entry of the GGUF cache
+    assert again.quantization == "gguf" and again.load_seconds < 10
+
+
+def test_q4_1_greedy_tokens_match_the_dequantized_model_where_the_margin_is_clear(engines):
+    quantized, dense = engines
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=2)
+    messages = [[{"role": "user", "content": c}] for c in CHATS]
+    got, want = quantized.chat(messages, params), dense.chat(messages, params)
+    diffs = compare_greedy(CHATS, got, want)
+    compared = len(diffs)
+    mean = sum(diffs) / len(diffs)
+    print(f"Q4_1 native vs dequantized float32: {compared} positions compared, mean |logprob diff| {mean:.4f}")
+    assert compared >= 6 * 8 and mean < 0.1
+
+
+def test_deterministic_mode_keeps_each_request_bit_identical_with_quantized_weights():
+    llm = LLM(quantization="gguf", dtype="float32", deterministic=True, num_threads=2, max_model_len=256,
+              kv_cache_memory=0.05)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)
+        target = [{"role": "user", "content": CHATS[0]}]
+        alone = llm.chat([target], params)[0].outputs[0]
+        batch = llm.chat([[{"role": "user", "content": c}] for c in CHATS[1:4]] + [target], params)[-1].outputs[0]
+        assert alone.token_ids == batch.token_ids
+        assert [lp[t].logprob for lp, t in zip(alone.logprobs, alone.token_ids)] == \
+               [lp[t].logprob for lp, t in zip(batch.logprobs, batch.token_ids)]
+    finally:
+        llm.close()
+
+
+def test_quantization_choices_are_checked():
+    from tokenmill.models.loader import resolve_quantization
+
+    cpu = torch.device("cpu")
+    assert resolve_quantization(None, "gguf", cpu) == "gguf"
+    assert resolve_quantization(None, "safetensors", cpu) == "none"
+    with pytest.raises(ValueError, match="quantization"):
+        resolve_quantization("gguf", "safetensors", cpu)
+    with pytest.raises(ValueError, match="quantization"):
+        resolve_quantization("int4", "gguf", cpu)
+    with pytest.raises(ValueError, match="quantization"):
+        resolve_quantization("int8", "gguf", cpu)
+
+
+# ---------------------------------------------------------------- int8 weight-only (safetensors checkpoints)
+
+
+def test_int8_blocks_round_each_weight_to_its_channel_step():
+    from tokenmill.quantization.int8 import int8_per_channel_blocks
+
+    w = torch.randn(37, 96, generator=torch.Generator().manual_seed(3)) * torch.logspace(-2, 0, 37).unsqueeze(1)
+    blocks = int8_per_channel_blocks(w)
+    back = qgemm.dequantize(blocks.data, blocks.qtype, 96)
+    step = (w.abs().amax(1) / 127).to(torch.float16).float()
+    assert ((back - w).abs() <= step[:, None] * 0.5 + 1e-3 * step[:, None]).all()
+
+
+def test_int8_tiny_llama_follows_the_dense_model(tmp_path):
+    from tests.tiny_models import make_tiny_model
+
+    path = str(make_tiny_model("llama", tmp_path / "llama"))
+    common = {"model": path, "dtype": "float32", "num_threads": 1, "num_kv_blocks": 64, "cpu_kernels": False}
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+    prompts = ["Hello there", "The quick brown fox"]
+    int8, dense = LLM(quantization="int8", **common), LLM(quantization="none", **common)
+    try:
+        layer = int8.engine.loaded.model.model.layers[0].mlp.gate_up_proj
+        assert layer.weight is None and layer.quant.describe() == "Q8_0"
+        assert int8.engine.loaded.model.lm_head.quant is None  # the LM head stays dense
+        diffs = compare_greedy(prompts, int8.generate(prompts, params), dense.generate(prompts, params))
+        assert len(diffs) >= 8 and sum(diffs) / len(diffs) < 0.05, diffs
+    finally:
+        int8.close()
+        dense.close()

@@ -1,0 +1,473 @@
+/* Matrix products with GGUF block-quantized weights, read as stored (never expanded to float in memory).
+ *
+ *   y[m, n] = sum_k x[m, k] * W[n, k]      x: [M, K] float32 or bf16, y: [M, N] float32 or bf16 (row
+ *                                           stride ldy), W: N rows of K/BLOCK blocks in a GGUF format
+ *
+ * Formats (ggml type ids; block layouts as the GGUF file format defines them, implemented here from
+ * that description): Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q6_K (14). Every format is read as
+ * groups of 32 weights, each group w_k = D * s_h * u_k + o_h, with u_k an unsigned code (4 or 6 bits,
+ * or |q| for Q8_0), s_h an integer sub-scale per half group of 16 and o_h a float offset per half.
+ *
+ * Activations are quantized per group of 32 (llama.cpp's "q8" scheme, written from its description):
+ * dx = max|x| / 127, xq = round(x / dx) in int8, plus the sum of xq per half group. A group then costs
+ * one integer dot product (exact in int32) and two float multiply-adds:
+ *   y += dx * D * sum_h(s_h * sum(u * xq)) + dx * sum_h(o_h * sum_h(xq)).
+ * The error against float products is at most 0.5 * dx * sum|w| per group (the activation rounding).
+ *
+ * Each y[m, n] is computed by the same instructions whatever M, m, the other rows or the thread count
+ * (threads split N; row tiles only share the decoded weight codes), so a row's result depends only on
+ * its own input row: the kernel is batch invariant. ISA paths: plain C (TM_PORTABLE, or no SIMD),
+ * AVX2 (maddubs), AVX-512BW (two groups per instruction), AVX-512 VNNI (vpdpbusd for the formats without
+ * sub-scales) when TM_VNNI is set (the loader sets it where the CPU has avx512_vnni). The bf16 path has
+ * nothing bf16-specific: activations are quantized to int8 whatever their type.
+ * Built at run time by tokenmill/quantization/qgemm.py; tests/test_quantized_weights.py holds every path
+ * to a dequantize-then-float reference (the `gguf` package's dequantizer).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "bf16.h"
+
+#if !defined(TM_PORTABLE) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QG_AVX2 1
+#define QG_AVX512 1
+#if defined(TM_VNNI) && defined(__AVX512VNNI__)
+#define QG_VNNI 1
+#endif
+#if defined(__AVX512BF16__)
+#define ISA_PATH "avx512_bf16"
+#else
+#define ISA_PATH "avx512"
+#endif
+#elif !defined(TM_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QG_AVX2 1
+#define ISA_PATH "avx2"
+#else
+#define ISA_PATH "portable"
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+#define QK 32    /* weights per group */
+#define QKK 256  /* weights per K-quant super block */
+#define ROW_TILE 4
+
+static float half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal half: normalise */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400u));
+            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    union { uint32_t u; float f; } v = {bits};
+    return v.f;
+}
+
+#define AI static inline __attribute__((always_inline))
+
+#if defined(__F16C__) && !defined(TM_PORTABLE)
+AI float rd_half(const uint8_t* p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+#else
+static inline float rd_half(const uint8_t* p) { return half_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
+#endif
+
+int64_t qg_block_size(int qtype) {
+    switch (qtype) {
+    case Q4_0: case Q4_1: case Q8_0: return QK;
+    case Q4_K: case Q6_K: return QKK;
+    default: return 0;
+    }
+}
+
+int64_t qg_block_bytes(int qtype) {
+    switch (qtype) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline int64_t row_bytes(int qtype, int64_t K) { return K / qg_block_size(qtype) * qg_block_bytes(qtype); }
+
+/* Q4_K's 6-bit sub-block scale and min, sub-block j in 0..7 of the 12 packed bytes. */
+AI void k4_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* What every path needs of group g of a weight row besides its codes: D, integer half scales s0/s1
+ * and float half offsets o0/o1 (w = D * s_h * u + o_h). */
+typedef struct { float D, o0, o1; int s0, s1; } group_info;
+
+AI group_info group_params(int qtype, const uint8_t* row, int64_t g) {
+    group_info gi;
+    switch (qtype) {
+    case Q4_0: {
+        const uint8_t* b = row + g * 18;
+        gi.D = rd_half(b); gi.s0 = gi.s1 = 1; gi.o0 = gi.o1 = -8.0f * gi.D;
+        break;
+    }
+    case Q4_1: {
+        const uint8_t* b = row + g * 20;
+        gi.D = rd_half(b); gi.s0 = gi.s1 = 1; gi.o0 = gi.o1 = rd_half(b + 2);
+        break;
+    }
+    case Q8_0: {
+        const uint8_t* b = row + g * 34;
+        gi.D = rd_half(b); gi.s0 = gi.s1 = 1; gi.o0 = gi.o1 = 0.0f;
+        break;
+    }
+    case Q4_K: {
+        const uint8_t* b = row + (g / 8) * 144;
+        int sc, mn;
+        k4_scale_min(b + 4, (int)(g % 8), &sc, &mn);
+        gi.D = rd_half(b); gi.s0 = gi.s1 = sc; gi.o0 = gi.o1 = -rd_half(b + 2) * (float)mn;
+        break;
+    }
+    default: { /* Q6_K */
+        const uint8_t* b = row + (g / 8) * 210;
+        const int8_t* sc = (const int8_t*)(b + 192);
+        const int j = (int)(g % 8), half = j / 4, gi4 = j % 4;
+        gi.D = rd_half(b + 208);
+        gi.s0 = sc[8 * half + 2 * gi4];
+        gi.s1 = sc[8 * half + 2 * gi4 + 1];
+        gi.o0 = -32.0f * gi.D * (float)gi.s0;
+        gi.o1 = -32.0f * gi.D * (float)gi.s1;
+        break;
+    }
+    }
+    return gi;
+}
+
+/* The 32 unsigned codes of group g (plain C). For Q8_0 the code is q + 128 with offset -128 * D
+ * folded in by the callers that use this (dequantization and the portable product). */
+static inline void group_codes(int qtype, const uint8_t* row, int64_t g, int* u) {
+    switch (qtype) {
+    case Q4_0: case Q4_1: {
+        const uint8_t* qs = row + g * (qtype == Q4_0 ? 18 : 20) + (qtype == Q4_0 ? 2 : 4);
+        for (int i = 0; i < 16; i++) { u[i] = qs[i] & 15; u[i + 16] = qs[i] >> 4; }
+        break;
+    }
+    case Q8_0: {
+        const int8_t* qs = (const int8_t*)(row + g * 34 + 2);
+        for (int i = 0; i < 32; i++) u[i] = qs[i] + 128;
+        break;
+    }
+    case Q4_K: {
+        const uint8_t* qs = row + (g / 8) * 144 + 16 + (g % 8) / 2 * 32;
+        const int shift = (int)(g % 2) * 4;
+        for (int i = 0; i < 32; i++) u[i] = (qs[i] >> shift) & 15;
+        break;
+    }
+    default: { /* Q6_K */
+        const uint8_t* b = row + (g / 8) * 210;
+        const int j = (int)(g % 8), half = j / 4, gi4 = j % 4;
+        const uint8_t* ql = b + 64 * half + (gi4 & 1) * 32;
+        const uint8_t* qh = b + 128 + 32 * half;
+        const int lshift = (gi4 >> 1) * 4, hshift = 2 * gi4;
+        for (int i = 0; i < 32; i++) u[i] = ((ql[i] >> lshift) & 15) | (((qh[i] >> hshift) & 3) << 4);
+        break;
+    }
+    }
+}
+
+/* Weights of rows ids[0..n) (all N rows when ids is NULL) as float32 or bf16, [n, K]. */
+void qg_dequantize(int qtype, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, void* out, int out_bf16,
+                   int num_threads) {
+    const int64_t rb = row_bytes(qtype, K), G = K / QK;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && n * K >= 65536)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t* row = w + (ids ? ids[r] : r) * rb;
+        float* of = out_bf16 ? NULL : (float*)out + r * K;
+        uint16_t* ob = out_bf16 ? (uint16_t*)out + r * K : NULL;
+        for (int64_t g = 0; g < G; g++) {
+            int u[32];
+            group_info gi = group_params(qtype, row, g);
+            group_codes(qtype, row, g, u);
+            float ofs0 = gi.o0, ofs1 = gi.o1;
+            if (qtype == Q8_0) ofs0 = ofs1 = -128.0f * gi.D;
+            for (int i = 0; i < 32; i++) {
+                const float v = gi.D * (float)((i < 16 ? gi.s0 : gi.s1) * u[i]) + (i < 16 ? ofs0 : ofs1);
+                if (of) of[g * QK + i] = v; else ob[g * QK + i] = f32_to_bf16(v);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- activations */
+
+typedef struct {
+    int8_t* q;    /* [M, K] */
+    float* d;     /* [M, G] */
+    int32_t* s;   /* [M, 2G]: sum of q per half group */
+    int64_t K, G;
+} act_q;
+
+static void quantize_row(const void* x, int x_bf16, int64_t m, act_q* a) {
+    const int64_t K = a->K;
+    for (int64_t g = 0; g < a->G; g++) {
+        float v[32], amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const int64_t k = m * K + g * QK + i;
+            v[i] = x_bf16 ? bf16_to_f32(((const uint16_t*)x)[k]) : ((const float*)x)[k];
+            const float av = fabsf(v[i]);
+            amax = av > amax ? av : amax;
+        }
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int8_t* q = a->q + m * K + g * QK;
+        int s0 = 0, s1 = 0;
+        for (int i = 0; i < 32; i++) {
+            float r = nearbyintf(v[i] * id);
+            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+            q[i] = (int8_t)r;
+            if (i < 16) s0 += q[i]; else s1 += q[i];
+        }
+        a->d[m * a->G + g] = d;
+        a->s[(m * a->G + g) * 2] = s0;
+        a->s[(m * a->G + g) * 2 + 1] = s1;
+    }
+}
+
+static inline void store_out(void* y, int y_bf16, int64_t idx, float v) {
+    if (y_bf16) ((uint16_t*)y)[idx] = f32_to_bf16(v); else ((float*)y)[idx] = v;
+}
+
+/* ---------------------------------------------------------------- plain C product */
+
+AI void rows_portable(int qtype, const uint8_t* row, const act_q* a, int64_t m0, int R, float* out) {
+    float acc[ROW_TILE] = {0};
+    for (int64_t g = 0; g < a->G; g++) {
+        int u[32];
+        group_info gi = group_params(qtype, row, g);
+        group_codes(qtype, row, g, u);
+        float o0 = gi.o0, o1 = gi.o1;
+        if (qtype == Q8_0) o0 = o1 = -128.0f * gi.D;
+        for (int r = 0; r < R; r++) {
+            const int8_t* xq = a->q + (m0 + r) * a->K + g * QK;
+            int32_t p0 = 0, p1 = 0;
+            for (int i = 0; i < 16; i++) { p0 += u[i] * xq[i]; p1 += u[i + 16] * xq[i + 16]; }
+            const int64_t gi_idx = (m0 + r) * a->G + g;
+            const float dx = a->d[gi_idx];
+            const int32_t* s = a->s + gi_idx * 2;
+            acc[r] += dx * (gi.D * (float)(gi.s0 * p0 + gi.s1 * p1) + (o0 * (float)s[0] + o1 * (float)s[1]));
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
+#if defined(QG_AVX2)
+/* ---------------------------------------------------------------- AVX2 */
+
+/* Group g's codes in 32 bytes and its half scales as 16 int16 lanes (lanes 0-7: bytes 0-15). For Q8_0
+ * the codes are |q| and *sign holds q (the activations take q's sign: vpsignb), so no code exceeds 128
+ * and vpmaddubsw cannot saturate. */
+AI __m256i codes_avx2(int qtype, const uint8_t* row, int64_t g, __m256i* sign) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    switch (qtype) {
+    case Q4_0: case Q4_1: {
+        const uint8_t* qs = row + g * (qtype == Q4_0 ? 18 : 20) + (qtype == Q4_0 ? 2 : 4);
+        const __m128i q = _mm_loadu_si128((const __m128i*)qs);
+        const __m256i qq = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
+        return _mm256_and_si256(qq, m4);
+    }
+    case Q8_0: {
+        const __m256i q = _mm256_loadu_si256((const __m256i*)(row + g * 34 + 2));
+        *sign = q;
+        return _mm256_sign_epi8(q, q);
+    }
+    case Q4_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i*)(row + (g / 8) * 144 + 16 + (g % 8) / 2 * 32));
+        return _mm256_and_si256(g % 2 ? _mm256_srli_epi16(q, 4) : q, m4);
+    }
+    default: { /* Q6_K */
+        const uint8_t* b = row + (g / 8) * 210;
+        const int j = (int)(g % 8), half = j / 4, gi4 = j % 4;
+        __m256i ql = _mm256_loadu_si256((const __m256i*)(b + 64 * half + (gi4 & 1) * 32));
+        __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * half));
+        if (gi4 >> 1) ql = _mm256_srli_epi16(ql, 4);
+        ql = _mm256_and_si256(ql, m4);
+        qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * gi4)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
+    }
+    }
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One group's contribution for R rows (the AVX2 step, also the AVX-512 paths' odd tail group). */
+AI void group_avx2(int qtype, const uint8_t* row, int64_t g, const act_q* a, int64_t m0, int R,
+                              __m256* accv, float* accs) {
+    __m256i sign = _mm256_setzero_si256();
+    const __m256i u = codes_avx2(qtype, row, g, &sign);
+    const group_info gi = group_params(qtype, row, g);
+    const __m256i sc = _mm256_set_m128i(_mm_set1_epi16((short)gi.s1), _mm_set1_epi16((short)gi.s0));
+    for (int r = 0; r < R; r++) {
+        __m256i xq = _mm256_loadu_si256((const __m256i*)(a->q + (m0 + r) * a->K + g * QK));
+        if (qtype == Q8_0) xq = _mm256_sign_epi8(xq, sign);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), sc);
+        const int64_t idx = (m0 + r) * a->G + g;
+        const float dx = a->d[idx];
+        accv[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(gi.D * dx), accv[r]);
+        accs[r] += dx * (gi.o0 * (float)a->s[idx * 2] + gi.o1 * (float)a->s[idx * 2 + 1]);
+    }
+}
+#endif
+
+#if defined(QG_AVX512)
+/* ---------------------------------------------------------------- AVX-512: two groups per step */
+
+AI void groups_avx512(int qtype, const uint8_t* row, int64_t g, const act_q* a, int64_t m0, int R,
+                                 __m512* accv, float* accs) {
+    __m256i sign0 = _mm256_setzero_si256(), sign1 = _mm256_setzero_si256();
+    const __m256i u0 = codes_avx2(qtype, row, g, &sign0), u1 = codes_avx2(qtype, row, g + 1, &sign1);
+    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+    const __m512i sign = _mm512_inserti64x4(_mm512_castsi256_si512(sign0), sign1, 1);
+    const group_info g0 = group_params(qtype, row, g), g1 = group_params(qtype, row, g + 1);
+    const int unit = qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0;
+    const __m512i sc = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)g0.s1), _mm_set1_epi16((short)g0.s0))),
+        _mm256_set_m128i(_mm_set1_epi16((short)g1.s1), _mm_set1_epi16((short)g1.s0)), 1);
+    (void)unit;
+    for (int r = 0; r < R; r++) {
+        __m512i xq = _mm512_loadu_si512((const void*)(a->q + (m0 + r) * a->K + g * QK));
+        if (qtype == Q8_0) { /* negate the activations where q < 0 (no 512-bit vpsignb) */
+            const __mmask64 neg = _mm512_movepi8_mask(sign);
+            xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
+        }
+        __m512i p;
+#if defined(QG_VNNI)
+        if (unit) p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq);
+        else p = _mm512_madd_epi16(_mm512_maddubs_epi16(u, xq), sc);
+#else
+        p = _mm512_madd_epi16(_mm512_maddubs_epi16(u, xq), sc);
+#endif
+        const int64_t idx = (m0 + r) * a->G + g;
+        const float dx0 = a->d[idx], dx1 = a->d[idx + 1];
+        const __m512 scale = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(g0.D * dx0)),
+                                                _mm256_set1_ps(g1.D * dx1), 1);
+        accv[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, accv[r]);
+        const int32_t* s = a->s + idx * 2;
+        accs[r] += dx0 * (g0.o0 * (float)s[0] + g0.o1 * (float)s[1]);
+        accs[r] += dx1 * (g1.o0 * (float)s[2] + g1.o1 * (float)s[3]);
+    }
+}
+#endif
+
+/* out[r] = y[m0 + r, n] for R <= ROW_TILE rows against one weight row. */
+AI void rows_dot(int qtype, const uint8_t* row, const act_q* a, int64_t m0, int R, float* out) {
+#if defined(QG_AVX512)
+    __m512 acc[ROW_TILE];
+    __m256 acc8[ROW_TILE];
+    float accs[ROW_TILE];
+    for (int r = 0; r < ROW_TILE; r++) { acc[r] = _mm512_setzero_ps(); acc8[r] = _mm256_setzero_ps(); accs[r] = 0.0f; }
+    int64_t g = 0;
+    for (; g + 2 <= a->G; g += 2) groups_avx512(qtype, row, g, a, m0, R, acc, accs);
+    if (g < a->G) group_avx2(qtype, row, g, a, m0, R, acc8, accs);
+    for (int r = 0; r < R; r++) {
+        const __m256 lo = _mm512_castps512_ps256(acc[r]);
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
+        out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(lo, hi), acc8[r])) + accs[r];
+    }
+#elif defined(QG_AVX2)
+    __m256 acc[ROW_TILE];
+    float accs[ROW_TILE];
+    for (int r = 0; r < ROW_TILE; r++) { acc[r] = _mm256_setzero_ps(); accs[r] = 0.0f; }
+    for (int64_t g = 0; g < a->G; g++) group_avx2(qtype, row, g, a, m0, R, acc, accs);
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + accs[r];
+#else
+    rows_portable(qtype, row, a, m0, R, out);
+#endif
+}
+
+/* Rows n0..n1 of y for every m, one format (a constant, so each instance is specialised). */
+AI void task_rows(int qtype, const uint8_t* w, int64_t rb, const act_q* a, int64_t n0, int64_t n1, int64_t M, void* y,
+                  int y_bf16, int64_t ldy) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+        const int R = (int)(M - m0 < ROW_TILE ? M - m0 : ROW_TILE);
+        for (int64_t n = n0; n < n1; n++) {
+            float out[ROW_TILE];
+            if (R == ROW_TILE) rows_dot(qtype, w + n * rb, a, m0, ROW_TILE, out);
+            else if (R == 1) rows_dot(qtype, w + n * rb, a, m0, 1, out);
+            else rows_dot(qtype, w + n * rb, a, m0, R, out);
+            for (int r = 0; r < R; r++) store_out(y, y_bf16, (m0 + r) * ldy + n, out[r]);
+        }
+    }
+}
+
+#define DEFINE_TASK(NAME, QT) \
+    static void NAME(const uint8_t* w, int64_t rb, const act_q* a, int64_t n0, int64_t n1, int64_t M, void* y, \
+                     int y_bf16, int64_t ldy) { task_rows(QT, w, rb, a, n0, n1, M, y, y_bf16, ldy); }
+DEFINE_TASK(task_q4_0, Q4_0)
+DEFINE_TASK(task_q4_1, Q4_1)
+DEFINE_TASK(task_q8_0, Q8_0)
+DEFINE_TASK(task_q4_k, Q4_K)
+DEFINE_TASK(task_q6_k, Q6_K)
+
+/* y[m, n] (row stride ldy) = x[m] . W[n] for m < M, n < N. Returns 0, or -1 for an unknown type,
+ * a K that is not a whole number of blocks, or a failed allocation. */
+int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, int x_bf16, int64_t M, void* y,
+              int y_bf16, int64_t ldy, int num_threads) {
+    const int64_t bs = qg_block_size(qtype);
+    if (bs == 0 || K % bs != 0 || K <= 0) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    act_q a;
+    a.K = K;
+    a.G = K / QK;
+    a.q = (int8_t*)malloc((size_t)(M * K) + 64);
+    a.d = (float*)malloc(sizeof(float) * (size_t)(M * a.G));
+    a.s = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * a.G * 2));
+    if (!a.q || !a.d || !a.s) { free(a.q); free(a.d); free(a.s); return -1; }
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && M * K >= 32768)
+    for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, &a);
+    const int64_t rb = row_bytes(qtype, K);
+    const int64_t NB = 8; /* weight rows per task: their bytes stay in L1 while the row tiles pass */
+    const int64_t tasks = (N + NB - 1) / NB;
+    void (*task)(const uint8_t*, int64_t, const act_q*, int64_t, int64_t, int64_t, void*, int, int64_t) =
+        qtype == Q4_0 ? task_q4_0 : qtype == Q4_1 ? task_q4_1 : qtype == Q8_0 ? task_q8_0 :
+        qtype == Q4_K ? task_q4_k : task_q6_k;
+    const int parallel = num_threads > 1 && N * K * (M < 8 ? M : 8) >= 65536;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t n1 = (t + 1) * NB < N ? (t + 1) * NB : N;
+        task(w, rb, &a, t * NB, n1, M, y, y_bf16, ldy);
+    }
+    free(a.q); free(a.d); free(a.s);
+    return 0;
+}
+
+const char* qg_isa(void) { return ISA_PATH; }
+
+/* 1 when the AVX-512 VNNI product (vpdpbusd) is built in. */
+int qg_vnni(void) {
+#if defined(QG_VNNI)
+    return 1;
+#else
+    return 0;
+#endif
+}

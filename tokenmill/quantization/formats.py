@@ -1,0 +1,70 @@
+"""The GGUF block formats tokenmill runs without dequantizing, and the tensor that carries them.
+
+Block layouts follow the GGUF file format (ggml type ids, block sizes and bytes per block below);
+``csrc/qgemm.c`` reads them. Pure metadata: no kernels here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# ggml type id -> (name, weights per block, bytes per block)
+GGUF_QUANT_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    14: ("Q6_K", 256, 210),
+}
+# --quantization values: "gguf" (a GGUF file's own blocks, the default for GGUF models), "int8"
+# (weight-only int8 with per-output-channel scales, for HF checkpoints), "none" (dense weights).
+QUANTIZATION_METHODS: tuple[str, ...] = ("gguf", "int8", "none")
+
+
+def qtype_name(qtype: int) -> str:
+    """"Q4_1" for 3, etc.; ValueError for a type tokenmill does not run quantized."""
+    if qtype not in GGUF_QUANT_TYPES:
+        raise ValueError(f"GGUF type {qtype} is not a supported quantized format "
+                         f"({', '.join(n for n, _, _ in GGUF_QUANT_TYPES.values())})")
+    return GGUF_QUANT_TYPES[qtype][0]
+
+
+def block_size(qtype: int) -> int:
+    """Weights per block (32, or 256 for the K-quants)."""
+    qtype_name(qtype)
+    return GGUF_QUANT_TYPES[qtype][1]
+
+
+def block_bytes(qtype: int) -> int:
+    """Bytes per block."""
+    qtype_name(qtype)
+    return GGUF_QUANT_TYPES[qtype][2]
+
+
+@dataclass
+class QuantizedTensor:
+    """A 2-D weight in a GGUF block format: logical ``shape`` (N, K) = (out_features, in_features), and
+    ``data`` [N, K // block_size * block_bytes] uint8, each row the blocks of one output row.
+
+    Raises (on construction):
+        ValueError: an unsupported type, K not a whole number of blocks, or data of the wrong size.
+    """
+
+    qtype: int
+    shape: tuple[int, int]
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        bs = block_size(self.qtype)
+        if k % bs:
+            raise ValueError(f"{qtype_name(self.qtype)} weight with in_features {k}: not a multiple of {bs}")
+        expected = (n, k // bs * block_bytes(self.qtype))
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
+            raise ValueError(f"{qtype_name(self.qtype)} data must be uint8 {expected}, got "
+                             f"{self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())

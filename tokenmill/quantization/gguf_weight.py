@@ -1,0 +1,86 @@
+"""A layer's GGUF-quantized weight: the blocks as stored, and how a product or a lookup runs on them.
+
+``GGUFWeight`` holds one or more row segments (a fused projection whose parts have different formats
+keeps one segment per part) and computes ``x @ W.T`` either in the quantized kernel (``qgemm``) or by
+dequantizing the weight and handing it to torch's GEMM, per row count as the CPU runner's measurement
+decides (``dequantize_table``); deterministic mode always takes the quantized kernel, whose rows are
+batch invariant. Used by ``tokenmill.layers.linear.Linear`` and ``tokenmill.layers.embedding``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.quantization import qgemm
+from tokenmill.quantization.formats import QuantizedTensor, qtype_name
+
+
+class GGUFWeight:
+    """A [out_features, in_features] weight kept in GGUF block formats.
+
+    ``parts``: QuantizedTensor row segments, stacked in order along the output dimension (all with
+    in_features columns). ``dequantize_table`` (set by ``tokenmill.runner.cpu_kernels``): per row count
+    (entry ``min(rows, len - 1)``), True to dequantize and use torch's GEMM; empty means always the
+    quantized kernel.
+
+    Raises:
+        ValueError: no parts, or parts with different in_features.
+    """
+
+    def __init__(self, parts: Sequence[QuantizedTensor]) -> None:
+        if not parts:
+            raise ValueError("GGUFWeight needs at least one part")
+        k = parts[0].shape[1]
+        if any(p.shape[1] != k for p in parts):
+            raise ValueError(f"GGUFWeight parts have different in_features: {[p.shape for p in parts]}")
+        merged: list[QuantizedTensor] = []
+        for p in parts:  # adjacent parts of one format become one segment (one kernel call)
+            if merged and merged[-1].qtype == p.qtype:
+                last = merged[-1]
+                merged[-1] = QuantizedTensor(p.qtype, (last.shape[0] + p.shape[0], k), torch.cat([last.data, p.data]))
+            else:
+                merged.append(p)
+        self.parts = merged
+        self.in_features = k
+        self.out_features = sum(p.shape[0] for p in merged)
+        self.offsets = [sum(p.shape[0] for p in merged[:i]) for i in range(len(merged))]
+        self.dequantize_table: tuple[bool, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of quantized data."""
+        return sum(p.nbytes for p in self.parts)
+
+    def describe(self) -> str:
+        return "+".join(qtype_name(p.qtype) for p in self.parts)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The uint8 data of each segment (registered as buffers by the owning layer)."""
+        return [p.data for p in self.parts]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, batch_invariant: bool = False,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, in_features] float32/bf16 -> [M, out_features] in ``out_dtype`` (default x's dtype)."""
+        out_dtype = out_dtype or x.dtype
+        table = self.dequantize_table
+        if not batch_invariant and table and table[min(x.shape[0], len(table) - 1)]:
+            w = self.dequantize(out_dtype)  # (out, in)
+            return F.linear(x.to(out_dtype), w, None if bias is None else bias.to(out_dtype))
+        y = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
+        for part, start in zip(self.parts, self.offsets):
+            n = part.shape[0]
+            target = y if len(self.parts) == 1 else y[:, start:start + n]
+            qgemm.quantized_linear(x, part.data, part.qtype, n, self.in_features, out=target)
+        if bias is not None:
+            y += bias.to(out_dtype)
+        return y
+
+    def dequantize(self, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """All rows ([out_features, in_features]) or rows ``ids`` (int64 [T]; one-segment weights only) in ``dtype``."""
+        if ids is not None:
+            assert len(self.parts) == 1, "row lookups need a single-format weight"
+            p = self.parts[0]
+            return qgemm.dequantize(p.data, p.qtype, self.in_features, ids, dtype)
+        return torch.cat([qgemm.dequantize(p.data, p.qtype, self.in_features, None, dtype) for p in self.parts])

@@ -1,0 +1,149 @@
+"""Products and lookups on GGUF block-quantized weights: the C kernels of csrc/qgemm.c through ctypes.
+
+``quantized_linear`` computes ``x @ W.T`` reading W's blocks as stored (activations quantized per group
+of 32 to int8, integer dot products; see the C file for the error bound); ``dequantize`` expands rows
+to float32/bf16 (embedding lookups, and the prefill path that hands a dequantized tile to torch's GEMM).
+Built on first use for the ISA path of ``tokenmill.csrc_build`` (plus AVX-512 VNNI where the CPU
+reports it).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from tokenmill import csrc_build
+from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
+from tokenmill.quantization.formats import block_size, qtype_name
+
+_SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
+_FLAGS = DEFAULT_FLAGS
+_VNNI_FLAGS = ("-mavx512vnni", "-DTM_VNNI")
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.qg_linear.argtypes = [i32, p, i64, i64, p, i32, i64, p, i32, i64, i32]
+    lib.qg_linear.restype = i32
+    lib.qg_dequantize.argtypes = [i32, p, i64, p, i64, p, i32, i32]
+    lib.qg_dequantize.restype = None
+    lib.qg_isa.argtypes = []
+    lib.qg_isa.restype = ctypes.c_char_p
+    lib.qg_vnni.argtypes = []
+    lib.qg_vnni.restype = ctypes.c_int
+
+
+def flags_for(isa: str) -> tuple[str, ...]:
+    """The build flags for ``isa``: VNNI is added on the AVX-512 paths when this CPU has avx512_vnni."""
+    if isa.startswith("avx512") and "avx512_vnni" in csrc_build.cpu_flags():
+        return (*_FLAGS, *_VNNI_FLAGS)
+    return _FLAGS
+
+
+def _load(isa: str | None = None) -> ctypes.CDLL | None:
+    """Build (or reuse) the kernels for ``isa`` (default: csrc_build.selected_isa()); None if unavailable."""
+    isa = csrc_build.selected_isa() if isa is None else isa
+    return load_c_library(_SOURCE, "qgemm", _setup, flags_for(isa), isa)
+
+
+@functools.cache
+def _built() -> ctypes.CDLL | None:
+    return _load()
+
+
+def _get_lib() -> ctypes.CDLL:
+    lib = _built()
+    if lib is None:
+        raise RuntimeError("the quantized-weight CPU kernels are unavailable (no C compiler, build failed, or "
+                           "TOKENMILL_DISABLE_CPU_KERNELS=1); load the model with quantization='none'")
+    return lib
+
+
+def available() -> bool:
+    """True if the compiled kernels can be used in this process (builds them on the first call)."""
+    try:
+        _get_lib()
+    except RuntimeError:
+        return False
+    return True
+
+
+def isa() -> str:
+    """The build's path: "portable", "avx2", "avx512" or "avx512_bf16", with "+vnni" where the AVX-512
+    VNNI product is built in. RuntimeError when unavailable."""
+    lib = _get_lib()
+    return lib.qg_isa().decode() + ("+vnni" if lib.qg_vnni() else "")
+
+
+def quantized_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k: int,
+                     out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ W.T with W [n, k] in GGUF format ``qtype`` (``data`` [n, row bytes] uint8, as stored).
+
+    x: [M, k] float32 or bfloat16 on CPU. ``out``: an [M, n] float32/bf16 view whose rows may be strided
+    (a column slice of a fused projection's output); else a new tensor in ``out_dtype`` (default
+    x's dtype). Each row of y depends only on the same row of x (batch invariant); per group of 32
+    the error against float products of the dequantized weights is at most 0.5 * max|x_group| / 127 *
+    sum|w_group| plus float rounding.
+
+    Raises:
+        ValueError: wrong shapes, dtypes or devices, or an unsupported ``qtype``.
+        RuntimeError: the kernels are unavailable.
+    """
+    return _linear(_get_lib(), x, data, qtype, n, k, out, out_dtype)
+
+
+def _linear(lib: ctypes.CDLL, x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k: int,
+            out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    qtype_name(qtype)
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"quantized_linear: x must be [M, {k}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"quantized_linear: x must be float32 or bfloat16 on CPU, got {x.dtype} on {x.device}")
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[0] != n or not data.is_contiguous():
+        raise ValueError(f"quantized_linear: data must be contiguous uint8 [{n}, row bytes], got "
+                         f"{data.dtype} {tuple(data.shape)}")
+    x = x.contiguous()
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype)
+    if out.shape != (m, n) or out.dtype not in (torch.float32, torch.bfloat16) or out.stride(1) != 1:
+        raise ValueError(f"quantized_linear: out must be [{m}, {n}] float32/bf16 with unit column stride")
+    if m == 0:
+        return out
+    rc = lib.qg_linear(qtype, data.data_ptr(), n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), m,
+                       out.data_ptr(), int(out.dtype == torch.bfloat16), out.stride(0), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"quantized_linear: {qtype_name(qtype)} cannot take in_features {k} "
+                         f"(a multiple of {block_size(qtype)} is needed)")
+    return out
+
+
+def dequantize(data: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows of a GGUF-format weight as floats: all rows ([N, k]) or rows ``ids`` ([len(ids), k], int64).
+
+    Raises:
+        ValueError: an unsupported type or dtype, or ids out of range.
+        RuntimeError: the kernels are unavailable.
+    """
+    return _dequantize(_get_lib(), data, qtype, k, ids, dtype)
+
+
+def _dequantize(lib: ctypes.CDLL, data: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    qtype_name(qtype)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequantize: dtype must be float32 or bfloat16, got {dtype}")
+    data = data.contiguous()
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous().view(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= data.shape[0]):
+            raise ValueError(f"dequantize: row ids must be in [0, {data.shape[0]})")
+    rows = data.shape[0] if ids is None else ids.numel()
+    out = torch.empty(rows, k, dtype=dtype)
+    if rows:
+        lib.qg_dequantize(qtype, data.data_ptr(), k, None if ids is None else ids.data_ptr(), rows,
+                          out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
+    return out
