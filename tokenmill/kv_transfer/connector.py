@@ -240,6 +240,7 @@ class KVConnector:
                "transport": self.config.transport, "loads_in_flight": len(self._loads),
                "remote_prefill_requests": self.stats.remote_prefill_requests,
                "remote_tokens": self.stats.remote_tokens, "bytes_received": self.stats.bytes_received,
+               "transfer_seconds": round(self.stats.transfer_seconds, 6),
                "local_fallbacks": dict(self.stats.local_fallbacks)}
         if self.producer is not None:
             s = self.producer.stats
