@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from tokenmill.kv_cache.block_hash import extend_block_hashes
 from tokenmill.kv_transfer.consumer import Expected, is_local_host, pull_blocks
 from tokenmill.kv_transfer.producer import KVProducer
 from tokenmill.kv_transfer.protocol import TransferError, TransferMeta, recv_frame, send_frame
@@ -42,6 +43,7 @@ def test_pull_returns_the_leased_blocks_and_the_lease_is_released(transport, dty
         want = producer.kv_cache[:, :, [5, 2, 7]].permute(2, 0, 1, 3, 4, 5)
         assert blocks.dtype == dtype and torch.equal(blocks, want)
         assert meta.num_tokens == len(PROMPT) and meta.token_ids == PROMPT and meta.num_blocks == 3
+        assert len(meta.block_hashes) == len(PROMPT) // BLOCK_SIZE  # the chain of the full blocks
         assert nbytes == blocks.numel() * blocks.element_size() == producer.stats.bytes_sent_total
         shm_path = next(iter(producer._leases.values())).shm_path
         assert (shm_path is not None) == (transport == "shm")
@@ -110,8 +112,10 @@ class HostileProducer:
             data = bytearray(blocks.numpy().tobytes())
             import hashlib
 
-            meta = TransferMeta(len(PROMPT), PROMPT, [], "fp-a", "float32", BLOCK_SIZE, SHAPE, 0, 3,
-                                hashlib.sha256(data).hexdigest())
+            chain: list[int] = []
+            extend_block_hashes(chain, PROMPT, BLOCK_SIZE)
+            meta = TransferMeta(len(PROMPT), PROMPT, [], [f"{h:016x}" for h in chain], "fp-a", "float32", BLOCK_SIZE,
+                                SHAPE, 0, 3, hashlib.sha256(data).hexdigest())
             if self.mode == "corrupt":
                 data[100] ^= 0xFF
             send_frame(conn, {"ok": True, "meta": meta.as_dict(), "nbytes": len(data)})

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.kv_cache.block_hash import extend_block_hashes
 from tokenmill.kv_transfer.protocol import TransferError, TransferMeta, recv_exact, recv_frame, send_frame
 
 
@@ -124,6 +125,10 @@ def _mismatch(meta: TransferMeta, expected: Expected) -> str | None:
         return "the producer hashed the prompt with other extra keys (cache_salt or adapter)"
     if meta.token_ids != expected.prompt_token_ids[: meta.num_tokens] or meta.num_tokens < 1:
         return "the lease holds another prompt"
+    chain: list[int] = []
+    extend_block_hashes(chain, meta.token_ids, expected.block_size, tuple(expected.extra_keys))
+    if list(meta.block_hashes) != [f"{h:016x}" for h in chain]:
+        return "the lease's block hash chain differs from this engine's for the same tokens"
     if (meta.first_block + meta.num_blocks) * meta.block_size < meta.num_tokens:
         return f"{meta.first_block} + {meta.num_blocks} blocks cannot hold {meta.num_tokens} tokens"
     return None

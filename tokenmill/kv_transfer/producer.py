@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.kv_cache.block_hash import extend_block_hashes
 from tokenmill.kv_transfer.protocol import TransferError, TransferMeta, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,10 @@ class KVProducer:
         data = memoryview(blocks.reshape(-1).view(torch.uint8).numpy())
         if self._fingerprint is None:
             self._fingerprint = self._fingerprint_fn()
-        meta = TransferMeta(lease.num_tokens, lease.token_ids, lease.extra_keys, self._fingerprint,
+        chain: list[int] = []
+        extend_block_hashes(chain, lease.token_ids, self.block_size, tuple(lease.extra_keys))
+        meta = TransferMeta(lease.num_tokens, lease.token_ids, lease.extra_keys, [f"{h:016x}" for h in chain],
+                            self._fingerprint,
                             str(blocks.dtype).removeprefix("torch."), self.block_size, list(blocks.shape[1:]),
                             first_block, blocks.shape[0], hashlib.sha256(data).hexdigest())
         reply = {"ok": True, "meta": meta.as_dict(), "nbytes": len(data)}

@@ -39,13 +39,15 @@ class TransferError(RuntimeError):
 class TransferMeta:
     """What a lease holds. num_tokens: prompt tokens whose K/V the blocks hold (the last block may be
     partial). token_ids: those tokens. extra_keys: what the producer hashed the prompt with
-    (``cache_salt``, adapter digest). model_fingerprint: see ``kv_offload.fingerprint``. kv_dtype,
+    (``cache_salt``, adapter digest). block_hashes: the prefix-cache hash chain of the full blocks among
+    those tokens (hex), as the producer computed it. model_fingerprint: see ``kv_offload.fingerprint``. kv_dtype,
     block_size, block_shape ``(layers, 2, block_size, kv_heads, head_dim)``. first_block: the lease's
     block the payload starts at; num_blocks: blocks in the payload. sha256: of the payload bytes."""
 
     num_tokens: int
     token_ids: list[int]
     extra_keys: list
+    block_hashes: list[str]
     model_fingerprint: str
     kv_dtype: str
     block_size: int
