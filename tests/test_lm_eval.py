@@ -20,6 +20,7 @@ import sys
 import jinja2
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.server_fixtures import REPO, ServerProcess
@@ -132,8 +133,8 @@ def lm_eval_run(server_process, tiny_path, hf, tmp_path_factory):
     for name in ("tokenmill_mc.yaml", "tokenmill_gen.yaml"):
         shutil.copy(TASKS_DIR / name, tasks / name)  # the examples as shipped (data paths relative to the repo)
     docs = read_jsonl(TASKS_DIR / "tokenmill_gen.jsonl")
-    own = [greedy_answer(model, tokenizer, f"Question: {d['question']}\nAnswer in one word.\nAnswer:").strip()
-           for d in docs[:4]]
+    template = jinja2.Template(yaml.safe_load((TASKS_DIR / "tokenmill_gen.yaml").read_text())["doc_to_text"])
+    own = [greedy_answer(model, tokenizer, template.render(**d)).strip() for d in docs[:4]]
     self_docs = [{"question": d["question"], "answer": a} for d, a in zip(docs, own)] + docs[4:]
     (tasks / "self.jsonl").write_text("".join(json.dumps(d) + "\n" for d in self_docs))
     (tasks / "tokenmill_gen_self.yaml").write_text(
