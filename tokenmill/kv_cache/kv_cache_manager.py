@@ -57,18 +57,22 @@ class KVCacheManager:
         return self.block_pool.usage()
 
     def _extra_keys(self, request: Request) -> tuple:
-        """cache_salt, the weight key and the adapter: two adapters (or an adapter and the base model)
-        never share KV, nor do two versions of the weights.
+        return self.extra_keys(request.cache_salt, request.lora_digest, request.lora_request)
+
+    def extra_keys(self, cache_salt: str | None = None, lora_digest: str | None = None, lora_request=None) -> tuple:
+        """What a request's block hashes carry besides its tokens: cache_salt, the weight key and the
+        adapter, so two adapters (or an adapter and the base model) never share KV, nor do two
+        versions of the weights. Session files and KV transfers hash with the same keys.
 
         The adapter is keyed by its content digest when known (set by the engine), so blocks kept in
         the disk tier stay with their adapter across restarts whatever id or name it gets; else by id and name."""
-        keys = (request.cache_salt,) if request.cache_salt else ()
+        keys = (cache_salt,) if cache_salt else ()
         if self.weight_key is not None:
             keys += (self.weight_key,)
-        if request.lora_digest is not None:
-            keys += (f"lora:{request.lora_digest}",)
-        elif request.lora_request is not None:
-            keys += (f"lora:{request.lora_request.lora_int_id}:{request.lora_request.lora_name}",)
+        if lora_digest is not None:
+            keys += (f"lora:{lora_digest}",)
+        elif lora_request is not None:
+            keys += (f"lora:{lora_request.lora_int_id}:{lora_request.lora_name}",)
         return keys
 
     def _update_block_hashes(self, request: Request) -> None:

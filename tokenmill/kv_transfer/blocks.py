@@ -89,13 +89,14 @@ def engine_fingerprints(engine) -> tuple[str, str]:
 
 
 def extra_keys_of(engine, cache_salt: str | None, lora_request=None) -> tuple:
-    """The prefix-cache extra keys a request with this salt and adapter gets (as ``KVCacheManager``)."""
-    keys: tuple = (cache_salt,) if cache_salt else ()
+    """The prefix-cache extra keys a request with this salt and adapter gets (``KVCacheManager.extra_keys``:
+    the weight key after an unflushed weight update included)."""
+    digest = None
     if lora_request is not None:
         if engine.lora_manager is None:
             raise KVBlocksError("LoRA adapters need --enable-lora", "model")
-        keys += (f"lora:{engine.lora_manager.register(lora_request).digest}",)
-    return keys
+        digest = engine.lora_manager.register(lora_request).digest
+    return engine.kv_cache_manager.extra_keys(cache_salt, digest, lora_request)
 
 
 def export_blocks(engine, token_ids: list[int], extra_keys: tuple = (), lora_name: str | None = None

@@ -63,7 +63,8 @@ class Scheduler:
         request.status = status
         kv = self.kv_cache_manager
         if self.connector is not None and self.connector.request_finished(
-                request, kv.get_block_ids(request.request_id), kv._extra_keys(request)):
+                request, kv.get_block_ids(request.request_id), kv.extra_keys(request.cache_salt, request.lora_digest,
+                                                                            request.lora_request)):
             self.leased[request.request_id] = request  # freed when its consumer confirms or the lease expires
         else:
             kv.free(request)
@@ -163,7 +164,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote[request.request_id] = request
         self.connector.start_load(request, num_hit_tokens, num_remote, kv.get_block_ids(request.request_id),
-                                  kv._extra_keys(request))
+                                  kv.extra_keys(request.cache_salt, request.lora_digest, request.lora_request))
         return True
 
     def _update_from_connector(self) -> None:
