@@ -112,6 +112,16 @@ def test_send_request_times_content_chunks(clock):
     call = client.calls[0]
     assert call["stream"] is True and call["stream_options"] == {"include_usage": True}
     assert call["max_tokens"] == 4 and call["extra_body"] == {"ignore_eos": True} and call["model"] == "m"
+    assert "top_p" not in call  # unset sampling fields are the server's to choose
+
+
+def test_send_request_carries_vllm_sampling_flags(clock):
+    """``bench serve --top-p/--top-k/--min-p``: top_p as the OpenAI field, top_k and min_p as extra fields."""
+    client = FakeClient(clock, [[(0.01, chunk("a", False)), (0.01, chunk(None, False, usage=(3, 1)))]])
+    config = ClientConfig(model="m", temperature=0.8, top_p=0.9, top_k=5, min_p=0.05)
+    asyncio.run(send_request(client, config, "hi", 1, run_start=0.0))
+    call = client.calls[0]
+    assert (call["temperature"], call["top_p"], call["extra_body"]) == (0.8, 0.9, {"top_k": 5, "min_p": 0.05})
 
 
 def test_ttft_of_a_reply_without_text_is_its_finish_chunk(clock):

@@ -163,11 +163,13 @@ def test_vllm_spellings_result_dir_filename_host_port_backend(server, tiny_path,
     args = ["--dataset", "random", "--random-input-len", "8", "--random-output-len", "3", "--num-prompts", "2",
             "--ignore-eos", "--result-dir", str(result_dir), "--result-filename", "chat.json"]
     code = main(["bench", "serve", "--host", "127.0.0.1", "--port", str(server.port), "--tokenizer", tiny_path,
-                 "--disable-tqdm", "--backend", "openai-chat", "--served-model-name", tiny_path, *args])
+                 "--disable-tqdm", "--backend", "openai-chat", "--served-model-name", tiny_path,
+                 "--temperature", "1", "--top-p", "0.9", "--top-k", "5", "--min-p", "0.01", *args])
     assert code == 0
     record = json.loads((result_dir / "chat.json").read_text())
     assert (record["completed"], record["failed"]) == (2, 0)
     assert record["endpoint"] == "chat" and record["model_id"] == tiny_path
+    assert (record["temperature"], record["top_p"], record["top_k"], record["min_p"]) == (1, 0.9, 5, 0.01)
     assert str(result_dir / "chat.json") in capsys.readouterr().out
     assert bench(server.url, tiny_path, *args, "--result-file", str(tmp_path / "x.json")) == 2
     assert "result_file" in capsys.readouterr().err

@@ -26,6 +26,8 @@ class ClientConfig:
         model: served model name (None: let the server pick; see ``discover_model``).
         endpoint: ``completions`` (/v1/completions, text prompt) or ``chat`` (/v1/chat/completions).
         temperature: sampling temperature sent with every request (0: greedy).
+        top_p, top_k, min_p: sent with every request when set (vLLM's ``bench serve`` flags; top_k and
+            min_p as extra fields); None: the server's default.
         ignore_eos: ask the server to generate exactly max_tokens (vLLM/tokenmill extra field).
         api_key: bearer key (default: $OPENAI_API_KEY, else a dummy).
         timeout_s: per-request timeout.
@@ -35,6 +37,9 @@ class ClientConfig:
     model: str | None = None
     endpoint: Endpoint = "completions"
     temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     ignore_eos: bool = False
     api_key: str | None = None
     timeout_s: float = 600.0
@@ -108,9 +113,12 @@ async def send_request(
     chunk with content (or, when nothing decodes to text, at the chunk carrying the finish
     reason), each later content chunk adds one ITL gap, and E2EL ends when the stream closes. ``run_start`` is the ``time.perf_counter()`` the run's ``start_time`` values are relative to.
     """
-    extra = {"ignore_eos": True} if config.ignore_eos else None
+    extra = {"ignore_eos": True} if config.ignore_eos else {}
+    extra.update({k: v for k, v in (("top_k", config.top_k), ("min_p", config.min_p)) if v is not None})
     common = dict(model=config.model, max_tokens=max_tokens, temperature=config.temperature, stream=True,
-                  stream_options={"include_usage": True}, extra_body=extra)
+                  stream_options={"include_usage": True}, extra_body=extra or None)
+    if config.top_p is not None:
+        common["top_p"] = config.top_p
     start = time.perf_counter()
     reply = Reply(RequestResult(success=False, start_time=start - run_start))
     parts: list[str] = []

@@ -46,6 +46,9 @@ def register(subparsers) -> None:
                        help="sweep: comma-separated max-concurrency levels, e.g. 1,4,16,64 (one run each)")
     serve.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first")
     serve.add_argument("--temperature", type=float, default=0.0)
+    serve.add_argument("--top-p", type=float, default=None, help="sent with every request (default: the server's)")
+    serve.add_argument("--top-k", type=int, default=None, help="sent with every request (default: the server's)")
+    serve.add_argument("--min-p", type=float, default=None, help="sent with every request (default: the server's)")
     serve.add_argument("--ignore-eos", action="store_true", help="ask the server for exactly max_tokens tokens")
     serve.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     serve.add_argument("--save-result", action="store_true", help="write the result JSON")
@@ -126,7 +129,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     for noisy in ("httpx2", "httpx", "matplotlib"):  # one INFO line per HTTP request drowns the progress bar
         logging.getLogger(noisy).setLevel(logging.WARNING)
     client_config = ClientConfig(base_url=base_url, model=args.model, endpoint=endpoint,
-                                 temperature=args.temperature, ignore_eos=args.ignore_eos, api_key=args.api_key,
+                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                 min_p=args.min_p, ignore_eos=args.ignore_eos, api_key=args.api_key,
                                  timeout_s=args.timeout)
     load = LoadConfig(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                       num_warmups=args.num_warmups, seed=args.seed, disable_tqdm=args.disable_tqdm)
