@@ -286,6 +286,48 @@ def test_deterministic_mode_is_bit_identical_with_and_without_speculation(tmp_pa
     assert llm.engine.speculator.stats.num_accepted_tokens > 0
 
 
+# ---------------------------------------------------------------- the draft-model proposer
+
+
+def test_draft_model_proposer_is_exact_and_frees_its_pool(tmp_path):
+    """A tiny random Llama drafts for another (the target itself as its own draft accepts every
+    draft; a different random model almost none): outputs equal plain decoding, greedy and seeded,
+    in deterministic mode bit for bit, and the draft's KV pool is empty afterwards."""
+    target = str(make_tiny_model("llama", tmp_path / "target", dtype=torch.bfloat16, vocab_size=64))
+    other = str(make_tiny_model("llama", tmp_path / "draft", dtype=torch.bfloat16, vocab_size=64, seed=11,
+                                num_hidden_layers=1))
+    prompts = prompts_for(6, num=2)
+    cases = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True, logprobs=2)]
+
+    def run(speculative_config, num_kv_blocks=128):
+        llm = LLM(model=target, dtype="bfloat16", deterministic=True, num_threads=1, num_kv_blocks=num_kv_blocks,
+                  block_size=4, speculative_config=speculative_config)
+        outs, greedy_stats = [], None
+        for params in cases:
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params):
+                outs.append([(c.token_ids, [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs])
+                             for c in o.outputs])
+            if llm.engine.speculator is not None and greedy_stats is None:
+                greedy_stats = llm.engine.speculator.stats.snapshot()
+        return outs, llm, greedy_stats
+
+    plain, _, _ = run(None)
+    for draft in (target, other):
+        got, llm, greedy = run({"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+        assert got == plain
+        stats, pool = llm.engine.speculator.stats, llm.engine.speculator.pool
+        assert greedy["num_draft_tokens"] > 0 and stats.num_draft_tokens > greedy["num_draft_tokens"]
+        if draft == target:  # its own argmax: every greedy draft is accepted, and seeded rows keep some
+            assert greedy["num_accepted_tokens"] == greedy["num_draft_tokens"]
+            assert stats.num_accepted_tokens > greedy["num_accepted_tokens"]
+        assert not pool.blocks and len(pool.free) == 128
+        llm.engine.check_integrity()
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(model=target, dtype="bfloat16", num_threads=1, num_kv_blocks=64, block_size=4, speculative_config={
+            "method": "draft_model", "model": str(make_tiny_model("llama", tmp_path / "v", vocab_size=96))})
+
+
 # ---------------------------------------------------------------- the embedded model and structured output
 
 
@@ -340,6 +382,7 @@ def test_structured_output_with_speculation_is_valid_json_and_equals_plain(smoll
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "ngram", "model": "x.gguf"}, "model"),
+    ({"method": "draft_model"}, "model"),
     ({"lookahead": 3}, "unknown keys"),
     ("{not json", "must be JSON"),
 ])

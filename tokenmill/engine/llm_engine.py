@@ -28,7 +28,7 @@ from tokenmill.runner.cpu_threads import available_cpus
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
-from tokenmill.spec_decode import NgramSpeculator
+from tokenmill.spec_decode import NgramSpeculator, Speculator
 from tokenmill.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -113,12 +113,9 @@ class LLMEngine:
         self.structured_output_manager = StructuredOutputManager(
             config.structured_outputs_config, self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids
         )
-        self.speculator: NgramSpeculator | None = None  # speculative decoding (docs/spec_decode.md)
+        self.speculator: Speculator | None = None  # speculative decoding (docs/spec_decode.md)
         if config.speculative_config is not None:
-            if self.device.type != "cpu":
-                raise ConfigError("`speculative_config` runs on the CPU backend for now")
-            self.speculator = NgramSpeculator(config.speculative_config, max_model_len,
-                                              self.structured_output_manager.valid_draft_prefix)
+            self.speculator = self._build_speculator(config.speculative_config, max_model_len)
         self.stats_logger = StatsLogger()
         self.model_name = self.loaded.model_path
         self.rl_state = RLState.initial(self.loaded)  # weight version and sleep state (tokenmill/rl, docs/rl.md)
@@ -142,6 +139,17 @@ class LLMEngine:
             raise ConfigError("`kv_transfer_config` needs prefix caching (transferred blocks are prefix-cache entries)")
         return KVConnector(transfer_config, self.runner.kv_cache, self.config.cache.block_size,
                            lambda: engine_fingerprints(self)[0])
+
+    def _build_speculator(self, spec_config, max_model_len: int) -> Speculator:
+        if self.device.type != "cpu":
+            raise ConfigError("`speculative_config` runs on the CPU backend for now")
+        valid_prefix = self.structured_output_manager.valid_draft_prefix
+        if spec_config.method == "ngram":
+            return NgramSpeculator(spec_config, max_model_len, valid_prefix)
+        from tokenmill.spec_decode.draft_model import DraftModelSpeculator
+
+        return DraftModelSpeculator(spec_config, max_model_len, self.loaded, self.runner.num_kv_blocks,
+                                    self.config.cache.block_size, valid_prefix)
 
     @property
     def max_model_len(self) -> int:

@@ -5,6 +5,6 @@ One-way imports: the engine, scheduler output and runner use this package; it im
 """
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.metrics import SpecDecodingStats
-from tokenmill.spec_decode.speculator import NgramSpeculator
+from tokenmill.spec_decode.speculator import NgramSpeculator, Speculator
 
-__all__ = ["NgramSpeculator", "SpecDecodingStats", "SpeculativeConfig"]
+__all__ = ["NgramSpeculator", "SpecDecodingStats", "SpeculativeConfig", "Speculator"]

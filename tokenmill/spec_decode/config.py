@@ -19,7 +19,8 @@ class SpeculativeConfig:
 
     Args:
         method: ``ngram`` (prompt lookup over the request's own prompt and output, no model) or
-            ``draft_model`` (a smaller model with the same tokenizer; not available yet).
+            ``draft_model`` (a smaller model with the same vocabulary drafts greedily, over its own paged
+            KV cache).
         num_speculative_tokens: k, the most draft tokens proposed and verified per request per step.
         prompt_lookup_min: shortest n-gram (the request's last n tokens) the ``ngram`` proposer matches.
         prompt_lookup_max: longest n-gram, tried first. Unset, they are 2 and 5 (an unset max is at
@@ -58,11 +59,8 @@ class SpeculativeConfig:
                               f"prompt_lookup_max ({self.lookup_max})")
         if self.method == "ngram" and self.model is not None:
             raise ConfigError("`speculative_config` model is for method 'draft_model'; 'ngram' needs no model")
-        if self.method == "draft_model":
-            if not isinstance(self.model, str) or not self.model:
-                raise ConfigError("`speculative_config` model (a path or GGUF file) is required by method "
-                                  "'draft_model'")
-            raise ConfigError("`speculative_config` method 'draft_model' is not available yet; use 'ngram'")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError("`speculative_config` model (a path or GGUF file) is required by method 'draft_model'")
 
     @property
     def lookup_min(self) -> int:
