@@ -132,3 +132,16 @@ def test_flushes_publish_all_blocks_cleared_for_every_tier(ckpts, tmp_path):
             assert {"pool", "ram", "disk"} <= cleared
         finally:
             sub.close()
+
+
+def test_quantized_model_refuses_updates_and_still_sleeps_and_wakes(ckpts):
+    with make_llm(ckpts["base"], quantization="int8") as llm:
+        p = prompt(6)
+        expected = llm.generate([p], GREEDY)[0].outputs[0].token_ids
+        with pytest.raises(WeightUpdateError, match="--quantization none"):
+            llm.update_weights_from_disk(str(ckpts["new"]))
+        with pytest.raises(WeightUpdateError, match="quantized weights"):
+            llm.update_weights_from_tensor({"model.norm.weight": torch.ones(64)})
+        llm.sleep(2)
+        llm.wake_up()
+        assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == expected

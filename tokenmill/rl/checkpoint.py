@@ -86,10 +86,12 @@ def check_dense(model: nn.Module) -> None:
         WeightUpdateError: a quantized module or a non-float parameter, naming it.
     """
     for name, module in model.named_modules():
-        if type(module).__module__.startswith("tokenmill.quantization"):
+        quant = getattr(module, "quant", None)  # a GGUFWeight: blocks kept quantized (--quantization gguf|int8)
+        if quant is not None or type(module).__module__.startswith("tokenmill.quantization"):
+            kind = quant.describe() if hasattr(quant, "describe") else type(module).__name__
             raise WeightUpdateError(
-                f"the served model runs quantized weights ({name}: {type(module).__name__}); weight updates copy "
-                "dense tensors: start the server with --quantization none")
+                f"the served model keeps quantized weights ({name}: {kind}); weight updates copy dense tensors: "
+                "start the server with --quantization none")
     for name, param in model.named_parameters():
         if not param.is_floating_point():
             raise WeightUpdateError(f"the served model has a non-float parameter {name} ({param.dtype}); weight "
@@ -244,13 +246,23 @@ def read_checkpoint(
         return tensors
     from tokenmill.models import gguf_cache, gguf_loader  # needs the `gguf` package, only for GGUF files
 
+    reader = None  # parsing a GGUF's metadata takes seconds: with the cache, only when it lacks something
+
+    def get_reader():
+        nonlocal reader
+        if reader is None:
+            reader = gguf_loader.open_gguf(resolved)
+        return reader
+
     try:
-        reader = gguf_loader.open_gguf(resolved)
-        config = gguf_loader.gguf_to_hf_config(reader)
+        if use_gguf_cache:
+            config = gguf_cache.cached_config(resolved, lambda: gguf_loader.gguf_to_hf_config(get_reader()))
+        else:
+            config = gguf_loader.gguf_to_hf_config(get_reader())
     except (ValueError, NotImplementedError, OSError) as exc:
         raise WeightUpdateError(f"{param}: {exc}", param) from None
     check_config(served_config, config, param)
-    produce = lambda: gguf_loader.iter_gguf_weights(reader, config)  # noqa: E731
+    produce = lambda: gguf_loader.iter_gguf_weights(get_reader(), config)  # noqa: E731
     weights = gguf_cache.cached_weights(resolved, produce) if use_gguf_cache else produce()
     try:
         tensors = {name: t for name, t in weights if not is_ignored(name, tie)}

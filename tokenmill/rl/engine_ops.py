@@ -8,17 +8,18 @@ need the engine idle (no unfinished request). The weight bookkeeping lives in ``
 """
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import RequestStatus
 from tokenmill.rl.checkpoint import (
-    Target, WeightUpdateError, check_dense, check_tensor_specs, copy_into, is_ignored, read_checkpoint, weight_targets,
+    Target, WeightUpdateError, check_dense, check_tensor_specs, copy_into, is_ignored, read_checkpoint,
+    resolve_checkpoint, weight_targets,
 )
 
 logger = logging.getLogger(__name__)
@@ -171,7 +172,8 @@ def update_weights_from_disk(engine, model_path: str, flush_cache: bool = True, 
     started = time.perf_counter()
     _check_idle(engine, "a weight update")
     check_dense(engine.loaded.model)
-    tensors = read_checkpoint(model_path, engine.loaded.hf_config, engine.rl_state.targets)
+    tensors = read_checkpoint(model_path, engine.loaded.hf_config, engine.rl_state.targets,
+                              use_gguf_cache=is_served_gguf(engine, model_path))
     return update_weights(engine, tensors, source_path=model_path, flush_cache=flush_cache,
                           weight_version=weight_version, started=started)
 
@@ -195,6 +197,18 @@ def update_weights_from_tensor(engine, named_tensors, flush_cache: bool = True, 
     tensors = {n: t for n, t in pairs if not is_ignored(n, tie)}
     return update_weights(engine, tensors, source_path=None, flush_cache=flush_cache, weight_version=weight_version,
                           started=started)
+
+
+def is_served_gguf(engine, model_path: str) -> bool:
+    """Whether ``model_path`` is the GGUF file the engine was loaded from (its dequantized tensors are in
+    the per-machine GGUF cache; other GGUF files are read directly, so a trainer's checkpoints never
+    fill the cache)."""
+    loaded = Path(str(engine.loaded.model_path))
+    try:
+        _, resolved = resolve_checkpoint(model_path)
+    except WeightUpdateError:
+        return False
+    return loaded.suffix == ".gguf" and resolved.resolve() == loaded.resolve()
 
 
 def weight_info(engine, compute_fingerprint: bool = True) -> dict:
@@ -240,6 +254,8 @@ def sleep(engine, level: int) -> None:
     """
     if level not in (1, 2):
         raise ValueError(f"level must be 1 or 2, got {level!r}")
+    if getattr(engine.runner, "kv_scales", None) is not None:
+        raise ValueError("sleep does not restore an int8/fp8 KV cache's scales yet: start without --kv-cache-dtype")
     check_awake(engine)
     _check_idle(engine, "sleep")
     state = engine.rl_state
@@ -255,7 +271,6 @@ def sleep(engine, level: int) -> None:
     if level == 2:
         _free_weights(engine)
     state.sleep_level = level
-    gc.collect()
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
     logger.info("engine asleep (level %d)", level)

@@ -148,7 +148,9 @@ def rl_router(state, enabled: bool, auth: list) -> APIRouter:
 
         def read(engine):
             check_dense(engine.loaded.model)
-            return read_checkpoint(body.model_path, engine.loaded.hf_config, engine.rl_state.targets), body.model_path
+            tensors = read_checkpoint(body.model_path, engine.loaded.hf_config, engine.rl_state.targets,
+                                      use_gguf_cache=engine_ops.is_served_gguf(engine, body.model_path))
+            return tensors, body.model_path
 
         return await apply_update(read, "disk", body)
 
