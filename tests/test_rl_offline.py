@@ -145,3 +145,15 @@ def test_quantized_model_refuses_updates_and_still_sleeps_and_wakes(ckpts):
         llm.sleep(2)
         llm.wake_up()
         assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == expected
+
+
+def test_update_while_asleep_at_level_2_fills_the_freed_weights(ckpts):
+    p = prompt(7)
+    with make_llm(ckpts["new"]) as fresh:
+        expected = fresh.generate([p], GREEDY)[0].outputs[0].token_ids
+    with make_llm(ckpts["base"]) as llm:
+        llm.sleep(2)
+        info = llm.update_weights_from_disk(str(ckpts["new"]), weight_version="v2")
+        assert info["is_sleeping"] and info["weight_version"] == "v2"
+        llm.wake_up()
+        assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == expected
