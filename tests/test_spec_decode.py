@@ -136,33 +136,36 @@ def test_rejection_sampler_output_is_distributed_as_the_target(one_hot):
     assert torch.equal(out[:, 0][second], drafts[:, 0][second])  # an accepted position outputs its draft
 
     # The step-by-step reference agrees (fewer draws: it is a Python loop).
-    num_ref = 8_000
+    num_ref = 5_000
     ref = [rejection_sample_reference(p, drafts[i].tolist(), None if one_hot else q, g) for i in range(num_ref)]
     ref_first = torch.tensor([r[0] for r in ref])
-    assert total_variation(ref_first, p[0]) < 0.035
+    assert total_variation(ref_first, p[0]) < 0.04
     fast_counts = torch.bincount(out[:, 0], minlength=vocab).double() / NUM_DRAWS
     ref_counts = torch.bincount(ref_first, minlength=vocab).double() / num_ref
-    assert 0.5 * (fast_counts - ref_counts).abs().sum() < 0.035
+    assert 0.5 * (fast_counts - ref_counts).abs().sum() < 0.04
     ref_accept = sum(len(r) > 1 for r in ref) / num_ref
-    assert abs(ref_accept - second.double().mean().item()) < 0.03
+    assert abs(ref_accept - second.double().mean().item()) < 0.035
 
 
 def test_sampling_every_position_and_keeping_the_matching_prefix_is_rejection_sampling():
-    """What the engine does for the n-gram proposer: draw x_j ~ p_j at each position (the sampler's
+    """What the engine does for one-hot proposals: draw x_j ~ p_j at each position (the sampler's
     exponential race), accept drafts while x_j equals them, output x at the first mismatch."""
     g = torch.Generator().manual_seed(1)
-    vocab = 5
+    vocab, draws = 5, NUM_DRAWS // 2
     p = torch.softmax(torch.randn(2, vocab, generator=g), dim=-1)
-    drafts = [int(p[0].argmax())]
+    draft = int(p[0].argmax())
     torch.manual_seed(2)
-    probs = p.repeat(NUM_DRAWS, 1, 1).reshape(NUM_DRAWS * 2, vocab)
-    sampled = exponential_race(probs.clone(), {}).view(NUM_DRAWS, 2).tolist()
-    outputs = [s[: accept_sampled_prefix(s, drafts) + 1] for s in sampled]
-    first = torch.tensor([o[0] for o in outputs])
-    assert total_variation(first, p[0]) < 0.01
-    accepted = [o for o in outputs if len(o) == 2]
-    assert abs(len(accepted) / NUM_DRAWS - p[0, drafts[0]].item()) < 0.01  # P(accept) = p(d)
-    assert total_variation(torch.tensor([o[1] for o in accepted]), p[1]) < 0.01
+    sampled = exponential_race(p.repeat(draws, 1, 1).reshape(draws * 2, vocab).clone(), {}).view(draws, 2)
+    accepted = sampled[:, 0] == draft  # accept_sampled_prefix, vectorised (checked on a slice below)
+    for row in sampled[:2000].tolist():
+        assert accept_sampled_prefix(row, [draft]) == int(row[0] == draft)
+    assert total_variation(sampled[:, 0], p[0]) < 0.01  # the first output token is x_0 either way
+    assert abs(accepted.double().mean().item() - p[0, draft].item()) < 0.01  # P(accept) = p(d)
+    rejected = sampled[~accepted, 0]  # a rejection outputs x_0 ~ normalize(max(p - onehot(d), 0))
+    residual = p[0].clone()
+    residual[draft] = 0
+    assert total_variation(rejected, residual / residual.sum()) < 0.01
+    assert total_variation(sampled[accepted, 1], p[1]) < 0.01  # after an accepted draft: x_1 ~ p_1
 
 
 # ---------------------------------------------------------------- greedy equality on tiny models
@@ -260,6 +263,24 @@ def test_counters_add_up_and_opt_out_and_batch_size_switch(tiny):
     assert stats.snapshot() == before
 
 
+def test_cuda_runner_verifies_drafts_in_eager_steps(tiny, tiny_baseline):
+    """The CUDA runner's code on CPU (reference attention backend): verify steps run eagerly, plain
+    decode steps through the padded decode; tokens equal plain decoding."""
+    from tokenmill.runner.cuda_runner import CudaModelRunner
+
+    prompts, params, base = tiny_baseline
+    llm = LLM(model=tiny, dtype="float32", num_threads=1, num_kv_blocks=256, block_size=4, max_num_seqs=8,
+              speculative_config=spec(3))
+    engine = llm.engine
+    engine.runner = runner = CudaModelRunner(engine.loaded, engine.config.cache, engine.scheduler_config,
+                                             attention_backend="torch")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    assert engine.speculator.stats.num_accepted_tokens > 0
+    assert runner.num_general_steps > 0 and runner.num_padded_decode_steps > 0
+    engine.check_integrity()
+
+
 # ---------------------------------------------------------------- deterministic mode
 
 
@@ -297,8 +318,8 @@ def test_draft_model_proposer_is_exact_and_frees_its_pool(tmp_path):
     other = str(make_tiny_model("llama", tmp_path / "draft", dtype=torch.bfloat16, vocab_size=64, seed=11,
                                 num_hidden_layers=1))
     prompts = prompts_for(6, num=2)
-    cases = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
-             SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True, logprobs=2)]
+    cases = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True, logprobs=2)]
 
     def run(speculative_config, num_kv_blocks=128):
         llm = LLM(model=target, dtype="bfloat16", deterministic=True, num_threads=1, num_kv_blocks=num_kv_blocks,
@@ -313,16 +334,24 @@ def test_draft_model_proposer_is_exact_and_frees_its_pool(tmp_path):
         return outs, llm, greedy_stats
 
     plain, _, _ = run(None)
-    for draft in (target, other):
-        got, llm, greedy = run({"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
-        assert got == plain
-        stats, pool = llm.engine.speculator.stats, llm.engine.speculator.pool
-        assert greedy["num_draft_tokens"] > 0 and stats.num_draft_tokens > greedy["num_draft_tokens"]
-        if draft == target:  # its own argmax: every greedy draft is accepted, and seeded rows keep some
-            assert greedy["num_accepted_tokens"] == greedy["num_draft_tokens"]
-            assert stats.num_accepted_tokens > greedy["num_accepted_tokens"]
-        assert not pool.blocks and len(pool.free) == 128
-        llm.engine.check_integrity()
+    got, llm, greedy = run({"method": "draft_model", "model": target, "num_speculative_tokens": 3})
+    assert got == plain
+    stats, pool = llm.engine.speculator.stats, llm.engine.speculator.pool
+    assert greedy["num_draft_tokens"] > 0 and stats.num_draft_tokens > greedy["num_draft_tokens"]
+    # Its own argmax: every greedy draft is accepted; seeded rows keep the drafts their draws equal.
+    assert greedy["num_accepted_tokens"] == greedy["num_draft_tokens"]
+    assert stats.num_accepted_tokens > greedy["num_accepted_tokens"]
+    assert not pool.blocks and len(pool.free) == 128
+    llm.engine.check_integrity()
+
+    other_llm = LLM(model=target, dtype="bfloat16", deterministic=True, num_threads=1, num_kv_blocks=128, block_size=4,
+                    speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 3})
+    greedy_plain = plain[: len(prompts)]
+    got_other = [[(c.token_ids, [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs]) for c in o.outputs]
+                 for o in other_llm.generate([{"prompt_token_ids": p} for p in prompts], cases[0])]
+    assert got_other == greedy_plain
+    assert other_llm.engine.speculator.stats.num_draft_tokens > 0
+    other_llm.engine.check_integrity()
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(model=target, dtype="bfloat16", num_threads=1, num_kv_blocks=64, block_size=4, speculative_config={
             "method": "draft_model", "model": str(make_tiny_model("llama", tmp_path / "v", vocab_size=96))})
@@ -353,7 +382,7 @@ COPY_TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousa
 def test_smollm2_copy_task_accepts_most_drafts_and_matches_plain_decoding(smollm2):
     messages = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{COPY_TEXT}"}]
     stats = smollm2.engine.speculator.stats
-    want, got = plain_and_speculative(smollm2, messages, SamplingParams(temperature=0.0, max_tokens=48))
+    want, got = plain_and_speculative(smollm2, messages, SamplingParams(temperature=0.0, max_tokens=40))
     assert got.token_ids == want.token_ids and got.text == want.text
     assert stats.acceptance_rate > 0.5, stats
     smollm2.engine.check_integrity()

@@ -141,11 +141,11 @@ class LLMEngine:
                            lambda: engine_fingerprints(self)[0])
 
     def _build_speculator(self, spec_config, max_model_len: int) -> Speculator:
-        if self.device.type != "cpu":
-            raise ConfigError("`speculative_config` runs on the CPU backend for now")
         valid_prefix = self.structured_output_manager.valid_draft_prefix
         if spec_config.method == "ngram":
             return NgramSpeculator(spec_config, max_model_len, valid_prefix)
+        if self.device.type != "cpu":
+            raise ConfigError("`speculative_config` method 'draft_model' runs on the CPU backend for now")
         from tokenmill.spec_decode.draft_model import DraftModelSpeculator
 
         return DraftModelSpeculator(spec_config, max_model_len, self.loaded, self.runner.num_kv_blocks,

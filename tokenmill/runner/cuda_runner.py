@@ -221,8 +221,10 @@ class CudaModelRunner(ModelRunner):
 
         sampled: list[int | None] = [None] * num_reqs
         logprobs_out: list[PositionLogprobs | None] | None = None
+        prompt_logprobs = self._prompt_logprobs(requests, num_computed, query_lens, query_start_loc, hidden, input_ids)
+        if scheduler_output.scheduled_spec_decode_tokens and sample_rows:  # verify drafts (an eager step)
+            return self._verify(scheduler_output, sample_rows, np.cumsum(query_lens) - 1, hidden, prompt_logprobs)
         if sample_rows:
             sampled, logprobs_out = self._sample(requests, sample_rows, hidden.index_select(0, hidden_idx),
                                                  scheduler_output.grammar_bitmask)
-        prompt_logprobs = self._prompt_logprobs(requests, num_computed, query_lens, query_start_loc, hidden, input_ids)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out, prompt_logprobs=prompt_logprobs)

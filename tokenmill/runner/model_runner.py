@@ -170,8 +170,9 @@ class ModelRunner:
         offset = np.arange(int(counts.sum())) - np.repeat(starts, counts)  # (R,) position within the request
         hidden_idx = last_token_idx[row_req] - np.repeat(counts - 1, counts) + offset
         prefixes = [d[:j] for d in drafts for j in range(len(d) + 1)]
-        tokens, entries = self._sample_rows(requests, row_req.tolist(), hidden[torch.from_numpy(hidden_idx)],
-                                            scheduler_output.grammar_bitmask, prefixes)
+        hidden_rows = hidden.index_select(0, torch.from_numpy(hidden_idx).to(hidden.device))  # (R, hidden)
+        tokens, entries = self._sample_rows(requests, row_req.tolist(), hidden_rows, scheduler_output.grammar_bitmask,
+                                            prefixes)
         sampled: list[int | None] = [None] * len(requests)
         logprobs_out = [None] * len(requests) if entries is not None else None
         extra, extra_logprobs = {}, {}
