@@ -74,7 +74,7 @@ def test_partial_tensor_update_without_flush_and_sleep_level_2_from_a_host_copy(
         assert llm.generate([p], GREEDY)[0].num_cached_tokens == 20  # cached with the new weights
         before = [o.outputs[0].token_ids for o in llm.generate([p, q], GREEDY)]
         llm.sleep(2)
-        assert llm.is_sleeping() and llm.engine.runner.kv_cache.numel() == 0
+        assert llm.is_sleeping() and llm.engine.runner.kv_cache.untyped_storage().nbytes() == 0
         assert llm.engine.loaded.model.model.norm.weight.numel() == 0
         with pytest.raises(EngineAsleepError):
             llm.generate([p], GREEDY)

@@ -56,7 +56,7 @@ class RLState:
     fingerprint: str | None = None
     sleep_level: int = 0
     weights_freed: bool = False
-    kv_shape: tuple[int, ...] | None = None  # the pool's shape while it is freed
+    kv_bytes: dict[str, int] = field(default_factory=dict)  # runner attribute -> storage bytes, while freed
     param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # while the weights are freed
     host_weights: dict[str, torch.Tensor] | None = None  # level-2 copy when there is no exact source path
     had_graphs: bool = False  # CUDA graphs to capture again on wake-up
@@ -254,8 +254,6 @@ def sleep(engine, level: int) -> None:
     """
     if level not in (1, 2):
         raise ValueError(f"level must be 1 or 2, got {level!r}")
-    if getattr(engine.runner, "kv_scales", None) is not None:
-        raise ValueError("sleep does not restore an int8/fp8 KV cache's scales yet: start without --kv-cache-dtype")
     check_awake(engine)
     _check_idle(engine, "sleep")
     state = engine.rl_state
@@ -266,8 +264,10 @@ def sleep(engine, level: int) -> None:
     state.had_graphs = getattr(runner, "graphs", None) is not None
     if state.had_graphs:
         runner.graphs = None  # captured against the freed tensors' addresses
-    state.kv_shape = tuple(runner.kv_cache.shape)
-    _set_kv_cache(engine, torch.empty(0, dtype=runner.kv_dtype, device=runner.device))
+    for name, tensor in _kv_tensors(runner).items():  # every view (per-layer caches, the tiers') stays valid
+        storage = tensor.untyped_storage()
+        state.kv_bytes[name] = storage.nbytes()
+        storage.resize_(0)
     if level == 2:
         _free_weights(engine)
     state.sleep_level = level
@@ -295,8 +295,9 @@ def wake_up(engine) -> None:
             tensors = read_checkpoint(state.source_path, engine.loaded.hf_config, state.targets,
                                       use_gguf_cache=state.use_gguf_cache)
             copy_into(engine.loaded.model, state.targets, tensors)
-    _set_kv_cache(engine, torch.zeros(state.kv_shape, dtype=runner.kv_dtype, device=runner.device))
-    state.kv_shape = None
+    for name, tensor in _kv_tensors(runner).items():
+        tensor.untyped_storage().resize_(state.kv_bytes.pop(name))
+        tensor.zero_()
     if state.had_graphs:
         from tokenmill.runner.cuda_graph import DecodeGraphs
 
@@ -307,13 +308,16 @@ def wake_up(engine) -> None:
     logger.info("engine awake")
 
 
-def _set_kv_cache(engine, kv_cache: torch.Tensor) -> None:
-    """Point the runner (and the lower tiers) at a new pool ``(layers, 2, blocks, block_size, heads, dim)``."""
-    runner = engine.runner
-    runner.kv_cache = kv_cache
-    runner.kv_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])] if kv_cache.numel() else []
-    if engine.kv_store is not None:
-        engine.kv_store.kv_cache = kv_cache
+def _kv_tensors(runner) -> dict[str, torch.Tensor]:
+    """The runner's KV pool tensors by attribute: ``kv_cache`` (layers, 2, blocks, block_size, heads, dim)
+    and, with a quantized KV cache, its ``kv_scales``. Sleep shrinks their storage to nothing and wake-up
+    grows it back, so every view taken of them (per-layer caches, the lower tiers') stays valid."""
+    tensors = {}
+    for name in ("kv_cache", "kv_scales"):
+        tensor = getattr(runner, name, None)
+        if isinstance(tensor, torch.Tensor):
+            tensors[name] = tensor
+    return tensors
 
 
 def _free_weights(engine) -> None:
