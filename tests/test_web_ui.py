@@ -32,12 +32,22 @@ def tiny_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_path, tmp_path_factory):
+def adapter_path(tiny_path, tmp_path_factory) -> str:
+    """A rank-4 LoRA adapter for the tiny model, served as model "sql"."""
+    from tests.test_lora import save_adapter
+
+    return save_adapter(tiny_path, tmp_path_factory.mktemp("sql"), seed=7, r=4, lora_alpha=8,
+                        target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, adapter_path, tmp_path_factory):
     disk = tmp_path_factory.mktemp("kv_disk")
     args = ["--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "16", "--num-threads", "1",
             "--kv-offload-memory", "0.01", "--kv-offload-disk-path", str(disk), "--kv-offload-disk-size", "0.05",
             "--kv-offload-disk-drive-size", "1",
-            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']  # for its dashboard
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',  # for its dashboard
+            "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"sql={adapter_path}"]  # for the picker
     proc = ServerProcess(tiny_path, args, tmp_path_factory.mktemp("logs") / "server.log", api_key=API_KEY)
     proc.wait_healthy()
     yield proc
@@ -194,7 +204,7 @@ def test_chat_stream_stop_reload_and_status_in_chromium(server, tiny_path, brows
     page.click("#key-form button")
     page.wait_for_function("document.getElementById('server-state').textContent === 'serving'")
     page.wait_for_selector("#model option", state="attached")
-    assert page.locator("#model option").all_text_contents() == [tiny_path]
+    assert page.locator("#model option").all_text_contents() == [tiny_path, f"sql (adapter of {tiny_path})"]
 
     # a greedy chat: the streamed text is the server's own greedy answer
     page.fill("#temperature", "0")
@@ -214,6 +224,21 @@ def test_chat_stream_stop_reload_and_status_in_chromium(server, tiny_path, brows
     assert re.search(pattern, stats), stats
     assert f"prompt {want.usage.prompt_tokens}" in stats
     page.screenshot(path=str(tmp_path / "chat.png"))
+
+    # the same chat with the adapter picked: the adapter's own greedy answer
+    page.select_option("#model", "sql")
+    page.click("#new-chat")
+    page.fill("#chat-input", question)
+    page.click("#send")
+    page.wait_for_selector(done, timeout=30_000)
+    want_sql = server.client().chat.completions.create(model="sql", messages=messages, max_tokens=10, temperature=0)
+    assert page.locator(".msg.assistant .content").text_content() == want_sql.choices[0].message.content
+    assert page.locator(".msg.assistant .stats").text_content().endswith("· sql")
+    page.select_option("#model", tiny_path)
+    page.click("#new-chat")
+    page.fill("#chat-input", question)
+    page.click("#send")
+    page.wait_for_selector(done, timeout=30_000)
 
     # the second turn re-sends the first: its prompt's leading blocks come from the prefix cache
     page.fill("#chat-input", "And two more?")

@@ -133,7 +133,7 @@ function renderConversation() {
 
 async function loadModels() {
   const select = $("model");
-  const wanted = (JSON.parse(localStorage.getItem(STORE.settings) || "{}")).model;
+  const wanted = select.value || (JSON.parse(localStorage.getItem(STORE.settings) || "{}")).model;
   const models = await getJSON("/v1/models");
   select.replaceChildren();
   for (const card of models.data) {
@@ -412,12 +412,15 @@ function redrawCharts() {
 }
 
 let modelsLoaded = false;
+let polls = 0;
+const MODELS_EVERY = 15;        // re-read /v1/models every 15 polls (adapters loaded or unloaded at run time)
 async function poll() {
   try {
     const status = await getJSON("/debug/status?check_integrity=false");
     setServerState("serving", "ok");
     renderStatus(status);
-    if (!modelsLoaded) { await loadModels(); modelsLoaded = true; }
+    polls += 1;
+    if (!modelsLoaded || polls % MODELS_EVERY === 0) { await loadModels(); modelsLoaded = true; }
   } catch (err) {
     const text = String(err.message || err);
     setServerState(text.startsWith("401") ? "API key needed" : text.startsWith("503") ? "loading…" : "unreachable",
