@@ -224,8 +224,12 @@ async function sendMessage(text) {
     setStreaming(false);
     div.classList.remove("streaming");
     update();
-    if (!reply.error || reply.content !== reply.error) conversation.push(reply);
-    else conversation.pop();  // a failed request leaves no turn behind: the user message can be sent again
+    if (!reply.error || reply.content !== reply.error) {
+      conversation.push(reply);
+    } else {  // a failed request leaves no turn behind; its text goes back to the input to be sent again
+      conversation.pop();
+      if (!$("chat-input").value) $("chat-input").value = text;
+    }
     saveConversation();
   }
 }
