@@ -57,3 +57,8 @@ def test_bench_serve_result_path_spellings(tmp_path):
 def test_bench_serve_endpoint_spellings(argv, endpoint):
     assert serve_endpoint(parse("bench", "serve", *argv)) == endpoint
     assert parse("bench", "serve", "--served-model-name", "m").model == "m"
+
+
+def test_kv_cache_memory_bytes_is_kv_cache_memory_in_bytes():
+    assert engine_kwargs(parse("serve", "--kv-cache-memory-bytes", str(3 * 2**29)))["kv_cache_memory"] == 1.5
+    assert engine_kwargs(parse("serve", "--kv-cache-memory", "0.25"))["kv_cache_memory"] == 0.25
