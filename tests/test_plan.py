@@ -92,7 +92,8 @@ def test_tiny_qwen3_explicit_head_dim(tiny_qwen3):
     assert plan.kv_bytes_per_token == 2 * 2 * 2 * 32 * elt
     assert plan.num_kv_blocks == int(0.005 * GIB) // (8 * 2 * 2 * 2 * 32 * elt)
     fp8 = plan_memory(shape, PlanConfig(memory=1.0, kv_cache_memory=0.005, block_size=8, kv_cache_dtype="fp8"))
-    assert fp8.kv_bytes_per_token == 256 and fp8.num_kv_blocks == int(0.005 * GIB) // (8 * 256)
+    # one byte per element plus a float16 scale per token, KV head, K and V, layer (as the runner allocates)
+    assert fp8.kv_bytes_per_token == 256 + 2 * 2 * 2 * 2 and fp8.num_kv_blocks == int(0.005 * GIB) // (8 * 272)
     blocks, params = engine_blocks(tiny_qwen3, 0.005, 8)
     assert (blocks, params) == (plan.num_kv_blocks, plan.model.num_params)
 
@@ -146,8 +147,8 @@ def test_cli_json_and_text(tiny_llama, capsys):
         512, 1310, TINY_LLAMA_PARAMS)
     assert main(["plan", tiny_llama, "--memory", "1", "--kv-cache-dtype", "fp8"]) == 0
     text = capsys.readouterr().out
-    assert "KV bytes per token: 2 x 2 layers x 2 kv heads x 16 head_dim x 1 B (fp8) = 128 B" in text
+    assert "KV bytes per token: 2 x 2 layers x 2 kv heads x (16 head_dim x 1 B (fp8) + a 2 B scale) = 144 B" in text
     assert f"tokenmill serve {tiny_llama} --dtype float32" in text and "--num-kv-blocks" in text
-    assert "note: tokenmill serve stores KV in the model dtype" in text
+    assert "--kv-cache-dtype fp8" in text
     assert main(["plan", tiny_llama, "--memory", "0.1"]) == 2  # ValueError -> exit code 2, message on stderr
     assert "error: --memory 0.1 GiB x --memory-utilization 0.9 leaves no room" in capsys.readouterr().err

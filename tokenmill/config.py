@@ -93,6 +93,8 @@ class CacheConfig:
             ``kv_offload_disk_path``.
         kv_offload_disk_drive_size_gib: size of the drive under it, for the drive-writes-per-day
             estimate (None: the tier's size); needs ``kv_offload_disk_path``.
+        kv_cache_dtype: ``auto`` (the model's dtype), ``int8`` or ``fp8_e4m3`` (``fp8``): K/V stored in one
+            byte with a float16 scale per token and KV head (tokenmill/attention/kv_quant.py).
 
     Raises:
         ConfigError: a setting out of range, or a disk-tier size without a disk-tier path.
@@ -106,6 +108,7 @@ class CacheConfig:
     kv_offload_disk_path: str | None = None
     kv_offload_disk_size_gib: float | None = None
     kv_offload_disk_drive_size_gib: float | None = None
+    kv_cache_dtype: str = "auto"
 
     @property
     def disk_tier_size_gib(self) -> float:
@@ -120,6 +123,11 @@ class CacheConfig:
         return self.kv_offload_memory_gib > 0 or self.kv_offload_disk_path is not None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3", "fp8"):
+            raise ConfigError(f"`kv_cache_dtype` must be auto, int8, fp8_e4m3 or fp8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_offload_enabled:
+            raise ConfigError("`kv_cache_dtype` int8/fp8 does not work with the KV offload tiers yet "
+                              "(`kv_offload_memory` / `kv_offload_disk_path`): use one of the two")
         check_int("block_size", self.block_size)
         check_int("num_kv_blocks", self.num_kv_blocks, optional=True)
         check_number("kv_cache_memory", self.kv_cache_memory_gib, 0, inclusive=False)

@@ -36,8 +36,9 @@ MIB = 1024**2
 # Torch/Python runtime, tokenizer, server and allocator slack (an idle process with torch and
 # transformers imported is ~300 MiB resident on CPU).
 RUNTIME_OVERHEAD_BYTES = 512 * MIB
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "int8": 1}
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3", "fp8")
+QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3", "fp8")  # one byte per element + a float16 scale per token and KV head
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
@@ -299,6 +300,8 @@ def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
                                    max_model_len)
     usable = int(config.memory * config.memory_utilization * GIB)
     per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, DTYPE_BYTES[kv_dtype])
+    if kv_dtype in QUANTIZED_KV_DTYPES:  # the runner's scales: float16 per token, KV head, K and V, layer
+        per_token += 2 * shape.num_layers * shape.num_kv_heads * 2
     if config.kv_cache_memory is not None:
         budget = int(config.kv_cache_memory * GIB)
     else:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention import cpu_decode
+from tokenmill.attention.kv_quant import QuantizedKVCache, gather_dequantized, write_quantized
 from tokenmill.attention.metadata import AttentionMetadata
 
 
@@ -17,9 +18,13 @@ def write_kv(
 ) -> None:
     """Scatter this step's K/V into the paged cache.
 
-    key/value: [T, num_kv_heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
-    slot_mapping: [T] int64 flat slot per token.
+    key/value: [T, num_kv_heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    (or ``QuantizedKVCache``s: quantized per token and head on the way in); slot_mapping: [T] int64 flat
+    slot per token.
     """
+    if isinstance(k_cache, QuantizedKVCache):  # --kv-cache-dtype int8 / fp8_e4m3
+        write_quantized(key, value, k_cache, v_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
@@ -28,7 +33,10 @@ def write_kv(
 def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, kvh, d] cache, [..., nb] ids -> [..., kvh, nb * bs, d] keys/values in sequence order."""
     _, block_size, num_kv_heads, head_dim = cache.shape
-    blocks = cache.index_select(0, block_ids.reshape(-1))  # (prod(...) * nb, bs, kvh, d)
+    if isinstance(cache, QuantizedKVCache):  # codes * scales, in float32
+        blocks = gather_dequantized(cache, block_ids.reshape(-1))
+    else:
+        blocks = cache.index_select(0, block_ids.reshape(-1))  # (prod(...) * nb, bs, kvh, d)
     flat = blocks.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_dim)
     return flat.transpose(-3, -2)  # (..., kvh, L, d)
 

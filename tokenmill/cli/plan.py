@@ -8,6 +8,7 @@ from dataclasses import asdict
 from tokenmill.memory_plan import (
     DTYPE_BYTES,
     KV_CACHE_DTYPES,
+    QUANTIZED_KV_DTYPES,
     MemoryPlan,
     PlanConfig,
     physical_memory_gib,
@@ -73,9 +74,10 @@ def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
         f"parameters: {m.num_params:,} x {plan.dtype} = {_gib(plan.weight_bytes)}" if plan.weight_bytes ==
         m.num_params * DTYPE_BYTES[plan.dtype] else f"parameters: {m.num_params:,}, {_gib(plan.weight_bytes)} with "
         f"quantized weights ({c.quantization or 'gguf'}; the rest in {plan.dtype})",
-        f"KV bytes per token: 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim} head_dim x "
-        f"{plan.kv_bytes_per_token // (2 * m.num_layers * m.num_kv_heads * m.head_dim)} B ({plan.kv_cache_dtype}) "
-        f"= {plan.kv_bytes_per_token:,} B; block of {c.block_size} tokens = {plan.bytes_per_block:,} B",
+        f"KV bytes per token: 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x ({m.head_dim} head_dim x "
+        f"{DTYPE_BYTES[plan.kv_cache_dtype]} B ({plan.kv_cache_dtype})"
+        + (" + a 2 B scale" if plan.kv_cache_dtype in QUANTIZED_KV_DTYPES else "")
+        + f") = {plan.kv_bytes_per_token:,} B; block of {c.block_size} tokens = {plan.bytes_per_block:,} B",
         f"memory: {c.memory:g} GiB x {c.memory_utilization:g} = {_gib(plan.usable_bytes)} usable",
         f"reserve: {_gib(plan.reserve_bytes)} = runtime overhead {_gib(plan.runtime_overhead_bytes)} + activations "
         f"{_gib(plan.activation_bytes)} (one step of {c.max_num_batched_tokens} tokens, {sampled_rows} sampled rows, "
@@ -91,11 +93,12 @@ def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
         + (f"{model_arg} " if model_arg else "")
         + f"--dtype {plan.dtype} --block-size {c.block_size} --max-model-len {plan.max_model_len} "
         f"--max-num-seqs {c.max_num_seqs} --max-num-batched-tokens {c.max_num_batched_tokens} "
-        f"--kv-cache-memory {plan.kv_cache_memory_flag:.12g}   (or --num-kv-blocks {plan.num_kv_blocks})",
+        f"--kv-cache-memory {plan.kv_cache_memory_flag:.12g}   (or --num-kv-blocks {plan.num_kv_blocks})"
+        + (f" --kv-cache-dtype {plan.kv_cache_dtype}" if plan.kv_cache_dtype in QUANTIZED_KV_DTYPES else ""),
     ]
     if plan.total_bytes > plan.usable_bytes:
         lines.append("warning: weights + reserve + KV pool exceed the usable memory")
-    if plan.kv_cache_dtype != plan.dtype:
+    if plan.kv_cache_dtype != plan.dtype and plan.kv_cache_dtype not in QUANTIZED_KV_DTYPES:
         lines.append(f"note: tokenmill serve stores KV in the model dtype ({plan.dtype}) today; these "
                      f"{plan.kv_cache_dtype} numbers are for planning, the flags above would allocate a different size")
     return "\n".join(lines)

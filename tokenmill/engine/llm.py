@@ -40,6 +40,9 @@ class LLM:
             ``with LLM(...) as llm``) so cached blocks are written there for the next run.
         kv_offload_disk_size: most GiB the disk tier keeps (None: 16); needs kv_offload_disk_path.
         kv_offload_disk_drive_size: drive size in GiB for the DWPD estimate (default: the tier size).
+        kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8_e4m3" ("fp8"): K/V in one byte with
+            a scale per token and KV head, about twice the tokens of bf16 in the same memory (CPU;
+            docs/kv_cache_dtype.md).
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         gpu_memory_utilization: on CUDA, the fraction of device memory for weights, activations
             and KV cache; the KV pool gets what a profiling forward pass leaves.
@@ -86,6 +89,7 @@ class LLM:
         kv_offload_disk_path: str | None = None,
         kv_offload_disk_size: float | None = None,
         kv_offload_disk_drive_size: float | None = None,
+        kv_cache_dtype: str = "auto",
         device: str = "auto",
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
@@ -108,7 +112,7 @@ class LLM:
             seed=seed, num_threads=num_threads, deterministic=deterministic,
             kv_offload_memory=kv_offload_memory, kv_offload_disk_path=kv_offload_disk_path,
             kv_offload_disk_size=kv_offload_disk_size,
-            kv_offload_disk_drive_size=kv_offload_disk_drive_size, device=device,
+            kv_offload_disk_drive_size=kv_offload_disk_drive_size, kv_cache_dtype=kv_cache_dtype, device=device,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, cpu_kernels=cpu_kernels,
             structured_outputs_config=structured_outputs_config, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, kv_events_config=kv_events_config,
@@ -278,6 +282,7 @@ def build_engine_config(
     kv_offload_disk_path: str | None = None,
     kv_offload_disk_size: float | None = None,
     kv_offload_disk_drive_size: float | None = None,
+    kv_cache_dtype: str = "auto",
     device: str = "auto",
     gpu_memory_utilization: float = 0.9,
     enforce_eager: bool = False,
@@ -326,6 +331,7 @@ def build_engine_config(
             ),
             kv_offload_disk_size_gib=kv_offload_disk_size,
             kv_offload_disk_drive_size_gib=kv_offload_disk_drive_size,
+            kv_cache_dtype=kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,

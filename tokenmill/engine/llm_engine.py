@@ -72,11 +72,16 @@ class LLMEngine:
         if config.lora is not None:
             self.lora_manager = LoRAManager(config.lora, self.loaded.model, self.loaded.dtype, self.device)
         if self.device.type == "cpu":
+            if config.cache.kv_cache_dtype != "auto" and config.deterministic:
+                raise ConfigError("`kv_cache_dtype` int8/fp8 is not batch-invariant yet: drop it or `deterministic`")
             self.runner = ModelRunner(
                 self.loaded, config.cache.block_size, config.cache.num_kv_blocks, config.cache.kv_cache_memory_gib,
                 deterministic=config.deterministic, cpu_kernels=config.cpu_kernels, lora_manager=self.lora_manager,
+                kv_cache_dtype=config.cache.kv_cache_dtype,
             )
         else:
+            if config.cache.kv_cache_dtype != "auto":
+                raise ConfigError("`kv_cache_dtype` int8/fp8 runs on the CPU backend for now")
             from tokenmill.runner.cuda_runner import CudaModelRunner
 
             self.runner = CudaModelRunner(
@@ -137,6 +142,8 @@ class LLMEngine:
             raise ConfigError("`kv_transfer_config` runs on the CPU backend for now")
         if not self.config.cache.enable_prefix_caching:
             raise ConfigError("`kv_transfer_config` needs prefix caching (transferred blocks are prefix-cache entries)")
+        if self.runner.kv_scales is not None:
+            raise ConfigError("`kv_transfer_config` does not move int8/fp8 KV caches' scales yet: drop `kv_cache_dtype`")
         return KVConnector(transfer_config, self.runner.kv_cache, self.config.cache.block_size,
                            lambda: engine_fingerprints(self)[0])
 

@@ -109,6 +109,7 @@ def export_blocks(engine, token_ids: list[int], extra_keys: tuple = (), lora_nam
         KVBlocksError: fewer than one full block, or some of them are not in the pool (409: compute
             them first, e.g. with a 1-token generation over ``token_ids``).
     """
+    _check_unquantized(engine)
     manager = engine.kv_cache_manager
     block_size = manager.block_size
     hashes: list[int] = []
@@ -128,6 +129,12 @@ def export_blocks(engine, token_ids: list[int], extra_keys: tuple = (), lora_nam
     return meta, blocks
 
 
+def _check_unquantized(engine) -> None:
+    if getattr(engine.runner, "kv_scales", None) is not None:
+        raise KVBlocksError("sessions of an int8/fp8 KV cache are not supported yet (its scales are not saved): "
+                            "start the server without --kv-cache-dtype", "kv_cache_dtype")
+
+
 def blocks_sha256(blocks: torch.Tensor) -> str:
     """sha256 of a contiguous CPU tensor's bytes."""
     return hashlib.sha256(memoryview(blocks.reshape(-1).view(torch.uint8).numpy())).hexdigest()
@@ -142,6 +149,7 @@ def check_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor) -> tuple[int, 
         KVBlocksError: another model or tokenizer, KV dtype, block size or block shape; hashes that do
             not follow from the tokens; bytes that do not match the checksum.
     """
+    _check_unquantized(engine)
     kv_cache = engine.runner.kv_cache
     block_size = engine.config.cache.block_size
     kv_dtype = str(kv_cache.dtype).removeprefix("torch.")

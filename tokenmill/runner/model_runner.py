@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention import build_attention_metadata
+from tokenmill.attention.kv_quant import SCALE_DTYPE, QuantizedKVCache, storage_dtype
 from tokenmill.config import ConfigError
 from tokenmill.lora.mapping import build_lora_mapping
 from tokenmill.outputs import Logprob, PositionLogprobs
@@ -65,6 +66,7 @@ class ModelRunner:
         cpu_kernels: bool = True,
         use_cpu_kernels: bool = True,
         lora_manager=None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.loaded = loaded
         self.lora_manager = lora_manager
@@ -94,10 +96,13 @@ class ModelRunner:
             logger.info("CPU kernels: %s", self.kernel_choice)
         self.block_size = block_size
         self.vocab_size = loaded.vocab_size
-        self.kv_dtype = loaded.dtype
+        self.kv_dtype = storage_dtype(kv_cache_dtype) or loaded.dtype  # int8 / fp8 codes, or the model's dtype
+        self.kv_scales: torch.Tensor | None = None  # (layers, 2, num_blocks, block_size, kv_heads) when quantized
         self.bytes_per_token = kv_bytes_per_token(
             loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, torch.empty(0, dtype=self.kv_dtype).element_size()
         )
+        if self.kv_dtype != loaded.dtype:  # plus a float16 scale per token, KV head, K and V, layer
+            self.bytes_per_token += 2 * loaded.num_layers * loaded.num_kv_heads * SCALE_DTYPE.itemsize
         if num_kv_blocks is None:
             num_kv_blocks = num_blocks_for_budget(int(kv_cache_memory_gib * GIB), block_size, self.bytes_per_token)
         self.num_kv_blocks = num_kv_blocks
@@ -113,6 +118,11 @@ class ModelRunner:
                 f"({str(exc).splitlines()[0][:120]}); lower `kv_cache_memory` or `num_kv_blocks`"
             ) from None
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(loaded.num_layers)]
+        if self.kv_dtype != loaded.dtype:
+            self.kv_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+            self.kv_caches = [(QuantizedKVCache(self.kv_cache[i, 0], self.kv_scales[i, 0]),
+                               QuantizedKVCache(self.kv_cache[i, 1], self.kv_scales[i, 1]))
+                              for i in range(loaded.num_layers)]
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.3f GiB, %d bytes/token, %s)",
             num_kv_blocks, block_size, num_kv_blocks * block_size,
