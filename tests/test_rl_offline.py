@@ -5,6 +5,7 @@ sleep level 2 after a tensor update restores from a host copy; refusals name wha
 change nothing; every tier flush is published as AllBlocksCleared."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -27,8 +28,10 @@ GIB = 1024**3
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl_offline")
     base = make_tiny_model("llama", root / "base")
-    return {"root": root, "base": base, "new": perturbed_copy(base, root / "new", seed=5),
-            "wider": make_tiny_model("llama", root / "wider", hidden_size=96)}
+    wider = perturbed_copy(base, root / "wider", seed=6)  # another config: refused before any tensor is read
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
+    return {"root": root, "base": base, "new": perturbed_copy(base, root / "new", seed=5), "wider": wider}
 
 
 def make_llm(path, **kwargs) -> LLM:
@@ -149,8 +152,7 @@ def test_quantized_model_refuses_updates_and_still_sleeps_and_wakes(ckpts):
 
 def test_update_while_asleep_at_level_2_fills_the_freed_weights(ckpts):
     p = prompt(7)
-    with make_llm(ckpts["new"]) as fresh:
-        expected = fresh.generate([p], GREEDY)[0].outputs[0].token_ids
+    expected = Reference(ckpts["new"]).greedy(p, 8)
     with make_llm(ckpts["base"]) as llm:
         llm.sleep(2)
         info = llm.update_weights_from_disk(str(ckpts["new"]), weight_version="v2")
