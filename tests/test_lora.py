@@ -144,7 +144,8 @@ def transformers_twin(llm: LLM):
 
 @torch.inference_mode()
 def test_smollm2_adapter_matches_peft_greedy(tmp_path):
-    llm = LLM(dtype="float32", max_model_len=128, kv_cache_memory=0.02, num_threads=1, enable_lora=True, max_lora_rank=8)
+    llm = LLM(dtype="float32", quantization="none", max_model_len=128, kv_cache_memory=0.02, num_threads=1,
+              enable_lora=True, max_lora_rank=8)  # peft runs the dequantized weights
     torch.manual_seed(0)
     peft = get_peft_model(transformers_twin(llm), LoraConfig(r=8, lora_alpha=32, init_lora_weights=False,
                                                              target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))

@@ -220,7 +220,7 @@ void qg_dequantize(int qtype, const uint8_t* w, int64_t K, const int64_t* ids, i
 typedef struct {
     int8_t* q;    /* [M, K] */
     float* d;     /* [M, G] */
-    int32_t* s;   /* [M, 2G]: sum of q per half group */
+    float* s;     /* [M, 2G]: dx * (sum of q per half group) */
     int64_t K, G;
 } act_q;
 
@@ -244,8 +244,8 @@ static void quantize_row(const void* x, int x_bf16, int64_t m, act_q* a) {
             if (i < 16) s0 += q[i]; else s1 += q[i];
         }
         a->d[m * a->G + g] = d;
-        a->s[(m * a->G + g) * 2] = s0;
-        a->s[(m * a->G + g) * 2 + 1] = s1;
+        a->s[(m * a->G + g) * 2] = d * (float)s0;
+        a->s[(m * a->G + g) * 2 + 1] = d * (float)s1;
     }
 }
 
@@ -268,9 +268,8 @@ AI void rows_portable(int qtype, const uint8_t* row, const act_q* a, int64_t m0,
             int32_t p0 = 0, p1 = 0;
             for (int i = 0; i < 16; i++) { p0 += u[i] * xq[i]; p1 += u[i + 16] * xq[i + 16]; }
             const int64_t gi_idx = (m0 + r) * a->G + g;
-            const float dx = a->d[gi_idx];
-            const int32_t* s = a->s + gi_idx * 2;
-            acc[r] += dx * (gi.D * (float)(gi.s0 * p0 + gi.s1 * p1) + (o0 * (float)s[0] + o1 * (float)s[1]));
+            const float* s = a->s + gi_idx * 2;
+            acc[r] += a->d[gi_idx] * gi.D * (float)(gi.s0 * p0 + gi.s1 * p1) + (o0 * s[0] + o1 * s[1]);
         }
     }
     for (int r = 0; r < R; r++) out[r] = acc[r];
@@ -334,7 +333,7 @@ AI void group_avx2(int qtype, const uint8_t* row, int64_t g, const act_q* a, int
         const int64_t idx = (m0 + r) * a->G + g;
         const float dx = a->d[idx];
         accv[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(gi.D * dx), accv[r]);
-        accs[r] += dx * (gi.o0 * (float)a->s[idx * 2] + gi.o1 * (float)a->s[idx * 2 + 1]);
+        accs[r] += gi.o0 * a->s[idx * 2] + gi.o1 * a->s[idx * 2 + 1];
     }
 }
 #endif
@@ -372,9 +371,9 @@ AI void groups_avx512(int qtype, const uint8_t* row, int64_t g, const act_q* a, 
         const __m512 scale = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(g0.D * dx0)),
                                                 _mm256_set1_ps(g1.D * dx1), 1);
         accv[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, accv[r]);
-        const int32_t* s = a->s + idx * 2;
-        accs[r] += dx0 * (g0.o0 * (float)s[0] + g0.o1 * (float)s[1]);
-        accs[r] += dx1 * (g1.o0 * (float)s[2] + g1.o1 * (float)s[3]);
+        const float* s = a->s + idx * 2;
+        accs[r] += g0.o0 * s[0] + g0.o1 * s[1];
+        accs[r] += g1.o0 * s[2] + g1.o1 * s[3];
     }
 }
 #endif
@@ -441,7 +440,7 @@ int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, 
     a.G = K / QK;
     a.q = (int8_t*)malloc((size_t)(M * K) + 64);
     a.d = (float*)malloc(sizeof(float) * (size_t)(M * a.G));
-    a.s = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * a.G * 2));
+    a.s = (float*)malloc(sizeof(float) * (size_t)(M * a.G * 2));
     if (!a.q || !a.d || !a.s) { free(a.q); free(a.d); free(a.s); return -1; }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && M * K >= 32768)
     for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, &a);
