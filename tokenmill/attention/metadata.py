@@ -6,7 +6,7 @@ shared by all layers. Pure bookkeeping: no model weights here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -66,6 +66,9 @@ class AttentionMetadata:
     token_block_table: torch.Tensor | None = None
     token_seq_lens: torch.Tensor | None = None
     prefill_count: int | None = None
+    # Hybrid models: tokenmill.linear_attention.state_cache.LinearStateMetadata (state slots of the
+    # linear layers), set by the runner; None for attention-only models.
+    linear_state: Any = None
 
     @property
     def num_tokens(self) -> int:

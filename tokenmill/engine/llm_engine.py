@@ -111,6 +111,10 @@ class LLMEngine:
             self.runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
             lower_tiers=self.kv_store, kv_events=kv_events,
         )
+        if getattr(self.loaded.model, "is_hybrid", False):  # linear-attention state pool (docs/hybrid_models.md)
+            from tokenmill.linear_attention.engine_hook import attach_state_pool
+
+            attach_state_pool(self)
         if self.kv_store is not None and kv_events is not None:
             self.kv_store.set_kv_events(kv_events)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from tokenmill.kv_cache.block_hash import extend_block_hashes
 from tokenmill.kv_cache.block_pool import BlockPool, KVCacheBlock
 from tokenmill.kv_cache.offload_planner import LowerTiers, OffloadPlanner
+from tokenmill.kv_cache.state_slots import StateSlotAllocator
 from tokenmill.request import Request
 
 if TYPE_CHECKING:
@@ -48,6 +49,9 @@ class KVCacheManager:
         # Prefix-cache statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Hybrid (linear-attention) models: the per-sequence state pool, consulted on admission and freed
+        # with the blocks (tokenmill/kv_cache/state_slots.py); None for attention-only models.
+        self.state_slots: StateSlotAllocator | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -137,10 +141,13 @@ class KVCacheManager:
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
         # Hits sitting in the free list are counted as free but are about to be taken.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+        no_state_slot = self.state_slots is not None and not self.state_slots.can_hold(request.request_id)
+        if no_state_slot or num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
             return None
+        if self.state_slots is not None:
+            self.state_slots.allocate(request.request_id)
         self.block_pool.touch(new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
@@ -219,12 +226,16 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
+        if self.state_slots is not None:
+            self.state_slots.free(request.request_id)
         if self.offload is not None:
             self.offload.forget(request.request_id)
 
     def check_integrity(self) -> None:
         """Assert pool invariants and that every request's blocks are referenced."""
         self.block_pool.check_integrity()
+        if self.state_slots is not None:
+            self.state_slots.check_integrity()
         for req_id, blocks in self.req_to_blocks.items():
             for block in blocks:
                 assert block.ref_cnt > 0, f"{req_id} holds unreferenced {block}"

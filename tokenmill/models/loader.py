@@ -48,7 +48,9 @@ class LoadedModel:
 
     @property
     def num_layers(self) -> int:
-        return int(self.hf_config.num_hidden_layers)
+        """Layers that hold paged KV: all of them, except the linear-attention layers of hybrid models."""
+        layer_types = getattr(self.hf_config, "layer_types", None) or []
+        return int(self.hf_config.num_hidden_layers) - sum(t == "linear_attention" for t in layer_types)
 
     @property
     def num_kv_heads(self) -> int:

@@ -7,12 +7,15 @@ from transformers import PretrainedConfig
 from tokenmill.models.llama import LlamaForCausalLM, MistralForCausalLM
 from tokenmill.models.qwen2 import Qwen2ForCausalLM
 from tokenmill.models.qwen3 import Qwen3ForCausalLM
+from tokenmill.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # hybrid Gated DeltaNet (docs/hybrid_models.md)
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
 }
 
 

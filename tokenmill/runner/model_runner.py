@@ -129,6 +129,15 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / GIB, self.bytes_per_token, self.kv_dtype,
         )
         self.sampler = Sampler(self.vocab_size)
+        self.state_cache = None  # hybrid models: the linear layers' state pool (allocate_state_cache)
+
+    def allocate_state_cache(self, num_slots: int):
+        """Allocate a hybrid model's linear-attention state pool (``num_slots`` sequences) beside the KV pool;
+        returns its ``StateSlotAllocator`` for the KV cache manager (docs/hybrid_models.md)."""
+        from tokenmill.linear_attention.state_cache import LinearStateCache
+
+        self.state_cache = LinearStateCache(self.model, num_slots, self.loaded.dtype, self.device)
+        return self.state_cache.slots
 
     @property
     def num_kv_tokens(self) -> int:
@@ -141,6 +150,8 @@ class ModelRunner:
         metadata, positions = build_attention_metadata(
             query_lens, num_computed, block_table, self.block_size, per_token=self.deterministic
         )
+        if self.state_cache is not None:  # hybrid model: each request's linear-attention state slot
+            metadata = self.state_cache.step_metadata(metadata, requests, query_lens, num_computed)
         if self.lora_manager is not None:  # adapters into their slots; each token's slot for the hooked layers
             slots = self.lora_manager.activate([r.lora_request for r in requests])
             self.lora_manager.slots.mapping = build_lora_mapping(slots, query_lens, self.device)

@@ -1,0 +1,84 @@
+"""LinearStateCache: the state tensors of a hybrid model's linear layers, one slot per running sequence.
+
+The runner owns it (allocated beside the paged KV pool); the KV cache manager hands out its slot ids
+(``tokenmill.kv_cache.state_slots``). Each step, :meth:`LinearStateCache.step_metadata` zeroes the
+slots of requests that start from their first token and describes which slot each request uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from tokenmill.kv_cache.state_slots import StateSlotAllocator
+
+
+@dataclass(frozen=True)
+class LinearStateMetadata:
+    """Per-step description of the linear layers' work (B requests this step, on the host unless noted).
+
+    conv_state: [num_linear_layers, num_slots, conv_dim, kernel - 1], the last inputs of the short conv.
+    recurrent_state: [num_linear_layers, num_slots, num_v_heads, head_k_dim, head_v_dim] float32.
+    slot_ids: [B] int64 (device), each request's slot.
+    query_start_loc: [B + 1] int64 numpy, as in AttentionMetadata.
+    decode_reqs: [Bd] int64 (device), requests with one token this step (batched recurrent update);
+    decode_token_idx: [Bd] int64 (device), their flat token index.
+    prefill_reqs: host list of requests with several tokens (chunked delta rule, one request at a time).
+    """
+
+    conv_state: torch.Tensor
+    recurrent_state: torch.Tensor
+    slot_ids: torch.Tensor
+    query_start_loc: np.ndarray
+    decode_reqs: torch.Tensor
+    decode_token_idx: torch.Tensor
+    prefill_reqs: list[int]
+
+
+class LinearStateCache:
+    """Conv and recurrent state of every linear layer for ``num_slots`` sequences.
+
+    Args:
+        model: a hybrid model exposing ``linear_state_shapes()`` -> (num_linear_layers, conv_dim,
+            conv_kernel, num_v_heads, head_k_dim, head_v_dim).
+        num_slots: sequences that can run at once (the scheduler's max_num_seqs).
+        dtype: conv state dtype (the activations'); the recurrent state is always float32.
+    """
+
+    def __init__(self, model, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        num_layers, conv_dim, kernel, num_heads, dk, dv = model.linear_state_shapes()
+        self.slots = StateSlotAllocator(num_slots)
+        self.conv_state = torch.zeros(num_layers, num_slots, conv_dim, kernel - 1, dtype=dtype, device=device)
+        self.recurrent_state = torch.zeros(num_layers, num_slots, num_heads, dk, dv, dtype=torch.float32,
+                                           device=device)
+        self.device = device
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """State bytes one running sequence holds across all linear layers."""
+        per = self.conv_state[:, 0].numel() * self.conv_state.element_size()
+        return per + self.recurrent_state[:, 0].numel() * self.recurrent_state.element_size()
+
+    def step_metadata(self, metadata, requests, query_lens: np.ndarray, num_computed: np.ndarray):
+        """``metadata`` (an AttentionMetadata) with ``linear_state`` set for this step's requests.
+
+        Requests computing from their first token (new, or recomputed after preemption) get zeroed slots.
+        """
+        slot_ids = torch.tensor([self.slots.slot_of(r.request_id) for r in requests], dtype=torch.int64)
+        fresh = slot_ids[torch.from_numpy(num_computed == 0)]
+        if len(fresh):
+            self.conv_state[:, fresh.to(self.device)] = 0
+            self.recurrent_state[:, fresh.to(self.device)] = 0
+        qsl = metadata.query_start_loc.numpy()
+        decode = np.nonzero(query_lens == 1)[0]
+        linear = LinearStateMetadata(
+            conv_state=self.conv_state,
+            recurrent_state=self.recurrent_state,
+            slot_ids=slot_ids.to(self.device),
+            query_start_loc=qsl,
+            decode_reqs=torch.from_numpy(decode).to(self.device),
+            decode_token_idx=torch.from_numpy(qsl[decode]).to(self.device),
+            prefill_reqs=np.nonzero(query_lens > 1)[0].tolist(),
+        )
+        return replace(metadata, linear_state=linear)
