@@ -80,6 +80,11 @@ def check_awake(engine) -> None:
 
 
 def _check_idle(engine, what: str) -> None:
+    if getattr(engine, "kv_connector", None) is not None:
+        # PD disaggregation leases blocks to other engines and checks pulls against a fingerprint it
+        # computes once: new weights (or a freed pool) would hand them KV of other weights.
+        raise WeightUpdateError(f"{what} is not supported with --kv-transfer-config (prefill/decode "
+                                "disaggregation); start the engine without it", "kv_transfer_config")
     if engine.has_unfinished_requests():
         raise RuntimeError(f"{what} needs an idle engine; {engine.scheduler.num_running} running and "
                            f"{engine.scheduler.num_waiting} waiting requests remain")

@@ -169,7 +169,10 @@ def rl_router(state, enabled: bool, auth: list) -> APIRouter:
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
         """Forget every cached KV block (pool, RAM and disk tiers) once the requests in flight finish."""
-        await gate.exclusive(lambda engine: engine_ops.flush_prefix_cache(engine, clear_disk=True))
+        try:
+            await gate.exclusive(lambda engine: engine_ops.flush_prefix_cache(engine, clear_disk=True))
+        except WeightUpdateError as exc:
+            raise APIError(str(exc), param=exc.param) from None
         metrics.flushes.labels(metrics.model_name, "reset").inc()
         return {"success": True}
 
@@ -193,7 +196,10 @@ def rl_router(state, enabled: bool, auth: list) -> APIRouter:
         requests get 503 until ``/wake_up``."""
         if level not in (1, 2):
             raise APIError(f"level must be 1 or 2, got {level}", param="level")
-        await gate.sleep(level)
+        try:
+            await gate.sleep(level)
+        except WeightUpdateError as exc:
+            raise APIError(str(exc), param=exc.param) from None
         metrics.flushes.labels(metrics.model_name, "sleep").inc()
         return {"success": True, "is_sleeping": True, "level": level}
 
