@@ -3,7 +3,7 @@
 Each kernel source is cross-compiled twice, with the NEON path's flags and with the portable ones (the
 flags its Python loader uses), and the driver compares the two builds: SiLU, the GEMM and RMSNorm
 bit for bit, paged decode against a float64 reference and for batch invariance, NaN/inf where the
-portable build has them. A passing kernel is listed under "neon" in the session's ISA report.
+portable build has them, the GGUF quantized-weight products (qgemm) bit for bit on every format. A passing kernel is listed under "neon" in the session's ISA report.
 Skipped unless ``aarch64-linux-gnu-gcc`` and ``qemu-aarch64`` are on PATH (Debian: the packages
 gcc-aarch64-linux-gnu, libc6-dev-arm64-cross and qemu-user).
 """
@@ -18,6 +18,7 @@ import pytest
 from tokenmill import csrc_build
 from tokenmill.attention import cpu_decode
 from tokenmill.layers import batch_invariant, silu_and_mul_kernel
+from tokenmill.quantization import qgemm
 
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
@@ -29,6 +30,7 @@ KERNELS = {
     "silu_and_mul": (silu_and_mul_kernel._SOURCE, silu_and_mul_kernel._FLAGS),
     "paged_decode": (cpu_decode._SOURCE, cpu_decode._FLAGS),
     "batch_invariant": (batch_invariant._SOURCE, batch_invariant._FLAGS),
+    "qgemm": (qgemm._SOURCE, qgemm._FLAGS),
 }
 
 pytestmark = pytest.mark.skipif(

@@ -352,6 +352,67 @@ static void check_batch_invariant(const struct builds* b) {
         }
 }
 
+/* ---------------------------------------------------------------- qgemm.c (GGUF quantized weights) */
+
+typedef int (*qg_linear_fn)(int, const uint8_t*, int64_t, int64_t, const void*, int, int64_t, void*, int, int64_t,
+                            int);
+typedef void (*qg_dequantize_fn)(int, const uint8_t*, int64_t, const int64_t*, int64_t, void*, int, int);
+
+/* Random blocks of a format (ggml type, weights and bytes per block, offsets of its float16 fields):
+ * every code and sub-scale byte random, the float16 scales small normal values. */
+static uint8_t* random_blocks(int bytes_per_block, const int* half_offsets, int n_half, int64_t n_blocks) {
+    uint8_t* raw = malloc((size_t)(n_blocks * bytes_per_block));
+    for (int64_t i = 0; i < n_blocks * bytes_per_block; i++) raw[i] = (uint8_t)(rng_next() >> 56);
+    for (int64_t blk = 0; blk < n_blocks; blk++)
+        for (int h = 0; h < n_half; h++) {
+            const _Float16 v = (_Float16)(0.01f * normalish());
+            memcpy(raw + blk * bytes_per_block + half_offsets[h], &v, 2);
+        }
+    return raw;
+}
+
+/* The NEON build's integer dot products are exact and its float code is the portable build's: every
+ * product and dequantized row must be bit-identical, float32 and bf16 activations, several row counts. */
+static void check_qgemm(const struct builds* b) {
+    static const struct { int qtype, block, bytes, n_half, half[2]; int64_t K; } formats[] = {
+        {2, 32, 18, 1, {0, 0}, 544}, {3, 32, 20, 2, {0, 2}, 96}, {8, 32, 34, 1, {0, 0}, 544},
+        {12, 256, 144, 2, {0, 2}, 768}, {14, 256, 210, 1, {208, 0}, 768},
+    };
+    static const int64_t rows[] = {1, 7, 33};
+    const int64_t N = 37;
+    char line[200];
+    rng_seed(11);
+    for (size_t f = 0; f < sizeof(formats) / sizeof(formats[0]); f++) {
+        const int64_t K = formats[f].K, nb = N * (K / formats[f].block);
+        uint8_t* w = random_blocks(formats[f].bytes, formats[f].half, formats[f].n_half, nb);
+        float* x = malloc(sizeof(float) * (size_t)(33 * K));
+        for (int64_t i = 0; i < 33 * K; i++) x[i] = normalish();
+        uint16_t* xb = to_bf16(x, (size_t)(33 * K));
+        for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++)
+            for (int bf16 = 0; bf16 <= 1; bf16++) {
+                const int64_t M = rows[r];
+                float *y_neon = calloc((size_t)(M * N), 4), *y_port = calloc((size_t)(M * N), 4);
+                const void* xi = bf16 ? (const void*)xb : (const void*)x;
+                int rc = ((qg_linear_fn)sym(b->neon, "qg_linear"))(formats[f].qtype, w, N, K, xi, bf16, M, y_neon, 0, N,
+                                                                   NUM_THREADS);
+                rc |= ((qg_linear_fn)sym(b->portable, "qg_linear"))(formats[f].qtype, w, N, K, xi, bf16, M, y_port, 0,
+                                                                    N, NUM_THREADS);
+                const int same = rc == 0 && memcmp(y_neon, y_port, sizeof(float) * (size_t)(M * N)) == 0;
+                snprintf(line, sizeof line, "qgemm type %d M=%ld K=%ld N=%ld %s: bits %s", formats[f].qtype, (long)M,
+                         (long)K, (long)N, bf16 ? "bf16" : "f32", same ? "equal" : "DIFFER");
+                report(same, line);
+                free(y_neon), free(y_port);
+            }
+        float *d_neon = malloc(sizeof(float) * (size_t)(N * K)), *d_port = malloc(sizeof(float) * (size_t)(N * K));
+        ((qg_dequantize_fn)sym(b->neon, "qg_dequantize"))(formats[f].qtype, w, K, NULL, N, d_neon, 0, NUM_THREADS);
+        ((qg_dequantize_fn)sym(b->portable, "qg_dequantize"))(formats[f].qtype, w, K, NULL, N, d_port, 0, NUM_THREADS);
+        const int same = memcmp(d_neon, d_port, sizeof(float) * (size_t)(N * K)) == 0;
+        snprintf(line, sizeof line, "qgemm dequantize type %d: bits %s", formats[f].qtype, same ? "equal" : "DIFFER");
+        report(same, line);
+        free(w), free(x), free(xb), free(d_neon), free(d_port);
+    }
+}
+
 /* ---------------------------------------------------------------- the kernels */
 
 static const struct kernel {
@@ -362,6 +423,7 @@ static const struct kernel {
     {"silu_and_mul", "silu_and_mul_isa", check_silu},
     {"paged_decode", "paged_decode_isa", check_paged_decode},
     {"batch_invariant", "bi_isa", check_batch_invariant},
+    {"qgemm", "qg_isa", check_qgemm},
 };
 
 static void* open_build(const char* dir, const char* stem, const char* isa, const char* isa_symbol) {

@@ -47,6 +47,10 @@
 #include <immintrin.h>
 #define QG_AVX2 1
 #define ISA_PATH "avx2"
+#elif !defined(TM_PORTABLE) && defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
+#define QG_NEON 1
+#define ISA_PATH "neon"
 #else
 #define ISA_PATH "portable"
 #endif
@@ -160,8 +164,7 @@ AI group_info group_params(int qtype, const uint8_t* row, int64_t g) {
     return gi;
 }
 
-/* The 32 unsigned codes of group g (plain C). For Q8_0 the code is q + 128 with offset -128 * D
- * folded in by the callers that use this (dequantization and the portable product). */
+/* The 32 codes of group g (plain C): unsigned 4/6-bit codes, or Q8_0's signed q (its offset is 0). */
 static inline void group_codes(int qtype, const uint8_t* row, int64_t g, int* u) {
     switch (qtype) {
     case Q4_0: case Q4_1: {
@@ -171,7 +174,7 @@ static inline void group_codes(int qtype, const uint8_t* row, int64_t g, int* u)
     }
     case Q8_0: {
         const int8_t* qs = (const int8_t*)(row + g * 34 + 2);
-        for (int i = 0; i < 32; i++) u[i] = qs[i] + 128;
+        for (int i = 0; i < 32; i++) u[i] = qs[i];
         break;
     }
     case Q4_K: {
@@ -205,10 +208,8 @@ void qg_dequantize(int qtype, const uint8_t* w, int64_t K, const int64_t* ids, i
             int u[32];
             group_info gi = group_params(qtype, row, g);
             group_codes(qtype, row, g, u);
-            float ofs0 = gi.o0, ofs1 = gi.o1;
-            if (qtype == Q8_0) ofs0 = ofs1 = -128.0f * gi.D;
             for (int i = 0; i < 32; i++) {
-                const float v = gi.D * (float)((i < 16 ? gi.s0 : gi.s1) * u[i]) + (i < 16 ? ofs0 : ofs1);
+                const float v = gi.D * (float)((i < 16 ? gi.s0 : gi.s1) * u[i]) + (i < 16 ? gi.o0 : gi.o1);
                 if (of) of[g * QK + i] = v; else ob[g * QK + i] = f32_to_bf16(v);
             }
         }
@@ -253,20 +254,84 @@ static inline void store_out(void* y, int y_bf16, int64_t idx, float v) {
     if (y_bf16) ((uint16_t*)y)[idx] = f32_to_bf16(v); else ((float*)y)[idx] = v;
 }
 
-/* ---------------------------------------------------------------- plain C product */
+#if defined(QG_NEON)
+/* ---------------------------------------------------------------- NEON integer parts */
 
+/* Group g's codes as two vectors of 16 int8 (codes <= 63, or Q8_0's signed q). */
+AI void codes_neon(int qtype, const uint8_t* row, int64_t g, int8x16_t* c0, int8x16_t* c1) {
+    const uint8x16_t m4 = vdupq_n_u8(15);
+    switch (qtype) {
+    case Q4_0: case Q4_1: {
+        const uint8x16_t q = vld1q_u8(row + g * (qtype == Q4_0 ? 18 : 20) + (qtype == Q4_0 ? 2 : 4));
+        *c0 = vreinterpretq_s8_u8(vandq_u8(q, m4));
+        *c1 = vreinterpretq_s8_u8(vshrq_n_u8(q, 4));
+        break;
+    }
+    case Q8_0: {
+        const int8_t* qs = (const int8_t*)(row + g * 34 + 2);
+        *c0 = vld1q_s8(qs);
+        *c1 = vld1q_s8(qs + 16);
+        break;
+    }
+    case Q4_K: {
+        const uint8_t* qs = row + (g / 8) * 144 + 16 + (g % 8) / 2 * 32;
+        uint8x16_t a = vld1q_u8(qs), b = vld1q_u8(qs + 16);
+        if (g % 2) { a = vshrq_n_u8(a, 4); b = vshrq_n_u8(b, 4); }
+        *c0 = vreinterpretq_s8_u8(vandq_u8(a, m4));
+        *c1 = vreinterpretq_s8_u8(vandq_u8(b, m4));
+        break;
+    }
+    default: { /* Q6_K */
+        const uint8_t* bl = row + (g / 8) * 210;
+        const int j = (int)(g % 8), half = j / 4, gi4 = j % 4;
+        const uint8_t* ql = bl + 64 * half + (gi4 & 1) * 32;
+        const uint8_t* qh = bl + 128 + 32 * half;
+        const int8x16_t lshift = vdupq_n_s8((int8_t)(-((gi4 >> 1) * 4))), hshift = vdupq_n_s8((int8_t)(-2 * gi4));
+        const uint8x16_t three = vdupq_n_u8(3);
+        for (int h = 0; h < 2; h++) {
+            const uint8x16_t lo = vandq_u8(vshlq_u8(vld1q_u8(ql + 16 * h), lshift), m4);
+            const uint8x16_t hi = vandq_u8(vshlq_u8(vld1q_u8(qh + 16 * h), hshift), three);
+            const int8x16_t c = vreinterpretq_s8_u8(vorrq_u8(lo, vshlq_n_u8(hi, 4)));
+            if (h == 0) *c0 = c; else *c1 = c;
+        }
+        break;
+    }
+    }
+}
+
+/* Exact int32 sum of 16 products of int8 (|products| <= 128 * 127 fit int16). */
+AI int32_t dot16_neon(int8x16_t c, const int8_t* x) {
+    const int8x16_t v = vld1q_s8(x);
+    const int32x4_t s = vaddq_s32(vpaddlq_s16(vmull_s8(vget_low_s8(c), vget_low_s8(v))),
+                                  vpaddlq_s16(vmull_high_s8(c, v)));
+    return vaddvq_s32(s);
+}
+#endif
+
+/* ---------------------------------------------------------------- plain C product (and NEON) */
+
+/* The integer sums are exact, and the float part below is the same code on both, so the NEON build
+ * gives the portable build's bits. */
 AI void rows_portable(int qtype, const uint8_t* row, const act_q* a, int64_t m0, int R, float* out) {
     float acc[ROW_TILE] = {0};
     for (int64_t g = 0; g < a->G; g++) {
-        int u[32];
         group_info gi = group_params(qtype, row, g);
+        const float o0 = gi.o0, o1 = gi.o1;
+#if defined(QG_NEON)
+        int8x16_t c0, c1;
+        codes_neon(qtype, row, g, &c0, &c1);
+#else
+        int u[32];
         group_codes(qtype, row, g, u);
-        float o0 = gi.o0, o1 = gi.o1;
-        if (qtype == Q8_0) o0 = o1 = -128.0f * gi.D;
+#endif
         for (int r = 0; r < R; r++) {
             const int8_t* xq = a->q + (m0 + r) * a->K + g * QK;
+#if defined(QG_NEON)
+            const int32_t p0 = dot16_neon(c0, xq), p1 = dot16_neon(c1, xq + 16);
+#else
             int32_t p0 = 0, p1 = 0;
             for (int i = 0; i < 16; i++) { p0 += u[i] * xq[i]; p1 += u[i + 16] * xq[i + 16]; }
+#endif
             const int64_t gi_idx = (m0 + r) * a->G + g;
             const float* s = a->s + gi_idx * 2;
             acc[r] += a->d[gi_idx] * gi.D * (float)(gi.s0 * p0 + gi.s1 * p1) + (o0 * s[0] + o1 * s[1]);
