@@ -185,6 +185,26 @@ def test_prompt_logprobs_match_transformers(tiny):
         assert abs(out.prompt_logprobs[pos][prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
 
 
+def test_n_greater_than_one_gives_each_sequence_its_own_state(tiny):
+    path, hf = tiny
+    llm = engine_for(path, num_kv_blocks=256)
+    prompt = random_prompts(1, seed=6, lo=12, hi=13)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, n=3,
+                                                                    ignore_eos=True))[0]
+    tokens = [o.token_ids for o in out.outputs]
+    assert len(tokens) == 3 and hf_greedy_agrees(hf, [prompt] * 3, tokens)
+    kv = llm.engine.kv_cache_manager
+    assert kv.state_slots.num_free_slots == kv.state_slots.num_slots
+
+
+@pytest.mark.parametrize("setting", [{"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+                                     {"deterministic": True}])
+def test_features_without_state_support_are_refused(tiny, setting):
+    path, _ = tiny
+    with pytest.raises(ValueError, match=next(iter(setting))):
+        LLM(model=path, dtype="float32", num_kv_blocks=64, num_threads=1, **setting)
+
+
 def test_moe_qwen3_next_is_refused_naming_the_field():
     config = Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], **{**HYBRID, "num_hidden_layers": 4},
                              num_experts=4, num_experts_per_tok=2)

@@ -15,12 +15,13 @@ def attach_state_pool(engine) -> None:
 
     Raises:
         ConfigError: a setting whose feature does not carry linear-layer state yet (CUDA backend,
-            `speculative_config`, `kv_transfer_config`, KV offload tiers).
+            `speculative_config`, `kv_transfer_config`, KV offload tiers, `deterministic`).
     """
     config = engine.config
     for name, on in (("speculative_config", config.speculative_config is not None),
                      ("kv_transfer_config", config.kv_transfer_config is not None),
-                     ("kv_offload_memory", engine.kv_store is not None)):
+                     ("kv_offload_memory", engine.kv_store is not None),
+                     ("deterministic", config.deterministic)):  # the chunked rule's sums are not batch invariant
         if on:
             raise ConfigError(f"`{name}` does not support hybrid linear-attention models yet (docs/hybrid_models.md)")
     if engine.device.type != "cpu":
