@@ -20,7 +20,10 @@ from tokenmill.server.openai_format import MAX_STOP_STRINGS
 
 MODEL = "org:model-v1"
 MAX_MODEL_LEN = 512
-SERVER_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL, "--dtype", "float32"]
+# The dense float32 path (--quantization none): these cases pin exact outputs, which the GGUF's native
+# quantized execution changes at near-ties (it is checked against this path in test_quantized_weights.py).
+SERVER_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL, "--dtype", "float32",
+               "--quantization", "none"]
 REPLACEMENT_CHAR = "\ufffd"
 
 

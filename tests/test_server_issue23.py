@@ -14,7 +14,8 @@ import pytest
 from tests.server_fixtures import ServerProcess, health_latencies_during, sse_events
 from tests.tiny_models import smollm2_tokenizer
 
-SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "1024"]
+# The dense float32 path: the expected byte sequences and near-tie orders below are the dequantized model's.
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--quantization", "none"]
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 SMILEYS = "Smileys: 😀😃😄😁😆😅 more smileys:"
 
