@@ -144,7 +144,7 @@ class StructuredOutputManager:
         if not req_indices:
             return None
         matchers = [scheduled_requests[i].grammar for i in req_indices]
-        drafts = [(spec_tokens or {}).get(scheduled_requests[i].request_id, []) for i in req_indices]
+        drafts = [spec_tokens.get(scheduled_requests[i].request_id, []) if spec_tokens else [] for i in req_indices]
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
         num_rows = [len(d) + 1 for d in drafts] if any(drafts) else None
