@@ -134,7 +134,15 @@ AI group_info group_params(int qtype, const uint8_t* row, int64_t g) {
     }
     case Q4_1: {
         const uint8_t* b = row + g * 20;
-        gi.D = rd_half(b); gi.s0 = gi.s1 = 1; gi.o0 = gi.o1 = rd_half(b + 2);
+#if defined(__F16C__) && !defined(TM_PORTABLE)
+        int32_t dm;
+        memcpy(&dm, b, 4);
+        const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(dm)); /* d, m */
+        gi.D = _mm_cvtss_f32(v); gi.o0 = gi.o1 = _mm_cvtss_f32(_mm_movehdup_ps(v));
+#else
+        gi.D = rd_half(b); gi.o0 = gi.o1 = rd_half(b + 2);
+#endif
+        gi.s0 = gi.s1 = 1;
         break;
     }
     case Q8_0: {
@@ -195,6 +203,14 @@ static inline void group_codes(int qtype, const uint8_t* row, int64_t g, int* u)
     }
 }
 
+/* The offset term of group g for activation row m: one product for the formats with one offset per
+ * group (Q4_0, Q4_1, Q4_K), none for Q8_0, two for Q6_K. */
+AI float offset_term(int qtype, const group_info* gi, const float* s, const float* t, int64_t idx) {
+    if (qtype == Q8_0) return 0.0f;
+    if (qtype == Q6_K) return gi->o0 * s[idx * 2] + gi->o1 * s[idx * 2 + 1];
+    return gi->o0 * t[idx];
+}
+
 /* Weights of rows ids[0..n) (all N rows when ids is NULL) as float32 or bf16, [n, K]. */
 void qg_dequantize(int qtype, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, void* out, int out_bf16,
                    int num_threads) {
@@ -222,6 +238,7 @@ typedef struct {
     int8_t* q;    /* [M, K] */
     float* d;     /* [M, G] */
     float* s;     /* [M, 2G]: dx * (sum of q per half group) */
+    float* t;     /* [M, G]: dx * (sum of q over the group) */
     int64_t K, G;
 } act_q;
 
@@ -247,6 +264,7 @@ static void quantize_row(const void* x, int x_bf16, int64_t m, act_q* a) {
         a->d[m * a->G + g] = d;
         a->s[(m * a->G + g) * 2] = d * (float)s0;
         a->s[(m * a->G + g) * 2 + 1] = d * (float)s1;
+        a->t[m * a->G + g] = d * (float)(s0 + s1);
     }
 }
 
@@ -316,7 +334,6 @@ AI void rows_portable(int qtype, const uint8_t* row, const act_q* a, int64_t m0,
     float acc[ROW_TILE] = {0};
     for (int64_t g = 0; g < a->G; g++) {
         group_info gi = group_params(qtype, row, g);
-        const float o0 = gi.o0, o1 = gi.o1;
 #if defined(QG_NEON)
         int8x16_t c0, c1;
         codes_neon(qtype, row, g, &c0, &c1);
@@ -333,8 +350,8 @@ AI void rows_portable(int qtype, const uint8_t* row, const act_q* a, int64_t m0,
             for (int i = 0; i < 16; i++) { p0 += u[i] * xq[i]; p1 += u[i + 16] * xq[i + 16]; }
 #endif
             const int64_t gi_idx = (m0 + r) * a->G + g;
-            const float* s = a->s + gi_idx * 2;
-            acc[r] += a->d[gi_idx] * gi.D * (float)(gi.s0 * p0 + gi.s1 * p1) + (o0 * s[0] + o1 * s[1]);
+            acc[r] += a->d[gi_idx] * gi.D * (float)(gi.s0 * p0 + gi.s1 * p1)
+                      + offset_term(qtype, &gi, a->s, a->t, gi_idx);
         }
     }
     for (int r = 0; r < R; r++) out[r] = acc[r];
@@ -398,7 +415,7 @@ AI void group_avx2(int qtype, const uint8_t* row, int64_t g, const act_q* a, int
         const int64_t idx = (m0 + r) * a->G + g;
         const float dx = a->d[idx];
         accv[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(gi.D * dx), accv[r]);
-        accs[r] += gi.o0 * a->s[idx * 2] + gi.o1 * a->s[idx * 2 + 1];
+        accs[r] += offset_term(qtype, &gi, a->s, a->t, idx);
     }
 }
 #endif
@@ -436,9 +453,8 @@ AI void groups_avx512(int qtype, const uint8_t* row, int64_t g, const act_q* a, 
         const __m512 scale = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(g0.D * dx0)),
                                                 _mm256_set1_ps(g1.D * dx1), 1);
         accv[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, accv[r]);
-        const float* s = a->s + idx * 2;
-        accs[r] += g0.o0 * s[0] + g0.o1 * s[1];
-        accs[r] += g1.o0 * s[2] + g1.o1 * s[3];
+        accs[r] += offset_term(qtype, &g0, a->s, a->t, idx);
+        accs[r] += offset_term(qtype, &g1, a->s, a->t, idx + 1);
     }
 }
 #endif
@@ -506,7 +522,8 @@ int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, 
     a.q = (int8_t*)malloc((size_t)(M * K) + 64);
     a.d = (float*)malloc(sizeof(float) * (size_t)(M * a.G));
     a.s = (float*)malloc(sizeof(float) * (size_t)(M * a.G * 2));
-    if (!a.q || !a.d || !a.s) { free(a.q); free(a.d); free(a.s); return -1; }
+    a.t = (float*)malloc(sizeof(float) * (size_t)(M * a.G));
+    if (!a.q || !a.d || !a.s || !a.t) { free(a.q); free(a.d); free(a.s); free(a.t); return -1; }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && M * K >= 32768)
     for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, &a);
     const int64_t rb = row_bytes(qtype, K);
@@ -521,7 +538,7 @@ int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, 
         const int64_t n1 = (t + 1) * NB < N ? (t + 1) * NB : N;
         task(w, rb, &a, t * NB, n1, M, y, y_bf16, ldy);
     }
-    free(a.q); free(a.d); free(a.s);
+    free(a.q); free(a.d); free(a.s); free(a.t);
     return 0;
 }
 
