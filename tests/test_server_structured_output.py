@@ -32,8 +32,10 @@ from tokenmill.tool_calling import extract_tool_calls
 
 MODEL = "SmolLM2-135M-Instruct"  # the served name of the embedded model
 # Engine settings shared by the servers and the offline LLMs (everything else is the default).
-ENGINE_ARGS = ["--kv-cache-memory", "0.25", "--max-model-len", "2048"]
-LLM_KWARGS = {"kv_cache_memory": 0.25, "max_model_len": 2048}
+# The dense path (--quantization none): the tool-call tests rely on what this model writes after tool
+# turns, which the GGUF's native quantized execution changes.
+ENGINE_ARGS = ["--kv-cache-memory", "0.25", "--max-model-len", "2048", "--quantization", "none"]
+LLM_KWARGS = {"kv_cache_memory": 0.25, "max_model_len": 2048, "quantization": "none"}
 TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 BACKENDS = ["guidance", "xgrammar"]
 
