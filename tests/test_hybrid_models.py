@@ -24,6 +24,8 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.kv_cache_manager import KVCacheManager
 from tokenmill.kv_cache.state_slots import StateSlotAllocator
 from tokenmill.linear_attention import chunk_gated_delta_rule, decode_step, recurrent_gated_delta_rule
+from tokenmill.memory_plan import PlanConfig, plan_memory, read_model_shape
+from tokenmill.runner.kv_cache_sizing import GIB
 from tokenmill.models.qwen3_next import Qwen3NextForCausalLM
 from tokenmill.request import RequestStatus
 from tokenmill.scheduler.scheduler import Scheduler
@@ -233,6 +235,49 @@ def test_admission_waits_for_a_state_slot():
     out = step(sched)
     assert "r2" in [r.request_id for r in out.scheduled_requests]
     assert sched.kv_cache_manager.state_slots.slot_of("r2") == 0  # r0's slot, handed on
+
+
+def test_admission_waits_for_kv_blocks_while_state_slots_are_free():
+    sched = _scheduler(num_blocks=6, num_slots=4)  # 6 blocks of 4 tokens; r0 takes 5 of them
+    sched.add_request(make_request("r0", 17, max_tokens=2))
+    sched.add_request(make_request("r1", 9, max_tokens=2))
+    out = step(sched)
+    assert [r.request_id for r in out.scheduled_requests] == ["r0"]  # r1 needs 3 blocks, 1 is free
+    kv = sched.kv_cache_manager
+    assert sched.num_waiting == 1 and kv.state_slots.num_free_slots == 3 and not kv.state_slots.has_slot("r1")
+    while "r0" in sched.requests:
+        step(sched)
+    out = step(sched)
+    assert [r.request_id for r in out.scheduled_requests] == ["r1"] and kv.state_slots.has_slot("r1")
+
+
+def test_plan_counts_full_attention_kv_and_state_bytes_like_the_engine(tiny, capsys):
+    path, _ = tiny
+    shape = read_model_shape(path)
+    assert (shape.num_layers, shape.num_linear_layers, shape.num_kv_layers) == (4, 3, 1)
+    plan = plan_memory(shape, PlanConfig(memory=1.0, kv_cache_memory=0.001, block_size=4, max_num_seqs=8,
+                                         max_model_len=64))
+    # KV: 2 x 1 full-attention layer x 2 kv heads x 16 head_dim x 4 B; state: 3 linear layers x (conv 96 channels
+    # x 3 taps x 4 B + recurrent 4 heads x 16 x 8 x 4 B)
+    assert plan.kv_bytes_per_token == 2 * 1 * 2 * 16 * 4 == 256
+    assert plan.state_bytes_per_sequence == 3 * (96 * 3 * 4 + 4 * 16 * 8 * 4) == 9600
+    assert plan.num_kv_blocks == int(0.001 * GIB) // (4 * 256)
+    assert (plan.num_state_slots, plan.num_state_checkpoints, plan.state_pool_bytes) == (8, 8, 16 * 9600)
+    assert plan.num_sequences_both_pools == min(plan.num_kv_blocks // 16, 8) == 8
+    assert plan.total_bytes == plan.weight_bytes + plan.reserve_bytes + plan.kv_pool_bytes + 16 * 9600
+    no_cache = plan_memory(shape, PlanConfig(memory=1.0, block_size=4, max_num_seqs=8, enable_prefix_caching=False))
+    cached = plan_memory(shape, PlanConfig(memory=1.0, block_size=4, max_num_seqs=8))
+    assert no_cache.kv_budget_bytes - cached.kv_budget_bytes == 8 * 9600  # the checkpoints come out of the budget
+    llm = engine_for(path, num_kv_blocks=256)  # the engine's own pools, built from the weights
+    assert llm.engine.runner.bytes_per_token == plan.kv_bytes_per_token
+    assert llm.engine.runner.state_cache.bytes_per_sequence == plan.state_bytes_per_sequence
+    from tokenmill.cli.main import main
+
+    assert main(["plan", path, "--memory", "1", "--max-num-seqs", "8", "--block-size", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "KV bytes per token: 2 x 1 full-attention layers x 2 kv heads" in text
+    assert "state bytes per sequence: 3 linear layers x" in text and "= 9,600 B" in text
+    assert "8 live slots (max_num_seqs) + 8 prefix-cache checkpoints" in text
 
 
 def test_no_state_slot_leaks_after_2000_random_requests_with_aborts():

@@ -18,6 +18,13 @@ with T = max_num_batched_tokens, S = min(max_num_seqs, T), L = max_model_len, C 
 q = heads × head_dim, kv = kv_heads × head_dim. The KV pool then holds
 floor(kv budget / (block_size × kv_bytes_per_token)) blocks: the engine's own formula
 (``runner.kv_cache_sizing``), so the block count equals ``ModelRunner.num_kv_blocks``.
+
+Hybrid (linear-attention) models (docs/hybrid_models.md): only the full-attention layers count in
+kv_bytes_per_token; each linear layer keeps a fixed state per sequence instead
+(``kv_cache.state_slots.state_bytes_per_sequence``). The engine allocates max_num_seqs live state slots
+and, with prefix caching, max_num_seqs state checkpoints beside the KV pool, so the kv budget from
+``memory`` is usable − weights − reserve − state pools; activations add
+T × (2·qk + 2·v) × 4 (the linear layers' float32 q, k, v and output, qk = value heads × head_k_dim).
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from pathlib import Path
 
 from tokenmill.config import ConfigError, check_int, check_number
 from tokenmill.csrc_build import cpu_has_native_bf16
+from tokenmill.kv_cache.state_slots import state_bytes_per_sequence
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
 
 MIB = 1024**2
@@ -62,6 +70,24 @@ class ModelShape:
     checkpoint_dtype: str | None  # what dtype="auto" follows; None for GGUF
     quantized_params: int = 0  # GGUF: parameters of the matrices --quantization gguf keeps in their blocks
     quantized_bytes: int = 0  # ... and their stored bytes
+    # Hybrid models: the linear-attention layers (no KV; a fixed state per sequence), 0 for attention-only ones.
+    num_linear_layers: int = 0
+    linear_conv_dim: int = 0
+    linear_conv_kernel: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V in the paged pool (a hybrid model's full-attention layers)."""
+        return self.num_layers - self.num_linear_layers
+
+    def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
+        """Linear-layer state of one sequence (0 for attention-only models); conv state in ``dtype_bytes``."""
+        return state_bytes_per_sequence(self.num_linear_layers, self.linear_conv_dim, self.linear_conv_kernel,
+                                        self.linear_num_value_heads, self.linear_key_head_dim,
+                                        self.linear_value_head_dim, dtype_bytes)
 
 
 def _safetensors_header(path: Path) -> dict:
@@ -88,6 +114,14 @@ def _shape_from_config(config, path: Path, file_format: str, num_params: int, nb
     from tokenmill.models.registry import get_model_class
 
     get_model_class(config)  # unsupported architectures fail here, as in the engine
+    linear = {}
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if "linear_attention" in layer_types:  # hybrid Gated DeltaNet model (tokenmill/models/qwen3_next.py)
+        hk, hv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+        linear = dict(num_linear_layers=layer_types.count("linear_attention"), linear_conv_dim=2 * hk * dk + hv * dv,
+                      linear_conv_kernel=int(config.linear_conv_kernel_dim), linear_num_value_heads=hv,
+                      linear_key_head_dim=dk, linear_value_head_dim=dv)
     return ModelShape(
         path=str(path), file_format=file_format, architecture=config.architectures[0],
         num_layers=int(config.num_hidden_layers), hidden_size=int(config.hidden_size),
@@ -96,7 +130,7 @@ def _shape_from_config(config, path: Path, file_format: str, num_params: int, nb
         head_dim=int(head_dim_of(config)), intermediate_size=int(config.intermediate_size),
         vocab_size=int(config.vocab_size), max_position_embeddings=int(config.max_position_embeddings),
         num_params=num_params, checkpoint_bytes=nbytes, checkpoint_dtype=checkpoint_dtype,
-        quantized_params=quantized[0], quantized_bytes=quantized[1],
+        quantized_params=quantized[0], quantized_bytes=quantized[1], **linear,
     )
 
 
@@ -164,6 +198,7 @@ class PlanConfig:
     max_num_seqs: int = 128
     kv_cache_memory: float | None = None
     quantization: str | None = None
+    enable_prefix_caching: bool = True  # hybrid models: prefix caching adds max_num_seqs state checkpoints
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "gguf", "int8", "none"):
@@ -196,6 +231,9 @@ class MemoryPlan:
     kv_bytes_per_token: int
     num_kv_blocks: int
     kv_cache_memory_flag: float  # a short --kv-cache-memory value giving exactly num_kv_blocks
+    state_bytes_per_sequence: int = 0  # hybrid models: linear-layer state of one sequence
+    num_state_slots: int = 0  # live state slots (max_num_seqs) for hybrid models
+    num_state_checkpoints: int = 0  # prefix-cache state checkpoints (max_num_seqs) for hybrid models
 
     @property
     def reserve_bytes(self) -> int:
@@ -219,12 +257,24 @@ class MemoryPlan:
 
     @property
     def num_full_length_sequences(self) -> int:
-        """Sequences of max_model_len tokens that fit at once (whole blocks each)."""
+        """Sequences of max_model_len tokens that fit at once (whole blocks each) in the KV pool."""
         return self.num_kv_blocks // self.blocks_per_sequence
 
     @property
+    def state_pool_bytes(self) -> int:
+        """Hybrid models: live state slots plus state checkpoints (0 for attention-only models)."""
+        return (self.num_state_slots + self.num_state_checkpoints) * self.state_bytes_per_sequence
+
+    @property
+    def num_sequences_both_pools(self) -> int:
+        """Full-length sequences that can run at once: the KV pool's count, capped by the state slots of a
+        hybrid model (the scheduler admits a request only when both pools hold it)."""
+        kv = self.num_full_length_sequences
+        return min(kv, self.num_state_slots) if self.num_state_slots else kv
+
+    @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.reserve_bytes + self.kv_pool_bytes
+        return self.weight_bytes + self.reserve_bytes + self.kv_pool_bytes + self.state_pool_bytes
 
 
 def activation_bytes(shape: ModelShape, dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
@@ -237,6 +287,9 @@ def activation_bytes(shape: ModelShape, dtype_bytes: int, max_num_batched_tokens
     step = t * (4 * shape.hidden_size + 2 * q + 2 * kv + 3 * shape.intermediate_size) * dtype_bytes
     logits = sampled * shape.vocab_size * 4 * 3
     prefill = shape.num_attention_heads * chunk * length * 4 + 2 * length * kv * dtype_bytes
+    if shape.num_linear_layers:  # the linear layers' float32 q and k (per value head), v and output
+        qk = shape.linear_num_value_heads * shape.linear_key_head_dim
+        step += t * (2 * qk + 2 * shape.linear_num_value_heads * shape.linear_value_head_dim) * 4
     return step + logits + prefill
 
 
@@ -299,15 +352,19 @@ def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
     activations = activation_bytes(shape, DTYPE_BYTES[dtype], config.max_num_batched_tokens, config.max_num_seqs,
                                    max_model_len)
     usable = int(config.memory * config.memory_utilization * GIB)
-    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, DTYPE_BYTES[kv_dtype])
+    per_token = kv_bytes_per_token(shape.num_kv_layers, shape.num_kv_heads, shape.head_dim, DTYPE_BYTES[kv_dtype])
     if kv_dtype in QUANTIZED_KV_DTYPES:  # the runner's scales: float16 per token, KV head, K and V, layer
-        per_token += 2 * shape.num_layers * shape.num_kv_heads * 2
+        per_token += 2 * shape.num_kv_layers * shape.num_kv_heads * 2
+    state_per_seq = shape.state_bytes_per_sequence(DTYPE_BYTES[dtype])
+    state_slots = config.max_num_seqs if shape.num_linear_layers else 0
+    checkpoints = state_slots if config.enable_prefix_caching else 0
+    state_pool = (state_slots + checkpoints) * state_per_seq
     if config.kv_cache_memory is not None:
         budget = int(config.kv_cache_memory * GIB)
     else:
-        budget = usable - weights - RUNTIME_OVERHEAD_BYTES - activations
+        budget = usable - weights - RUNTIME_OVERHEAD_BYTES - activations - state_pool
         if budget < config.block_size * per_token:
-            need = (weights + RUNTIME_OVERHEAD_BYTES + activations + config.block_size * per_token) / GIB
+            need = (weights + RUNTIME_OVERHEAD_BYTES + activations + state_pool + config.block_size * per_token) / GIB
             raise ConfigError(f"`memory` {config.memory} GiB x `memory_utilization` {config.memory_utilization} "
                               f"leaves no room for one KV block; weights + reserve + one block need {need:.3f} GiB")
     blocks = num_blocks_for_budget(budget, config.block_size, per_token)  # "memory" left room for one above
@@ -316,6 +373,7 @@ def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
         weight_bytes=weights, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES, activation_bytes=activations,
         usable_bytes=usable, kv_budget_bytes=budget, kv_bytes_per_token=per_token, num_kv_blocks=blocks,
         kv_cache_memory_flag=kv_cache_memory_flag(blocks, config.block_size * per_token, budget),
+        state_bytes_per_sequence=state_per_seq, num_state_slots=state_slots, num_state_checkpoints=checkpoints,
     )
 
 

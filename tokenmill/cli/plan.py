@@ -39,6 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="plan this KV budget in GiB instead of what --memory leaves")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="hybrid models: prefix caching keeps max_num_seqs state checkpoints beside the live state")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -60,6 +62,9 @@ def plan_record(plan: MemoryPlan) -> dict:
         "kv_pool_bytes": plan.kv_pool_bytes, "blocks_per_sequence": plan.blocks_per_sequence,
         "num_full_length_sequences": plan.num_full_length_sequences, "total_bytes": plan.total_bytes,
         "kv_cache_memory_flag": plan.kv_cache_memory_flag,
+        "state_bytes_per_sequence": plan.state_bytes_per_sequence, "num_state_slots": plan.num_state_slots,
+        "num_state_checkpoints": plan.num_state_checkpoints, "state_pool_bytes": plan.state_pool_bytes,
+        "num_sequences_both_pools": plan.num_sequences_both_pools,
     }
 
 
@@ -74,20 +79,28 @@ def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
         f"parameters: {m.num_params:,} x {plan.dtype} = {_gib(plan.weight_bytes)}" if plan.weight_bytes ==
         m.num_params * DTYPE_BYTES[plan.dtype] else f"parameters: {m.num_params:,}, {_gib(plan.weight_bytes)} with "
         f"quantized weights ({c.quantization or 'gguf'}; the rest in {plan.dtype})",
-        f"KV bytes per token: 2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x ({m.head_dim} head_dim x "
+        f"KV bytes per token: 2 x {m.num_kv_layers} {'full-attention ' if m.num_linear_layers else ''}layers x {m.num_kv_heads} kv heads x ({m.head_dim} head_dim x "
         f"{DTYPE_BYTES[plan.kv_cache_dtype]} B ({plan.kv_cache_dtype})"
         + (" + a 2 B scale" if plan.kv_cache_dtype in QUANTIZED_KV_DTYPES else "")
         + f") = {plan.kv_bytes_per_token:,} B; block of {c.block_size} tokens = {plan.bytes_per_block:,} B",
+        *([f"state bytes per sequence: {m.num_linear_layers} linear layers x (conv {m.linear_conv_dim} x "
+           f"{m.linear_conv_kernel - 1} x {DTYPE_BYTES[plan.dtype]} B + recurrent {m.linear_num_value_heads} heads x "
+           f"{m.linear_key_head_dim} x {m.linear_value_head_dim} x 4 B) = {plan.state_bytes_per_sequence:,} B; "
+           f"state pool: {plan.num_state_slots} live slots (max_num_seqs) + {plan.num_state_checkpoints} prefix-cache "
+           f"checkpoints = {_gib(plan.state_pool_bytes)}"] if m.num_linear_layers else []),
         f"memory: {c.memory:g} GiB x {c.memory_utilization:g} = {_gib(plan.usable_bytes)} usable",
         f"reserve: {_gib(plan.reserve_bytes)} = runtime overhead {_gib(plan.runtime_overhead_bytes)} + activations "
         f"{_gib(plan.activation_bytes)} (one step of {c.max_num_batched_tokens} tokens, {sampled_rows} sampled rows, "
         f"one prefill chunk over {plan.max_model_len} tokens)",
         f"KV budget: {_gib(plan.kv_budget_bytes)}"
-        + (" (given by --kv-cache-memory)" if c.kv_cache_memory is not None else " (usable - weights - reserve)"),
+        + (" (given by --kv-cache-memory)" if c.kv_cache_memory is not None else
+           " (usable - weights - reserve" + (" - state pool)" if m.num_linear_layers else ")")),
         f"KV pool: {plan.num_kv_blocks:,} blocks x {c.block_size} = {plan.num_kv_tokens:,} tokens "
         f"({_gib(plan.kv_pool_bytes)})",
         f"full-length sequences ({plan.max_model_len} tokens, {plan.blocks_per_sequence} blocks each) at once: "
-        f"{plan.num_full_length_sequences:,}",
+        f"{plan.num_full_length_sequences:,}"
+        + (f" in the KV pool; {plan.num_sequences_both_pools:,} with the state pool's {plan.num_state_slots} slots"
+           if m.num_linear_layers else ""),
         f"total: {_gib(plan.total_bytes)} of {_gib(plan.usable_bytes)} usable",
         "equivalent: tokenmill serve "
         + (f"{model_arg} " if model_arg else "")
@@ -112,6 +125,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     plan = plan_memory(read_model_shape(args.model), config)
     print(json.dumps(plan_record(plan), indent=2) if args.json else format_plan(plan, args.model))

@@ -8,6 +8,15 @@ frees the slot in ``free`` (finish, abort, preemption); recompute starts the sta
 from __future__ import annotations
 
 
+def state_bytes_per_sequence(num_linear_layers: int, conv_dim: int, conv_kernel: int, num_v_heads: int,
+                             head_k_dim: int, head_v_dim: int, conv_dtype_bytes: int) -> int:
+    """Bytes one sequence's state slot holds across a hybrid model's linear layers: per layer the conv state
+    (``conv_dim`` x (``conv_kernel`` - 1) in the activation dtype) and the recurrent state (``num_v_heads`` x
+    ``head_k_dim`` x ``head_v_dim`` float32). Shared by the runner's pool and `tokenmill plan`."""
+    conv = conv_dim * (conv_kernel - 1) * conv_dtype_bytes
+    return num_linear_layers * (conv + num_v_heads * head_k_dim * head_v_dim * 4)
+
+
 class StateSlotAllocator:
     """O(1) allocation of ``num_slots`` state slots keyed by request id.
 
