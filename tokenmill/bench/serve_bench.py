@@ -84,7 +84,7 @@ def chat_prompt_len(tokenizer: Any, messages: list[dict[str, str]]) -> int:
 class _Pending:
     """A finished request waiting for token counts: its reply and what was sent."""
 
-    def __init__(self, reply: Reply, sent: str | list[dict[str, str]], client_prompt_len: int) -> None:
+    def __init__(self, reply: Reply, sent: str | list[int] | list[dict[str, str]], client_prompt_len: int) -> None:
         self.reply = reply
         self.sent = sent
         self.client_prompt_len = client_prompt_len
@@ -105,7 +105,7 @@ def _count_tokens(pending: list[_Pending], tokenizer: Any) -> tuple[list[Request
             sources.add("tokenizer")
         if p.reply.usage_prompt_tokens is not None:
             r.prompt_len = p.reply.usage_prompt_tokens
-        elif isinstance(p.sent, list):
+        elif isinstance(p.sent, list) and p.sent and isinstance(p.sent[0], dict):
             r.prompt_len = chat_prompt_len(tokenizer, p.sent)
         else:
             r.prompt_len = p.client_prompt_len
@@ -126,7 +126,9 @@ async def _run_conversation(client: Any, config: ClientConfig, conv: Conversatio
             continue
         if config.endpoint == "chat":
             messages.append({"role": "user", "content": turn.prompt})
-            sent: str | list[dict[str, str]] = list(messages)
+            sent: str | list[int] | list[dict[str, str]] = list(messages)
+        elif config.send_token_ids and turn.prompt_token_ids:
+            sent = list(turn.prompt_token_ids)
         else:
             sent = turn.prompt
         reply = await send_request(client, config, sent, turn.expected_output_len, run_start)

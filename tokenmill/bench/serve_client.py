@@ -29,6 +29,8 @@ class ClientConfig:
         top_p, top_k, min_p: sent with every request when set (vLLM's ``bench serve`` flags; top_k and
             min_p as extra fields); None: the server's default.
         ignore_eos: ask the server to generate exactly max_tokens (vLLM/tokenmill extra field).
+        send_token_ids: completions only: send each prompt as its token ids (the workload's own
+            tokenization) instead of its text, so servers with different tokenizer code get the same tokens.
         api_key: bearer key (default: $OPENAI_API_KEY, else a dummy).
         timeout_s: per-request timeout.
     """
@@ -41,6 +43,7 @@ class ClientConfig:
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool = False
+    send_token_ids: bool = False
     api_key: str | None = None
     timeout_s: float = 600.0
 
@@ -103,13 +106,13 @@ def _chunk_text(chunk: Any, endpoint: Endpoint) -> tuple[str, str | None]:
 async def send_request(
     client: Any,
     config: ClientConfig,
-    prompt: str | list[dict[str, str]],
+    prompt: str | list[int] | list[dict[str, str]],
     max_tokens: int,
     run_start: float,
 ) -> Reply:
     """Send one streamed request and time it.
 
-    ``prompt`` is the text (completions) or the message list (chat). TTFT is taken at the first
+    ``prompt`` is the text or token ids (completions) or the message list (chat). TTFT is taken at the first
     chunk with content (or, when nothing decodes to text, at the chunk carrying the finish
     reason), each later content chunk adds one ITL gap, and E2EL ends when the stream closes. ``run_start`` is the ``time.perf_counter()`` the run's ``start_time`` values are relative to.
     """

@@ -70,12 +70,27 @@ def register(subparsers) -> None:
     offline.add_argument("--disable-tqdm", action="store_true")
     offline.set_defaults(func=cmd_bench_offline)
 
-    compare = sub.add_parser("compare", help="the same workload on tokenmill (offline) and installed peers")
+    compare = sub.add_parser("compare", help="the same workload on tokenmill and peers: in-process (--peers) or "
+                                              "over HTTP against native servers (--peer llama-server)")
     add_engine_args(compare)
     add_dataset_args(compare, with_seed=False)
-    compare.add_argument("--peers", default="transformers,llama_cpp",
-                         help="comma-separated peers (transformers, llama_cpp) or 'none'; absent ones are skipped")
+    compare.add_argument("--peers", default=None,
+                         help="in-process peers, comma-separated (transformers, llama_cpp) or 'none' (default: both; "
+                              "none with --peer); absent ones are skipped")
     compare.add_argument("--peer-batch-size", type=int, default=32, help="transformers generate batch size")
+    compare.add_argument("--peer", dest="server_peers", action="append", default=[], metavar="NAME[=PATH]",
+                         help="a native server peer (repeatable): llama-server (this CPU's build from "
+                              "scripts/build_llama_server.sh) or llama-server=PATH; tokenmill then runs as its own "
+                              "server and the same workload goes through both over HTTP")
+    compare.add_argument("--max-concurrency", type=int, default=None,
+                         help="with --peer: most requests in flight (default: all at once)")
+    compare.add_argument("--peer-parallel", type=int, default=None,
+                         help="with --peer: llama-server slots, -np (default: --max-concurrency, else the number of "
+                              "requests, at most --max-num-seqs)")
+    compare.add_argument("--peer-args", default="",
+                         help="with --peer: extra llama-server arguments in one string, e.g. --peer-args='-ub 256'")
+    compare.add_argument("--timeout", type=float, default=3600.0, help="with --peer: per-request timeout in seconds")
+    compare.add_argument("--disable-tqdm", action="store_true")
     compare.add_argument("--result-file", type=Path, default=None, help="write the comparison JSON here")
     compare.set_defaults(func=cmd_bench_compare)
 
@@ -160,21 +175,79 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def server_compare_config(args: argparse.Namespace, num_requests: int):
+    """The ``ServerCompareConfig`` of ``bench compare --peer``: every engine on ``--num-threads`` (default:
+    the CPUs this process may use), llama-server's slots from ``--peer-parallel`` or the concurrency.
+
+    Raises:
+        ValueError: naming the flag, for values out of range.
+    """
+    import shlex
+
+    from tokenmill.bench.server_compare import ServerCompareConfig
+    from tokenmill.runner.cpu_threads import available_cpus
+
+    if args.peer_parallel is not None and args.peer_parallel < 1:
+        raise ValueError(f"peer_parallel must be >= 1, got {args.peer_parallel}")
+    parallel = args.peer_parallel or min(args.max_concurrency or num_requests, num_requests, args.max_num_seqs)
+    return ServerCompareConfig(threads=args.num_threads or available_cpus(), max_concurrency=args.max_concurrency,
+                               parallel=parallel, peer_args=tuple(shlex.split(args.peer_args)), timeout_s=args.timeout,
+                               log_level=args.log_level or "WARNING", disable_tqdm=args.disable_tqdm)
+
+
+def _check_compare_mode(args: argparse.Namespace) -> None:
+    """``--peers`` (in-process) and ``--peer`` (servers) are two modes; the server-only flags need ``--peer``.
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    if args.server_peers and args.peers not in (None, "", "none"):
+        raise ValueError("peers: --peers (in-process, tokenmill offline) and --peer (native servers, tokenmill "
+                         "serve) are separate comparisons; run them one at a time")
+    if not args.server_peers:
+        for flag, value in (("max_concurrency", args.max_concurrency), ("peer_parallel", args.peer_parallel),
+                            ("peer_args", args.peer_args or None)):
+            if value is not None:
+                raise ValueError(f"{flag}: only with --peer (a server comparison)")
+
+
 def cmd_bench_compare(args: argparse.Namespace) -> int:
     """Run tokenmill and the peers on one single-turn workload and print the table; returns the exit code."""
     from tokenmill.bench.compare import compare_engines, compare_record, format_compare_table
-    from tokenmill.engine.llm import LLM
 
     dataset = dataset_config(args)
     if dataset.name == "multi-turn":
         raise ValueError("dataset_name: compare runs single-turn datasets only")
-    peers = [] if args.peers in ("", "none") else [p.strip() for p in args.peers.split(",") if p.strip()]
+    _check_compare_mode(args)
+    if args.server_peers:
+        return _cmd_compare_servers(args, dataset)
+    from tokenmill.engine.llm import LLM
+
+    peers_text = "transformers,llama_cpp" if args.peers is None else args.peers
+    peers = [] if peers_text in ("", "none") else [p.strip() for p in peers_text.split(",") if p.strip()]
     tokenizer = load_tokenizer(args.model)
     requests = [c.turns[0] for c in build_workload(dataset, tokenizer)]
     runs, skipped, notes = compare_engines(lambda: LLM(**engine_kwargs(args)), args.model, requests, peers,
                                            args.peer_batch_size, args.num_threads)
     print(format_compare_table(runs, skipped, notes))
     _write_result(args, dataset, compare_record(runs, skipped, notes))
+    return 0
+
+
+def _cmd_compare_servers(args: argparse.Namespace, dataset) -> int:
+    """``bench compare --peer ...``: tokenmill's server and each native peer server on one workload."""
+    from tokenmill.bench.llama_server import parse_peer
+    from tokenmill.bench.server_compare import compare_servers, format_server_table, server_compare_record
+
+    peers = [parse_peer(text) for text in args.server_peers]
+    for noisy in ("httpx2", "httpx"):  # one INFO line per HTTP request (health polls included)
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    tokenizer = load_tokenizer(args.model)
+    requests = [c.turns[0] for c in build_workload(dataset, tokenizer)]
+    config = server_compare_config(args, len(requests))
+    runs, skipped, notes, commands = compare_servers(engine_kwargs(args), peers, requests, config, tokenizer)
+    print(format_server_table(runs, skipped, notes))
+    _write_result(args, dataset, server_compare_record(runs, skipped, notes, commands, config))
     return 0
 
 
