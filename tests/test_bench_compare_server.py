@@ -26,7 +26,14 @@ from tokenmill.bench.llama_server import (
     skip_reason,
     slot_context,
 )
-from tokenmill.bench.server_compare import warmup_request
+from tokenmill.bench.metrics import RequestResult, calculate_metrics
+from tokenmill.bench.server_compare import (
+    ServedRun,
+    consistency_notes,
+    format_server_table,
+    server_ratios,
+    warmup_request,
+)
 from tokenmill.cli.main import build_parser, main
 
 
@@ -88,6 +95,31 @@ def test_llama_server_command_sizes_slots_for_the_longest_request():
     warm = warmup_request([request])
     assert warm.prompt_token_ids == list(range(115, 99, -1))  # shares no prefix with the workload
     assert warm.expected_output_len == 4
+
+
+def test_ratios_and_notes_come_from_the_measured_runs_only():
+    def served(engine: str, outputs: list[int], wall: float, ok: bool = True, prompt: int = 10) -> ServedRun:
+        results = [RequestResult(ok, prompt_len=prompt, output_len=n if ok else 0, ttft=0.1 if ok else None,
+                                 e2el=0.1 + 0.01 * (n - 1) if ok else None, error="" if ok else "HTTP 500")
+                   for n in outputs]
+        return ServedRun(engine, calculate_metrics(results, wall), asked_output_tokens=8, load_s=1.0, note=engine,
+                         errors="" if ok else "  2 x HTTP 500")
+
+    tm, peer = served("tokenmill", [4, 4], 1.0), served("llama-server", [4, 4], 2.0)
+    ratios = server_ratios([tm, peer])
+    assert ratios["output_tok_s tokenmill/llama-server"] == pytest.approx(2.0)
+    assert ratios["total_tok_s tokenmill/llama-server"] == pytest.approx(2.0)
+    assert ratios["decode_tok_s tokenmill/llama-server"] == pytest.approx(1.0)  # same 10 ms per token
+    assert tm.decode_throughput == pytest.approx(100.0) and consistency_notes([tm, peer]) == []
+    failed = served("llama-server", [4, 4], 2.0, ok=False)
+    assert server_ratios([tm, failed]) == {}  # nothing measured, no ratio
+    short, other_prompt = served("llama-server", [4, 3], 2.0), served("llama-server", [4, 4], 2.0, prompt=11)
+    notes = consistency_notes([tm, failed, short, other_prompt])
+    assert notes == ["llama-server: 2 of 2 requests failed:\n  2 x HTTP 500",
+                     "llama-server: generated 7 tokens, 8 asked",
+                     "llama-server: 22 input tokens against tokenmill's 20"]
+    table = format_server_table([tm, peer], {"llama-server=/x": "no llama-server binary at /x"}, notes)
+    assert "skipped llama-server=/x: no llama-server binary at /x" in table and "note: llama-server: generated" in table
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,8 @@ from tokenmill.bench.workload import Conversation
 
 WARMUP_PROMPT_TOKENS = 16
 WARMUP_OUTPUT_TOKENS = 4
+# llama-server stops a slot once prompt + generated tokens + 1 reach its context: room for that, and one more.
+SLOT_MARGIN = 2
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ def run_tokenmill_server(engine_kwargs: dict, requests: list[SampledRequest], co
 def run_llama_server(peer: ServerPeer, model_path: Any, requests: list[SampledRequest], config: ServerCompareConfig,
                      tokenizer: Any) -> tuple[ServedRun, list[str]]:
     """llama-server on ``model_path`` with ``config``'s threads and slots, each slot sized for the longest
-    request; returns the run and its command line.
+    request (plus ``SLOT_MARGIN``); returns the run and its command line.
 
     Raises:
         RuntimeError: the server exited or was not healthy in time (the message carries its log).
@@ -177,7 +179,7 @@ def run_llama_server(peer: ServerPeer, model_path: Any, requests: list[SampledRe
 
     longest = max(r.prompt_len + r.expected_output_len for r in [*requests, warmup_request(requests)])
     port = free_port()
-    slot_tokens = slot_context(longest)
+    slot_tokens = slot_context(longest + SLOT_MARGIN)
     command = llama_server_command(peer.binary, model_path, config.threads, config.parallel, slot_tokens, port,
                                    config.peer_args)
     version = binary_version(peer.binary)
