@@ -5,8 +5,12 @@
   written by transformers' save_pretrained): greedy tokens equal transformers' for one request and 16
   concurrent ones, under chunk budgets 1, 7 and 64 and under forced preemption; prompt log-probabilities
   within 1e-4.
-- State-pool accounting with no weights: 2,000 random requests with aborts leak no slot, and admission
-  waits when the state pool is full while the KV pool has room.
+- Prefix caching: hits at and between the block-aligned state checkpoints give the tokens and log-probabilities
+  of no caching, and report the reuse they really get (cut to the checkpoint).
+- Deterministic mode: a request's tokens, logprobs and prompt logprobs are bit-identical alone, among other
+  requests with another chunk budget, and resumed from a prefix hit.
+- State-pool accounting with no weights: 2,000 random requests with aborts leak no slot or checkpoint, and
+  admission waits when either pool is full while the other has room; `tokenmill plan` matches the engine.
 """
 from __future__ import annotations
 
@@ -17,13 +21,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig
 
-from tests.scheduler_helpers import make_request, step
+from tests.scheduler_helpers import make_request, runner_output, step
 from tests.tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, smollm2_tokenizer
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.kv_cache_manager import KVCacheManager
-from tokenmill.kv_cache.state_slots import StateSlotAllocator
-from tokenmill.linear_attention import chunk_gated_delta_rule, decode_step, recurrent_gated_delta_rule
+from tokenmill.kv_cache.state_slots import StateCheckpoints, StateSlotAllocator
+from tokenmill.linear_attention import chunk_gated_delta_rule, decode_step, invariant_ops, recurrent_gated_delta_rule
 from tokenmill.memory_plan import PlanConfig, plan_memory, read_model_shape
 from tokenmill.runner.kv_cache_sizing import GIB
 from tokenmill.models.qwen3_next import Qwen3NextForCausalLM
@@ -107,8 +111,9 @@ def tm_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 # ---- the delta rule itself -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("length,chunk_size", [(1, 64), (7, 3), (64, 64), (100, 64), (130, 16)])
-def test_chunked_delta_rule_equals_token_recurrence_float64(length, chunk_size):
+@pytest.mark.parametrize("length,chunk_size,position", [(1, 64, 0), (7, 3, 1), (64, 64, 0), (100, 64, 37),
+                                                        (130, 16, 5)])
+def test_chunked_delta_rule_equals_token_recurrence_float64(length, chunk_size, position):
     gen = torch.Generator().manual_seed(length)
     heads, dk, dv = 3, 8, 5
     q = torch.nn.functional.normalize(torch.randn(length, heads, dk, generator=gen, dtype=torch.float64), dim=-1)
@@ -118,7 +123,7 @@ def test_chunked_delta_rule_equals_token_recurrence_float64(length, chunk_size):
     beta = torch.rand(length, heads, generator=gen, dtype=torch.float64)
     s0 = torch.randn(heads, dk, dv, generator=gen, dtype=torch.float64)
     ref_out, ref_state = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
-    out, state = chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk_size)
+    out, state = chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk_size, position=position)
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)  # stated bound: 1e-10 absolute in float64
     torch.testing.assert_close(state, ref_state, atol=1e-10, rtol=0)
     # the batched decode update is the recurrence's one-token case
@@ -127,6 +132,27 @@ def test_chunked_delta_rule_equals_token_recurrence_float64(length, chunk_size):
     r1, rs1 = recurrent_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], s0)
     torch.testing.assert_close(o1, r1, atol=1e-12, rtol=0)
     torch.testing.assert_close(st[0], rs1, atol=1e-12, rtol=0)
+
+
+def test_invariant_kernel_is_the_recurrence_and_independent_of_batching_and_splits():
+    gen = torch.Generator().manual_seed(3)
+    length, heads, dk, dv = 40, 4, 16, 8
+    q = torch.nn.functional.normalize(torch.randn(2 * length, heads, dk, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(2 * length, heads, dk, generator=gen), dim=-1)
+    v, s0 = torch.randn(2 * length, heads, dv, generator=gen), torch.randn(2, heads, dk, dv, generator=gen)
+    g, beta = -3 * torch.rand(2 * length, heads, generator=gen), torch.rand(2 * length, heads, generator=gen)
+    state = s0.clone()
+    out = invariant_ops.recurrent_rule(q, k, v, g, beta, state)  # two sequences of 40 tokens in one call
+    for s in range(2):  # float64 reference within float32 rounding
+        rows = slice(s * length, (s + 1) * length)
+        ref_out, ref_state = recurrent_gated_delta_rule(*(x[rows].double() for x in (q, k, v, g, beta)),
+                                                        s0[s].double())
+        torch.testing.assert_close(out[rows].double(), ref_out, atol=1e-5, rtol=0)
+        torch.testing.assert_close(state[s].double(), ref_state, atol=1e-5, rtol=0)
+    split = s0[1:].clone()  # the second sequence alone, split after 13 tokens: the same bits
+    first = invariant_ops.recurrent_rule(*(x[length : length + 13] for x in (q, k, v, g, beta)), split)
+    rest = invariant_ops.recurrent_rule(*(x[length + 13 :] for x in (q, k, v, g, beta)), split)
+    assert torch.equal(torch.cat((first, rest)), out[length:]) and torch.equal(split[0], state[1])
 
 
 # ---- end to end against transformers ----------------------------------------------------------
@@ -199,12 +225,91 @@ def test_n_greater_than_one_gives_each_sequence_its_own_state(tiny):
     assert kv.state_slots.num_free_slots == kv.state_slots.num_slots
 
 
-@pytest.mark.parametrize("setting", [{"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-                                     {"deterministic": True}])
-def test_features_without_state_support_are_refused(tiny, setting):
+def test_speculative_decoding_is_refused_naming_the_setting(tiny):
     path, _ = tiny
-    with pytest.raises(ValueError, match=next(iter(setting))):
-        LLM(model=path, dtype="float32", num_kv_blocks=64, num_threads=1, **setting)
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(model=path, dtype="float32", num_kv_blocks=64, num_threads=1,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+# ---- prefix caching: state checkpoints ---------------------------------------------------------
+
+GREEDY_LOGPROBS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+
+
+def run_one(llm: LLM, prompt: list[int], params: SamplingParams = GREEDY_LOGPROBS):
+    """(token ids, logprob of each, num_cached_tokens, prompt logprobs) of one request."""
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    seq = out.outputs[0]
+    logprobs = [entry[t].logprob for t, entry in zip(seq.token_ids, seq.logprobs or [])]
+    return seq.token_ids, logprobs, out.num_cached_tokens, out.prompt_logprobs
+
+
+def test_prefix_hits_at_and_between_checkpoints_equal_no_caching(tiny):
+    path, _ = tiny
+    # blocks of 4 tokens, a state checkpoint every 2 blocks: after tokens 8, 16, 24, ...
+    cached = engine_for(path, num_kv_blocks=256, state_checkpoint_interval=2)
+    # the module's shared engine: its checkpoints come every 8 blocks (32 tokens), so nothing here hits there
+    plain = engine_for(path, num_kv_blocks=256)
+    base = random_prompts(1, seed=11, lo=29, hi=30)[0]
+    tail = random_prompts(2, seed=12, lo=5, hi=6)
+    cold = run_one(cached, base)  # computes the prompt, saving checkpoints at 8, 16 and 24
+    ref = run_one(plain, base)
+    assert cold[2] == 0 and cold[0] == ref[0] and max(abs(x - y) for x, y in zip(cold[1], ref[1])) < 1e-5
+    for prompt, reuse in ((base[:24] + tail[0], 24),  # matches 6 blocks: resumes at the checkpoint after 24
+                          (base[:22] + tail[1], 16)):  # matches 5 blocks: cut back to the checkpoint after 16
+        tokens, logprobs, num_cached, _ = run_one(cached, prompt)
+        ref_tokens, ref_logprobs, ref_cached, _ = run_one(plain, prompt)
+        assert num_cached == reuse and ref_cached == 0 and tokens == ref_tokens
+        assert max(abs(x - y) for x, y in zip(logprobs, ref_logprobs)) < 1e-5
+    # prompt log-probabilities of a request that saves checkpoints (its chunks split there) equal no caching's
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    got, ref = run_one(cached, base + tail[0], params)[3], run_one(plain, base + tail[0], params)[3]
+    ids = base + tail[0]
+    assert max(abs(got[i][ids[i]].logprob - ref[i][ids[i]].logprob) for i in range(1, len(ids))) < 1e-5
+    cached.engine.check_integrity()
+    assert len(cached.engine.kv_cache_manager.state_slots.checkpoints) >= 3
+
+
+def test_deterministic_mode_is_bit_identical_across_batches_chunks_and_prefix_hits(tiny):
+    path, hf = tiny
+    # 7-token chunks shared by the batch: the target's prompt is cut differently alone and among others
+    llm = engine_for(path, num_kv_blocks=256, deterministic=True, max_num_batched_tokens=7, max_num_seqs=4,
+                     state_checkpoint_interval=2)
+    target = random_prompts(1, seed=21, lo=27, hi=28)[0]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+
+    def bits(out):
+        seq = out.outputs[0]
+        return (seq.token_ids, [{t: e.logprob for t, e in d.items()} for d in seq.logprobs],
+                [d and {t: e.logprob for t, e in d.items()} for d in out.prompt_logprobs or []])
+
+    alone = bits(llm.generate({"prompt_token_ids": target}, params)[0])
+    resumed = llm.generate({"prompt_token_ids": target}, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                                         ignore_eos=True, logprobs=2))[0]
+    assert resumed.num_cached_tokens == 24 and bits(resumed)[:2] == alone[:2]  # state restored at token 24
+    others = random_prompts(3, seed=22, lo=5, hi=20)
+    batch = llm.generate([{"prompt_token_ids": p} for p in (others[0], target, *others[1:])], params)
+    assert bits(batch[1]) == alone
+    assert hf_greedy_agrees(hf, [target], [alone[0]])
+    llm.engine.check_integrity()
+
+
+def test_checkpoints_leave_with_their_blocks_and_bound_memory():
+    checkpoints = StateCheckpoints(num_slots=2, interval=1)
+    assert [checkpoints.reserve(h) for h in (11, 12)] == [0, 1] and checkpoints.reserve(11) is None
+    assert checkpoints.reserve(13) is None  # both slots are written this step: none is taken from under it
+    checkpoints.end_step()
+    assert checkpoints.ready_slot(11) == 0
+    checkpoints.use(11)  # 11 restored this step: most recently used, and busy
+    assert checkpoints.reserve(13) == 1  # the least recently used (12) gives way
+    checkpoints.drop(11)  # its block was evicted: the slot is free once this step has run
+    assert checkpoints.ready_slot(11) is None and checkpoints.reserve(14) is None
+    checkpoints.end_step()
+    assert checkpoints.reserve(14) == 0
+    checkpoints.clear()
+    checkpoints.check_integrity()
+    assert len(checkpoints) == 0
 
 
 def test_moe_qwen3_next_is_refused_naming_the_field():
@@ -217,9 +322,13 @@ def test_moe_qwen3_next_is_refused_naming_the_field():
 # ---- state-pool accounting (no weights) -------------------------------------------------------
 
 
-def _scheduler(num_blocks: int, num_slots: int, max_num_seqs: int = 8, budget: int = 32) -> Scheduler:
-    kv = KVCacheManager(num_blocks, 4, enable_caching=False)
+def _scheduler(num_blocks: int, num_slots: int, max_num_seqs: int = 8, budget: int = 32,
+               num_checkpoints: int = 0) -> Scheduler:
+    kv = KVCacheManager(num_blocks, 4, enable_caching=num_checkpoints > 0)
     kv.state_slots = StateSlotAllocator(num_slots)
+    if num_checkpoints:
+        kv.state_slots.checkpoints = checkpoints = StateCheckpoints(num_checkpoints, interval=2)
+        kv.block_pool.on_evict = lambda block_id, block_hash: checkpoints.drop(block_hash)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=128)
     return Scheduler(config, kv)
 
@@ -280,17 +389,29 @@ def test_plan_counts_full_attention_kv_and_state_bytes_like_the_engine(tiny, cap
     assert "8 live slots (max_num_seqs) + 8 prefix-cache checkpoints" in text
 
 
-def test_no_state_slot_leaks_after_2000_random_requests_with_aborts():
+@pytest.mark.parametrize("num_checkpoints", [0, 3])
+def test_no_state_slot_leaks_after_2000_random_requests_with_aborts(num_checkpoints):
     rng = random.Random(0)
-    sched = _scheduler(num_blocks=20, num_slots=5, max_num_seqs=6, budget=24)
+    sched = _scheduler(num_blocks=20, num_slots=5, max_num_seqs=6, budget=24, num_checkpoints=num_checkpoints)
     kv = sched.kv_cache_manager
-    next_id = 0
+    next_id = num_restored = 0
     while next_id < 2000 or sched.has_unfinished_requests():
         if next_id < 2000:
-            for _ in range(rng.randrange(0, 3)):
+            for _ in range(rng.randrange(0, 3)):  # prompts 10, 11, 12, ...: shared prefixes, so prefix hits
                 sched.add_request(make_request(f"r{next_id}", rng.randrange(1, 30), max_tokens=rng.randrange(1, 8)))
                 next_id += 1
-        step(sched)
+        computed = {r.request_id: r.num_computed_tokens for r in sched.running}
+        out = sched.schedule()
+        ops = kv.state_slots.take_step_ops()  # what the runner does before the forward
+        chunk = {r.request_id: (r.num_computed_tokens, n) for r, n in zip(out.scheduled_requests,
+                                                                         out.num_scheduled_tokens)}
+        for rid, _ in ops.restores:  # only requests admitted now, resuming at a checkpoint boundary
+            assert rid not in computed and chunk[rid][0] > 0 and chunk[rid][0] % 8 == 0
+        num_restored += len(ops.restores)
+        for rid, position, _ in ops.saves:  # block-aligned positions inside the step's chunk
+            start, n = chunk[rid]
+            assert position % 8 == 0 and start < position <= start + n
+        sched.update_from_output(out, runner_output(out))
         if sched.requests and rng.random() < 0.2:
             sched.finish_requests([rng.choice(list(sched.requests))], RequestStatus.FINISHED_ABORTED)
         kv.check_integrity()
@@ -298,3 +419,4 @@ def test_no_state_slot_leaks_after_2000_random_requests_with_aborts():
         assert all(kv.state_slots.has_slot(r.request_id) for r in sched.running)
     assert sched.num_preemptions_total > 0  # the KV pool was tight enough to preempt (state freed with it)
     assert kv.state_slots.num_free_slots == 5 and kv.block_pool.num_free_blocks == 20
+    assert (num_restored > 0) == (num_checkpoints > 0)

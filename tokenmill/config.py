@@ -95,6 +95,9 @@ class CacheConfig:
             estimate (None: the tier's size); needs ``kv_offload_disk_path``.
         kv_cache_dtype: ``auto`` (the model's dtype), ``int8`` or ``fp8_e4m3`` (``fp8``): K/V stored in one
             byte with a float16 scale per token and KV head (tokenmill/attention/kv_quant.py).
+        state_checkpoint_interval: hybrid (linear-attention) models with prefix caching: keep the linear
+            layers' state every this many blocks, so a prefix hit resumes from the latest one at or
+            below the matched length (docs/hybrid_models.md).
 
     Raises:
         ConfigError: a setting out of range, or a disk-tier size without a disk-tier path.
@@ -109,6 +112,7 @@ class CacheConfig:
     kv_offload_disk_size_gib: float | None = None
     kv_offload_disk_drive_size_gib: float | None = None
     kv_cache_dtype: str = "auto"
+    state_checkpoint_interval: int = 8
 
     @property
     def disk_tier_size_gib(self) -> float:
@@ -129,6 +133,7 @@ class CacheConfig:
             raise ConfigError("`kv_cache_dtype` int8/fp8 does not work with the KV offload tiers yet "
                               "(`kv_offload_memory` / `kv_offload_disk_path`): use one of the two")
         check_int("block_size", self.block_size)
+        check_int("state_checkpoint_interval", self.state_checkpoint_interval)
         check_int("num_kv_blocks", self.num_kv_blocks, optional=True)
         check_number("kv_cache_memory", self.kv_cache_memory_gib, 0, inclusive=False)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)

@@ -42,6 +42,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3", "fp8"),
                         help="KV cache storage: auto (the model's dtype), or int8 / fp8_e4m3 (fp8) with a scale per "
                              "token and KV head: about twice the tokens of bf16 in the same memory (docs/kv_cache_dtype.md)")
+    parser.add_argument("--state-checkpoint-interval", type=int, default=8, metavar="BLOCKS",
+                        help="hybrid linear-attention models: keep the linear layers' state every BLOCKS blocks for "
+                             "prefix caching (docs/hybrid_models.md)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="CUDA: fraction of device memory for weights + activations + KV cache")
@@ -86,7 +89,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed, num_threads=args.num_threads, deterministic=args.deterministic,
         kv_offload_memory=args.kv_offload_memory, kv_offload_disk_path=args.kv_offload_disk_path,
         kv_offload_disk_size=args.kv_offload_disk_size, kv_offload_disk_drive_size=args.kv_offload_disk_drive_size,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, state_checkpoint_interval=args.state_checkpoint_interval,
         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         cpu_kernels=args.cpu_kernels, structured_outputs_config=args.structured_outputs_config,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,

@@ -43,6 +43,8 @@ class LLM:
         kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8_e4m3" ("fp8"): K/V in one byte with
             a scale per token and KV head, about twice the tokens of bf16 in the same memory (CPU;
             docs/kv_cache_dtype.md).
+        state_checkpoint_interval: hybrid linear-attention models with prefix caching: a state
+            checkpoint every this many blocks; a prefix hit resumes from the latest one (docs/hybrid_models.md).
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         gpu_memory_utilization: on CUDA, the fraction of device memory for weights, activations
             and KV cache; the KV pool gets what a profiling forward pass leaves.
@@ -103,6 +105,7 @@ class LLM:
         speculative_config: dict | str | SpeculativeConfig | None = None,
         quantization: str | None = None,
         kv_transfer_config: dict | str | None = None,
+        state_checkpoint_interval: int = 8,
     ) -> None:
         config = build_engine_config(
             model=model, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -117,6 +120,7 @@ class LLM:
             structured_outputs_config=structured_outputs_config, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, kv_events_config=kv_events_config,
             speculative_config=speculative_config, quantization=quantization, kv_transfer_config=kv_transfer_config,
+            state_checkpoint_interval=state_checkpoint_interval,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -296,6 +300,7 @@ def build_engine_config(
     speculative_config: dict | str | SpeculativeConfig | None = None,
     quantization: str | None = None,
     kv_transfer_config: dict | str | None = None,
+    state_checkpoint_interval: int = 8,
 ) -> EngineConfig:
     """The EngineConfig for ``LLM(**kwargs)`` (same keyword names), without loading anything.
 
@@ -332,6 +337,7 @@ def build_engine_config(
             kv_offload_disk_size_gib=kv_offload_disk_size,
             kv_offload_disk_drive_size_gib=kv_offload_disk_drive_size,
             kv_cache_dtype=kv_cache_dtype,
+            state_checkpoint_interval=state_checkpoint_interval,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,

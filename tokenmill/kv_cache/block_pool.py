@@ -101,6 +101,8 @@ class BlockPool:
         self.on_evict: Callable[[int, int], None] | None = None
         # KV events (tokenmill.kv_events): cached hashes leaving the pool are reported here; None: off.
         self.kv_events: KVEventCollector | None = None
+        # Called after reset_prefix_cache forgot every hash (a hybrid model's state checkpoints go with them).
+        self.on_reset: Callable[[], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -195,6 +197,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         if self.kv_events is not None:
             self.kv_events.all_cleared(MEDIUM_POOL)
+        if self.on_reset is not None:
+            self.on_reset()
         return True
 
     def check_integrity(self) -> None:

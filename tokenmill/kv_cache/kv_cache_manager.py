@@ -110,6 +110,8 @@ class KVCacheManager:
                 self._report_stored(request, [first + j for j, b in enumerate(more)
                                               if b.block_hash == request.block_hashes[first + j]])
             hits += more
+        if self.state_slots is not None and hits:  # hybrid model: linear layers resume only from a state checkpoint
+            hits = hits[: self.state_slots.resumable_blocks(request.request_id, request.block_hashes, len(hits))]
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -146,14 +148,17 @@ class KVCacheManager:
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
             return None
-        if self.state_slots is not None:
-            self.state_slots.allocate(request.request_id)
+        if self.state_slots is not None:  # a prefix hit restores the linear layers' checkpoint into the slot
+            self.state_slots.allocate(request.request_id, resume=bool(new_computed_blocks))
         self.block_pool.touch(new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         if self.enable_caching and not delay_cache_blocks:
             self._cache_full_blocks(request, req_blocks, min(total, request.num_tokens))
+            if self.state_slots is not None:  # hybrid model: state checkpoints this step's tokens cross
+                self.state_slots.plan_saves(request.request_id, request.block_hashes, num_computed,
+                                            min(total, request.num_tokens), self.block_size)
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

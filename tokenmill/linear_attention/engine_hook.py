@@ -1,36 +1,79 @@
-"""Engine set-up for hybrid (linear-attention) models: the state pool beside the KV pool, and the features
-that do not handle linear-layer state yet turned off or refused (docs/hybrid_models.md)."""
+"""Engine set-up for hybrid (linear-attention) models: the state pool beside the KV pool, the prefix cache's state
+checkpoints, deterministic mode's batch-invariant linear layers, and the features that do not handle linear-layer
+state yet refused (docs/hybrid_models.md)."""
 from __future__ import annotations
 
 import logging
 
 from tokenmill.config import ConfigError
+from tokenmill.kv_cache.state_slots import StateCheckpoints
 
 logger = logging.getLogger(__name__)
 
 
 def attach_state_pool(engine) -> None:
     """Give ``engine`` (an LLMEngine whose runner and KV cache manager exist) one linear-state slot per
-    ``max_num_seqs`` sequence; prefix caching is switched off with a logged reason.
+    ``max_num_seqs`` sequence and, with prefix caching, ``max_num_seqs`` state checkpoints taken every
+    ``state_checkpoint_interval`` blocks (dropped with their KV block or a prefix-cache reset).
 
     Raises:
         ConfigError: a setting whose feature does not carry linear-layer state yet (CUDA backend,
-            `speculative_config`, `kv_transfer_config`, KV offload tiers, `deterministic`).
+            `speculative_config`, `kv_transfer_config`, KV offload tiers).
     """
     config = engine.config
-    for name, on in (("speculative_config", config.speculative_config is not None),
-                     ("kv_transfer_config", config.kv_transfer_config is not None),
-                     ("kv_offload_memory", engine.kv_store is not None),
-                     ("deterministic", config.deterministic)):  # the chunked rule's sums are not batch invariant
+    for name, on, why in (
+            ("speculative_config", config.speculative_config is not None, "a rejected draft would have to roll "
+             "the recurrent state back"),
+            ("kv_transfer_config", config.kv_transfer_config is not None, "transferred blocks carry no linear-layer "
+             "state checkpoints"),
+            ("kv_offload_memory", engine.kv_store is not None, "the KV offload tiers (`kv_offload_memory`, "
+             "`kv_offload_disk_path`) do not carry linear-layer state checkpoints")):
         if on:
-            raise ConfigError(f"`{name}` does not support hybrid linear-attention models yet (docs/hybrid_models.md)")
+            raise ConfigError(f"`{name}` does not support hybrid linear-attention models yet: {why} "
+                              "(docs/hybrid_models.md)")
     if engine.device.type != "cpu":
         raise ConfigError(f"hybrid linear-attention models run on the CPU backend for now, not {engine.device.type}")
     kv = engine.kv_cache_manager
-    if kv.enable_caching:
-        logger.warning("prefix caching is off for this hybrid model: its linear layers keep no state checkpoints "
-                       "yet, so a cached prefix could not be resumed (docs/hybrid_models.md)")
-        kv.enable_caching = False
-    kv.state_slots = engine.runner.allocate_state_cache(engine.scheduler_config.max_num_seqs)
-    logger.info("linear-attention state pool: %d slots x %d bytes/sequence", kv.state_slots.num_slots,
-                engine.runner.state_cache.bytes_per_sequence)
+    num_seqs = engine.scheduler_config.max_num_seqs
+    num_checkpoints = num_seqs if kv.enable_caching else 0
+    kv.state_slots = engine.runner.allocate_state_cache(num_seqs)
+    cache = engine.runner.state_cache
+    if num_checkpoints:
+        cache.allocate_checkpoints(num_checkpoints)
+        checkpoints = StateCheckpoints(num_checkpoints, config.cache.state_checkpoint_interval)
+        kv.state_slots.checkpoints = checkpoints
+        pool = kv.block_pool
+        on_evict = pool.on_evict
+
+        def evict(block_id: int, block_hash: int) -> None:  # a checkpoint leaves with its KV block
+            checkpoints.drop(block_hash)
+            if on_evict is not None:
+                on_evict(block_id, block_hash)
+
+        pool.on_evict = evict
+        pool.on_reset = checkpoints.clear
+    if config.deterministic:
+        from tokenmill.linear_attention import invariant_ops
+
+        if not invariant_ops.available():
+            raise ConfigError("`deterministic` needs the batch-invariant Gated DeltaNet kernel, which could not be "
+                              "built: install a C compiler (gcc) with OpenMP")
+        enable_batch_invariant_linear(engine.runner.model)
+        cache.batch_invariant = True
+    logger.info("linear-attention state pool: %d slots x %d bytes/sequence; %d prefix-cache state checkpoints "
+                "every %d blocks (%d bytes)", kv.state_slots.num_slots, cache.bytes_per_sequence, num_checkpoints,
+                config.cache.state_checkpoint_interval, cache.checkpoint_bytes)
+
+
+def enable_batch_invariant_linear(model) -> int:
+    """Put a hybrid model's own layers (Gated DeltaNet, zero-centred and gated RMSNorms, the attention output
+    gate) on their batch-invariant paths; the runner already switched its Linear / SiLU / attention layers.
+    Returns the number of modules switched."""
+    from tokenmill.models.qwen3_next import BATCH_INVARIANT_MODULES
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, BATCH_INVARIANT_MODULES):
+            module.batch_invariant = True
+            count += 1
+    return count

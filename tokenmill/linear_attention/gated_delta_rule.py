@@ -46,9 +46,13 @@ def recurrent_gated_delta_rule(
 
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: torch.Tensor | None = None, chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None, chunk_size: int = 64, position: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked gated delta rule: same arguments and results as :func:`recurrent_gated_delta_rule`.
+
+    ``position`` is the absolute position of the first token: chunks end at multiples of ``chunk_size`` in
+    absolute positions (the first one may be shorter), so a prompt split at such a multiple (a prefill chunk, a
+    state checkpoint at a block boundary) is chunked, and summed, as it would be unsplit.
 
     Within a chunk of C tokens, with cumulative log-decay c_i = g_1 + ... + g_i and the chunk's
     incoming state S0, the writes u_i solve (I + A) U = beta * (V - exp(c) * K S0) where
@@ -66,8 +70,9 @@ def chunk_gated_delta_rule(
     state = (torch.zeros(num_heads, dk, dv, dtype=v.dtype, device=v.device) if initial_state is None
              else initial_state.clone())
     out = torch.empty_like(v)
-    for start in range(0, length, chunk_size):
-        end = min(start + chunk_size, length)
+    first = chunk_size - position % chunk_size
+    for start in range(0, length, chunk_size) if first == chunk_size else [0, *range(first, length, chunk_size)]:
+        end = min(chunk_size * ((position + start) // chunk_size + 1) - position, length)
         qc, kc, vc = (x[start:end].transpose(0, 1) for x in (q, k, v))  # (H, C, D)
         bc = beta[start:end].transpose(0, 1)  # (H, C)
         cum = g[start:end].transpose(0, 1).cumsum(-1)  # (H, C)

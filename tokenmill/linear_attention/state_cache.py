@@ -1,12 +1,14 @@
-"""LinearStateCache: the state tensors of a hybrid model's linear layers, one slot per running sequence.
+"""LinearStateCache: the state tensors of a hybrid model's linear layers, one slot per running sequence, and the
+prefix cache's state checkpoints.
 
-The runner owns it (allocated beside the paged KV pool); the KV cache manager hands out its slot ids
-(``tokenmill.kv_cache.state_slots``). Each step, :meth:`LinearStateCache.step_metadata` zeroes the
-slots of requests that start from their first token and describes which slot each request uses.
+The runner owns it (allocated beside the paged KV pool); the KV cache manager hands out its slot ids and plans
+the checkpoint copies (``tokenmill.kv_cache.state_slots``). Each step, :meth:`LinearStateCache.step_metadata`
+zeroes the slots of requests that start from their first token, copies checkpoints into the slots of requests
+that resume from a prefix hit, and describes which slot each request uses and where its state is saved.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -22,18 +24,29 @@ class LinearStateMetadata:
     recurrent_state: [num_linear_layers, num_slots, num_v_heads, head_k_dim, head_v_dim] float32.
     slot_ids: [B] int64 (device), each request's slot.
     query_start_loc: [B + 1] int64 numpy, as in AttentionMetadata.
+    num_computed: [B] int64 numpy, each request's absolute position of its first token this step.
     decode_reqs: [Bd] int64 (device), requests with one token this step (batched recurrent update);
     decode_token_idx: [Bd] int64 (device), their flat token index.
     prefill_reqs: host list of requests with several tokens (chunked delta rule, one request at a time).
+    saves: request index -> [(k, checkpoint slot)], ascending k: copy the request's state after its first k
+        tokens of this step into the checkpoint tensors (prefix caching's state checkpoints).
+    checkpoint_conv / checkpoint_recurrent: the checkpoint tensors, shaped like conv_state / recurrent_state
+        with num_checkpoints slots (None without prefix caching).
+    batch_invariant: deterministic mode (every token through the token-by-token kernel).
     """
 
     conv_state: torch.Tensor
     recurrent_state: torch.Tensor
     slot_ids: torch.Tensor
     query_start_loc: np.ndarray
+    num_computed: np.ndarray
     decode_reqs: torch.Tensor
     decode_token_idx: torch.Tensor
     prefill_reqs: list[int]
+    saves: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    checkpoint_conv: torch.Tensor | None = None
+    checkpoint_recurrent: torch.Tensor | None = None
+    batch_invariant: bool = False
 
 
 class LinearStateCache:
@@ -52,7 +65,19 @@ class LinearStateCache:
         self.conv_state = torch.zeros(num_layers, num_slots, conv_dim, kernel - 1, dtype=dtype, device=device)
         self.recurrent_state = torch.zeros(num_layers, num_slots, num_heads, dk, dv, dtype=torch.float32,
                                            device=device)
+        self.checkpoint_conv: torch.Tensor | None = None  # prefix caching's state checkpoints (allocate_checkpoints)
+        self.checkpoint_recurrent: torch.Tensor | None = None
         self.device = device
+        self.batch_invariant = False  # deterministic mode (set by the engine hook)
+
+    def allocate_checkpoints(self, num_checkpoints: int) -> None:
+        """Allocate ``num_checkpoints`` prefix-cache state checkpoints, shaped like the live slots (each one more
+        sequence's bytes)."""
+        shape = (self.conv_state.shape[0], num_checkpoints)
+        self.checkpoint_conv = torch.zeros(*shape, *self.conv_state.shape[2:], dtype=self.conv_state.dtype,
+                                           device=self.device)
+        self.checkpoint_recurrent = torch.zeros(*shape, *self.recurrent_state.shape[2:], dtype=torch.float32,
+                                                device=self.device)
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -60,16 +85,41 @@ class LinearStateCache:
         per = self.conv_state[:, 0].numel() * self.conv_state.element_size()
         return per + self.recurrent_state[:, 0].numel() * self.recurrent_state.element_size()
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the prefix-cache state checkpoints (0 without prefix caching)."""
+        if self.checkpoint_conv is None:
+            return 0
+        return (self.checkpoint_conv.numel() * self.checkpoint_conv.element_size()
+                + self.checkpoint_recurrent.numel() * self.checkpoint_recurrent.element_size())
+
     def step_metadata(self, metadata, requests, query_lens: np.ndarray, num_computed: np.ndarray):
         """``metadata`` (an AttentionMetadata) with ``linear_state`` set for this step's requests.
 
-        Requests computing from their first token (new, or recomputed after preemption) get zeroed slots.
+        Requests computing from their first token (new, or recomputed after preemption) get zeroed slots;
+        requests resuming from a prefix hit get their checkpoint copied in.
         """
         slot_ids = torch.tensor([self.slots.slot_of(r.request_id) for r in requests], dtype=torch.int64)
         fresh = slot_ids[torch.from_numpy(num_computed == 0)]
         if len(fresh):
             self.conv_state[:, fresh.to(self.device)] = 0
             self.recurrent_state[:, fresh.to(self.device)] = 0
+        ops = self.slots.take_step_ops()
+        if ops.restores:
+            live = torch.tensor([self.slots.slot_of(rid) for rid, _ in ops.restores], device=self.device)
+            ckpt = torch.tensor([slot for _, slot in ops.restores], device=self.device)
+            self.conv_state[:, live] = self.checkpoint_conv[:, ckpt]
+            self.recurrent_state[:, live] = self.checkpoint_recurrent[:, ckpt]
+        saves: dict[int, list[tuple[int, int]]] = {}
+        if ops.saves:
+            index = {r.request_id: i for i, r in enumerate(requests)}
+            for rid, position, slot in ops.saves:
+                i = index[rid]
+                k = position - int(num_computed[i])
+                assert 0 < k <= query_lens[i], f"checkpoint at {position} outside {rid}'s chunk"
+                saves.setdefault(i, []).append((k, slot))
+            for entries in saves.values():
+                entries.sort()
         qsl = metadata.query_start_loc.numpy()
         decode = np.nonzero(query_lens == 1)[0]
         linear = LinearStateMetadata(
@@ -77,8 +127,13 @@ class LinearStateCache:
             recurrent_state=self.recurrent_state,
             slot_ids=slot_ids.to(self.device),
             query_start_loc=qsl,
+            num_computed=num_computed,
             decode_reqs=torch.from_numpy(decode).to(self.device),
             decode_token_idx=torch.from_numpy(qsl[decode]).to(self.device),
             prefill_reqs=np.nonzero(query_lens > 1)[0].tolist(),
+            saves=saves,
+            checkpoint_conv=self.checkpoint_conv,
+            checkpoint_recurrent=self.checkpoint_recurrent,
+            batch_invariant=self.batch_invariant,
         )
         return replace(metadata, linear_state=linear)

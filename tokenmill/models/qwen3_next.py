@@ -6,7 +6,10 @@ gated full attention (``self_attn``: q_proj also yields a per-channel sigmoid ou
 and k; RoPE on the first ``partial_rotary_factor`` of each head). Norms are zero-centred (x * (1 + w)).
 Module names follow the checkpoint keys except the fused ``qkv_proj`` / ``gate_up_proj`` / ``in_proj``.
 The full-attention layers use the paged KV cache; the linear layers read and write their state slot
-(``AttentionMetadata.linear_state``, see docs/hybrid_models.md).
+(``AttentionMetadata.linear_state``, see docs/hybrid_models.md) and copy it into the prefix cache's state
+checkpoints where the step crosses one. In deterministic mode (``batch_invariant``) the modules of
+``BATCH_INVARIANT_MODULES`` compute every token with the fixed-order kernels of
+``tokenmill.linear_attention.invariant_ops`` (the delta rule token by token).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from transformers import PretrainedConfig
 from tokenmill.attention import Attention, AttentionMetadata
 from tokenmill.attention.layer import KVCache
 from tokenmill.layers import Linear, MergedLinear, RotaryEmbedding, VocabEmbedding
+from tokenmill.linear_attention import invariant_ops
 from tokenmill.linear_attention.gated_delta_rule import chunk_gated_delta_rule, decode_step
 from tokenmill.models.llama import DecoderVariant, LlamaMLP
 
@@ -34,6 +38,8 @@ class ZeroCenteredRMSNorm(nn.Module):
     forward(x [..., dim]) -> same shape and dtype.
     """
 
+    batch_invariant = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -41,12 +47,17 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.batch_invariant:
+            xf = xf * invariant_ops.row_inv_norm(xf, self.eps, mean=True)
+        else:
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
     """Per-head RMSNorm of the delta-rule output, then times silu(z): forward(x [N, D], z [N, D]) -> [N, D]."""
+
+    batch_invariant = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -55,12 +66,17 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         xf = x.float()
+        if self.batch_invariant:
+            out = self.weight * (xf * invariant_ops.row_inv_norm(xf, self.eps, mean=True)).to(x.dtype)
+            return (out * invariant_ops.sigmoid(z, silu=True)).to(x.dtype)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(x.dtype)
         return (out * F.silu(z.float())).to(x.dtype)
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def _l2norm(x: torch.Tensor, batch_invariant: bool, eps: float = 1e-6) -> torch.Tensor:
+    if batch_invariant:
+        return x * invariant_ops.row_inv_norm(x, eps, mean=False)
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
@@ -77,6 +93,8 @@ class GatedAttention(nn.Module):
     q_proj's rows hold, per head, the query (head_dim) then its gate (head_dim); the attention output is
     multiplied by sigmoid(gate) before o_proj.
     """
+
+    batch_invariant = False
 
     def __init__(self, config: PretrainedConfig, rotary_dim: int) -> None:
         super().__init__()
@@ -104,7 +122,8 @@ class GatedAttention(nn.Module):
                           self.rotary_dim)  # (T, KVH, D)
         out = self.attn(q.reshape(num_tokens, self.q_size), k.reshape(num_tokens, self.kv_size), v.contiguous(),
                         kv_cache, attn_metadata)  # (T, H * D)
-        out = out * torch.sigmoid(gate.reshape(num_tokens, self.q_size))
+        gate = gate.reshape(num_tokens, self.q_size)
+        out = out * (invariant_ops.sigmoid(gate).to(out.dtype) if self.batch_invariant else torch.sigmoid(gate))
         return self.o_proj(out)
 
 
@@ -117,6 +136,8 @@ class GatedDeltaNet(nn.Module):
     inputs are the conv state; q and k are L2-normalised, q scaled by Dk^-0.5, each key head serving
     Hv / Hk consecutive value heads. ``linear_index`` picks this layer's rows of the state tensors.
     """
+
+    batch_invariant = False
 
     def __init__(self, config: PretrainedConfig, linear_index: int) -> None:
         super().__init__()
@@ -151,51 +172,100 @@ class GatedDeltaNet(nn.Module):
         meta = attn_metadata.linear_state
         assert meta is not None, "a hybrid model needs AttentionMetadata.linear_state (LinearStateCache)"
         num_tokens = hidden_states.shape[0]
+        invariant = self.batch_invariant
         mixed, z, b, a = self.in_proj(hidden_states).split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
-        conv_state = meta.conv_state[self.linear_index]  # (S, C, K-1)
-        rec_state = meta.recurrent_state[self.linear_index]  # (S, Hv, Dk, Dv) float32
-        x = self._conv(mixed, conv_state, meta)  # (T, C)
+        li = self.linear_index
+        rec_state = meta.recurrent_state[li]  # (S, Hv, Dk, Dv) float32
+        ckpt_rec = meta.checkpoint_recurrent[li] if meta.checkpoint_recurrent is not None else None
+        x = self._conv(mixed, meta)  # (T, C)
         q, k, v = x.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.num_v_heads // self.num_k_heads
-        q = _l2norm(q.view(num_tokens, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
-        k = _l2norm(k.view(num_tokens, self.num_k_heads, self.head_k_dim))
+        q = _l2norm(q.view(num_tokens, self.num_k_heads, self.head_k_dim), invariant) * self.head_k_dim**-0.5
+        k = _l2norm(k.view(num_tokens, self.num_k_heads, self.head_k_dim), invariant)
         q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)  # (T, Hv, Dk)
         v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)  # (T, Hv, Dv)
-        beta = torch.sigmoid(b.float())  # (T, Hv)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv)
+        if invariant:
+            g, beta = invariant_ops.gates(a, b, -self.A_log.float().exp(), self.dt_bias)  # (T, Hv) each
+        else:
+            beta = torch.sigmoid(b.float())  # (T, Hv)
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv)
         core = torch.empty_like(v)  # (T, Hv, Dv) float32
         if len(meta.decode_reqs):
             tok, slots = meta.decode_token_idx, meta.slot_ids[meta.decode_reqs]
             state = rec_state[slots]  # (Bd, Hv, Dk, Dv) a gathered copy
-            core[tok] = decode_step(q[tok], k[tok], v[tok], g[tok], beta[tok], state)
+            if invariant:
+                core[tok] = invariant_ops.recurrent_rule(q[tok], k[tok], v[tok], g[tok], beta[tok], state)
+            else:
+                core[tok] = decode_step(q[tok], k[tok], v[tok], g[tok], beta[tok], state)
             rec_state[slots] = state
         for r in meta.prefill_reqs:
             start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
             slot = meta.slot_ids[r]
-            out, rec_state[slot] = chunk_gated_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
-                                                          beta[start:end], rec_state[slot])
-            core[start:end] = out
+            state, pos = rec_state[slot], start
+            for num, ckpt in [*meta.saves.get(r, ()), (end - start, None)]:  # split where a checkpoint is saved
+                stop = start + num
+                if stop > pos:
+                    core[pos:stop], state = self._delta_rule(q[pos:stop], k[pos:stop], v[pos:stop], g[pos:stop],
+                                                             beta[pos:stop], state,
+                                                             int(meta.num_computed[r]) + pos - start)
+                if ckpt is not None:
+                    ckpt_rec[ckpt] = state
+                pos = stop
+            rec_state[slot] = state
+        for r, entries in meta.saves.items():  # one-token requests reaching a checkpoint: the state after it
+            if meta.query_start_loc[r + 1] - meta.query_start_loc[r] == 1:
+                ckpt_rec[entries[0][1]] = rec_state[meta.slot_ids[r]]
         core = core.to(hidden_states.dtype).view(num_tokens * self.num_v_heads, self.head_v_dim)
         out = self.norm(core, z.reshape(num_tokens * self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.view(num_tokens, self.value_dim))
 
-    def _conv(self, mixed: torch.Tensor, conv_state: torch.Tensor, meta) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, beta, state: torch.Tensor, position: int):
+        """One request's tokens from ``state`` [Hv, Dk, Dv] (absolute ``position`` of the first): (o, new state).
+        Default mode: the chunked rule, chunks aligned to absolute positions; deterministic mode: token by token."""
+        if self.batch_invariant:
+            state = state.clone().unsqueeze(0)  # (1, Hv, Dk, Dv) contiguous, updated in place
+            return invariant_ops.recurrent_rule(q, k, v, g, beta, state), state[0]
+        return chunk_gated_delta_rule(q, k, v, g, beta, state, position=position)
+
+    def _taps(self, window: torch.Tensor, prefill: bool) -> torch.Tensor:
+        """Deterministic mode's conv: sum over the K taps in order, one elementwise op at a time.
+        window [..., C, K] (decode) or [C, L, K] (prefill) -> [..., C] / [C, L]."""
+        weight = self.conv1d.weight[:, 0, :]  # (C, K)
+        column = (lambda j: weight[:, j, None]) if prefill else (lambda j: weight[:, j])
+        out = window[..., 0] * column(0)
+        for j in range(1, self.kernel):
+            out = out + window[..., j] * column(j)
+        return out
+
+    def _conv(self, mixed: torch.Tensor, meta) -> torch.Tensor:
         """Depthwise causal conv + SiLU of ``mixed`` [T, C], each request continuing from its conv state
-        (updated in place to its last kernel - 1 inputs). Returns [T, C]."""
+        (updated in place to its last kernel - 1 inputs; saved into the checkpoints this step reaches). Returns [T, C]."""
+        conv_state = meta.conv_state[self.linear_index]  # (S, C, K-1)
+        ckpt = meta.checkpoint_conv[self.linear_index] if meta.checkpoint_conv is not None else None
         weight = self.conv1d.weight[:, 0, :]  # (C, K)
         out = torch.empty_like(mixed)
         if len(meta.decode_reqs):
             tok, slots = meta.decode_token_idx, meta.slot_ids[meta.decode_reqs]
             window = torch.cat((conv_state[slots], mixed[tok].unsqueeze(-1)), dim=-1)  # (Bd, C, K)
-            out[tok] = (window * weight).sum(-1)
+            out[tok] = self._taps(window, prefill=False) if self.batch_invariant else (window * weight).sum(-1)
             conv_state[slots] = window[:, :, 1:]
         for r in meta.prefill_reqs:
             start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
             slot = meta.slot_ids[r]
             seq = torch.cat((conv_state[slot], mixed[start:end].t()), dim=-1)  # (C, K-1+L)
-            out[start:end] = F.conv1d(seq.unsqueeze(0), self.conv1d.weight, groups=self.conv_dim)[0].t()
+            if self.batch_invariant:
+                out[start:end] = self._taps(seq.unfold(1, self.kernel, 1), prefill=True).t()  # (C, L, K) -> (L, C)
+            else:
+                out[start:end] = F.conv1d(seq.unsqueeze(0), self.conv1d.weight, groups=self.conv_dim)[0].t()
+            for num, slot_ckpt in meta.saves.get(r, ()):  # the last kernel - 1 inputs after the first num tokens
+                ckpt[slot_ckpt] = seq[:, num : num + self.kernel - 1]
             conv_state[slot] = seq[:, seq.shape[1] - (self.kernel - 1):]
+        for r, entries in meta.saves.items():
+            if meta.query_start_loc[r + 1] - meta.query_start_loc[r] == 1:
+                ckpt[entries[0][1]] = conv_state[meta.slot_ids[r]]
+        if self.batch_invariant:
+            return invariant_ops.sigmoid(out, silu=True).to(out.dtype)
         return F.silu(out)
 
 
@@ -287,6 +357,10 @@ _STACKED = {
     "in_proj_a": ("in_proj", 3),
     "in_proj_qkvz": ("in_proj", 0), "in_proj_ba": ("in_proj", 1),  # Qwen3-Next (regrouped first)
 }
+
+
+# The hybrid model's own modules with a deterministic path (the engine hook switches them; docs/deterministic.md).
+BATCH_INVARIANT_MODULES = (ZeroCenteredRMSNorm, GatedRMSNorm, GatedAttention, GatedDeltaNet)
 
 
 class Qwen3_5ForCausalLM(nn.Module):
