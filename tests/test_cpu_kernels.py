@@ -54,6 +54,7 @@ def test_default_cpu_runner_applies_the_measured_plan(tmp_path, monkeypatch, dty
     assert all(m.cpu_kernel_table == rms for m in modules if isinstance(m, RMSNorm))
     assert all(m.cpu_kernel_table == silu for m in modules if isinstance(m, SiluAndMul))
     assert all(m.cpu_decode_kernel == plan.paged_decode for m in modules if isinstance(m, Attention))
+    assert all(m.cpu_prefill_kernel == plan.prefill_attention for m in modules if isinstance(m, Attention))
     assert lm_head.float32_logits_kernel == plan.logits
     assert not any(m.float32_logits_kernel for m in modules if isinstance(m, Linear) and m is not lm_head)
     if dtype == "float32":

@@ -21,12 +21,14 @@ class Attention(nn.Module):
     With ``use_triton`` set (by the CUDA runner) K/V writes and attention run in the Triton kernels,
     which read only the device-side fields of the metadata. ``cpu_decode_kernel`` (on by default; the
     CPU runner sets it from measurements and ``--no-cpu-kernels``) lets decode queries on CPU run in
-    the compiled paged decode kernel.
+    the compiled paged decode kernel; ``cpu_prefill_kernel`` (off by default; the CPU runner sets it
+    from measurements) lets prefill chunks on CPU run in the compiled flash-style prefill kernel.
     """
 
     batch_invariant = False
     use_triton = False
     cpu_decode_kernel = True
+    cpu_prefill_kernel = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -57,5 +59,6 @@ class Attention(nn.Module):
         if self.batch_invariant:
             out = per_token_paged_attention(q, k_cache, v_cache, metadata, self.scale)
         else:
-            out = paged_attention(q, k_cache, v_cache, metadata, self.scale, self.cpu_decode_kernel)
+            out = paged_attention(q, k_cache, v_cache, metadata, self.scale, self.cpu_decode_kernel,
+                                  self.cpu_prefill_kernel)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -6,6 +6,7 @@ shared by all layers. Pure bookkeeping: no model weights here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -73,6 +74,21 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    @cached_property
+    def prefill_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill spans as the C prefill kernel reads them, built once per step (S = len(prefills)):
+        (token_start [S], num_query [S], num_context [S], block_ids [S, max span blocks]), int64,
+        block ids 0-padded."""
+        spans = self.prefills
+        width = max((len(s.block_ids) for s in spans), default=1)
+        table = torch.zeros(len(spans), width, dtype=torch.int64)
+        for i, s in enumerate(spans):
+            table[i, : len(s.block_ids)] = s.block_ids
+        starts = torch.tensor([s.token_start for s in spans], dtype=torch.int64)
+        lens = torch.tensor([s.token_end - s.token_start for s in spans], dtype=torch.int64)
+        contexts = torch.tensor([s.num_context for s in spans], dtype=torch.int64)
+        return starts, lens, contexts, table
 
     @property
     def num_prefills(self) -> int:

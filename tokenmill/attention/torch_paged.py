@@ -1,14 +1,16 @@
 """Reference paged attention in plain torch (runs on CPU): write K/V through slot_mapping, read through block tables.
 
 Decode queries (one token) are batched into one padded SDPA call; each prefill chunk runs its
-own SDPA over its cached prefix plus the chunk. A GPU backend must match this numerically.
+own SDPA over its cached prefix plus the chunk. A GPU backend must match this numerically. On CPU
+the compiled kernels take over where the runner's plan says they are faster: decode queries in
+``cpu_decode``, prefill chunks in ``cpu_prefill`` (flash-style, straight from the paged cache).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention import cpu_decode
+from tokenmill.attention import cpu_decode, cpu_prefill
 from tokenmill.attention.kv_quant import QuantizedKVCache, gather_dequantized, write_quantized
 from tokenmill.attention.metadata import AttentionMetadata
 
@@ -77,12 +79,15 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     use_kernel: bool = True,
+    use_prefill_kernel: bool = False,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over each request's paged context.
 
     query: [T, num_heads, head_dim]; caches as in :func:`write_kv` (already holding this step's K/V).
     Returns [T, num_heads, head_dim]. GQA: num_heads must be a multiple of num_kv_heads.
     ``use_kernel=False`` keeps decode queries off the compiled CPU kernel (torch reference instead).
+    ``use_prefill_kernel=True`` runs the prefill chunks in the compiled CPU prefill kernel where it
+    takes the tensors (``cpu_prefill.supports``), SDPA per chunk otherwise.
     """
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
@@ -103,6 +108,9 @@ def paged_attention(
             o = reference_decode_attention(q, k_cache, v_cache, metadata, scale)
         out[metadata.decode_token_idx] = o
 
+    if metadata.prefills and use_prefill_kernel and cpu_prefill.supports(query, k_cache):
+        cpu_prefill.paged_prefill_attention(query, k_cache, v_cache, metadata, scale, out)
+        return out
     for span in metadata.prefills:
         q = query[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # (1, H, Lq, D)
         k = _gather_context(k_cache, span.block_ids)[:, : span.num_context].unsqueeze(0)  # (1, KVH, Lk, D)

@@ -5,9 +5,14 @@ keeps one segment per part) and computes ``x @ W.T`` either in the quantized ker
 dequantizing the weight and handing it to torch's GEMM, per row count as the CPU runner's measurement
 decides (``dequantize_table``); deterministic mode always takes the quantized kernel, whose rows are
 batch invariant. Used by ``tokenmill.layers.linear.Linear`` and ``tokenmill.layers.embedding``.
+
+The dequantized weight of a prefill-sized product lives only for that product: it is written into one
+scratch buffer per thread and dtype, grown to the largest layer (a few MB), so no dequantized copy of
+the model is kept and no fresh allocation is page-faulted per layer.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +20,17 @@ import torch.nn.functional as F
 
 from tokenmill.quantization import qgemm
 from tokenmill.quantization.formats import QuantizedTensor, qtype_name
+
+_scratch = threading.local()  # dtype -> flat buffer for one dequantized weight, per thread
+
+
+def _scratch_buffer(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A flat ``dtype`` buffer of at least ``numel`` elements, reused by this thread's later calls."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 class GGUFWeight:
@@ -66,7 +82,7 @@ class GGUFWeight:
         out_dtype = out_dtype or x.dtype
         table = self.dequantize_table
         if not batch_invariant and table and table[min(x.shape[0], len(table) - 1)]:
-            w = self.dequantize(out_dtype)  # (out, in)
+            w = self.dequantize_into_scratch(out_dtype)  # (out, in), valid until this thread's next call
             return F.linear(x.to(out_dtype), w, None if bias is None else bias.to(out_dtype))
         y = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
         for part, start in zip(self.parts, self.offsets):
@@ -76,6 +92,14 @@ class GGUFWeight:
         if bias is not None:
             y += bias.to(out_dtype)
         return y
+
+    def dequantize_into_scratch(self, dtype: torch.dtype) -> torch.Tensor:
+        """All rows ([out_features, in_features], ``dtype``) in this thread's scratch buffer: valid until
+        the thread's next call (the product that reads it runs before)."""
+        w = _scratch_buffer(dtype, self.out_features * self.in_features).view(self.out_features, self.in_features)
+        for part, start in zip(self.parts, self.offsets):
+            qgemm.dequantize(part.data, part.qtype, self.in_features, None, dtype, out=w[start:start + part.shape[0]])
+        return w
 
     def dequantize(self, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
         """All rows ([out_features, in_features]) or rows ``ids`` (int64 [T]; one-segment weights only) in ``dtype``."""

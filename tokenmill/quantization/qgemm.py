@@ -121,18 +121,21 @@ def _linear(lib: ctypes.CDLL, x: torch.Tensor, data: torch.Tensor, qtype: int, n
 
 
 def dequantize(data: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None = None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of a GGUF-format weight as floats: all rows ([N, k]) or rows ``ids`` ([len(ids), k], int64).
 
+    ``out``: a contiguous [rows, k] tensor of ``dtype`` to write into (the prefill path reuses one
+    buffer per step instead of allocating, and page-faulting, a fresh weight per layer); else a new one.
+
     Raises:
-        ValueError: an unsupported type or dtype, or ids out of range.
+        ValueError: an unsupported type or dtype, ids out of range, or an ``out`` of the wrong shape.
         RuntimeError: the kernels are unavailable.
     """
-    return _dequantize(_get_lib(), data, qtype, k, ids, dtype)
+    return _dequantize(_get_lib(), data, qtype, k, ids, dtype, out)
 
 
 def _dequantize(lib: ctypes.CDLL, data: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     qtype_name(qtype)
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dequantize: dtype must be float32 or bfloat16, got {dtype}")
@@ -142,7 +145,10 @@ def _dequantize(lib: ctypes.CDLL, data: torch.Tensor, qtype: int, k: int, ids: t
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= data.shape[0]):
             raise ValueError(f"dequantize: row ids must be in [0, {data.shape[0]})")
     rows = data.shape[0] if ids is None else ids.numel()
-    out = torch.empty(rows, k, dtype=dtype)
+    if out is None:
+        out = torch.empty(rows, k, dtype=dtype)
+    elif out.shape != (rows, k) or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"dequantize: out must be a contiguous CPU {dtype} tensor of shape [{rows}, {k}]")
     if rows:
         lib.qg_dequantize(qtype, data.data_ptr(), k, None if ids is None else ids.data_ptr(), rows,
                           out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())

@@ -1,6 +1,6 @@
 """Which compiled CPU kernels the default (non-deterministic) CPU runner uses, decided by measurement.
 
-The C kernels (GEMM, RMSNorm, SiLU×up, paged decode attention; built for this CPU's ISA path by
+The C kernels (GEMM, RMSNorm, SiLU×up, paged decode and prefill attention; built for this CPU's ISA path by
 ``tokenmill.csrc_build``) are not faster than torch everywhere: on an AVX2 CPU float32 prefill-sized
 GEMMs belong to torch's blocked GEMM, while bf16 GEMMs of any size belong to the C kernel (torch
 has no fast bf16 path there). So at the first start on a machine each kernel is timed against the
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import csrc_build
-from tokenmill.attention import cpu_decode
+from tokenmill.attention import cpu_decode, cpu_prefill
 from tokenmill.attention.layer import Attention
 from tokenmill.layers import batch_invariant, silu_and_mul_kernel
 from tokenmill.layers.activation import SiluAndMul
@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 # of the smallest ladder point >= M (rows above the last point follow the last point).
 ROW_LADDER: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _DECODE_BATCHES = (1, 8, 32)  # paged decode attention: sequences per call, 512 context tokens each
-_DISPATCH_VERSION = 3  # bump when the measurement or the file format changes
+_PREFILL_LENGTHS = (128, 512)  # paged prefill attention: one fresh prompt of each length
+_DISPATCH_VERSION = 4  # bump when the measurement or the file format changes
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class KernelPlan:
     float32 logits from the C GEMM (False: torch's chunked float32 path; float32 LM heads follow
     ``gemm``); ``quantized``: for layers whose weights stay in GGUF blocks, the quantized kernel
     (True) or dequantize-then-torch-GEMM (False), per ROW_LADDER point (empty: no such layers);
+    ``prefill_attention``: prefill chunks in the C flash-style kernel (False: SDPA per chunk; one
+    decision, the kernel only if it wins at each of ``_PREFILL_LENGTHS`` prompt tokens);
     ``source``: "measured", "cache" or "off" (``--no-cpu-kernels``,
     TOKENMILL_DISABLE_CPU_KERNELS=1, no compiler, or a dtype the kernels do not take).
     """
@@ -68,6 +71,7 @@ class KernelPlan:
     paged_decode: bool = False
     logits: bool = False
     quantized: tuple[bool, ...] = ()
+    prefill_attention: bool = False
     source: str = "off"
 
     def describe(self) -> str:
@@ -77,6 +81,7 @@ class KernelPlan:
         parts = [f"GEMM {_rows_text(self.gemm)}", f"RMSNorm {_rows_text(self.rms_norm)}",
                  f"SiLU×up {_rows_text(self.silu_and_mul)}",
                  f"paged decode {'C' if self.paged_decode else 'torch'}",
+                 f"prefill attention {'C' if self.prefill_attention else 'torch SDPA'}",
                  "LM head " + ("as GEMM" if self.dtype == "float32" else
                                f"{'C' if self.logits else 'torch'}, float32 logits")]
         if self.quantized:
@@ -182,10 +187,12 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
     if act is not None and widths and silu_and_mul_kernel.available():
         silu = [_race_layer(act, torch.randn(rows, max(widths)).to(dtype), "cpu_kernel_table", always, ())
                 for rows in ROW_LADDER]
-    decode = False
+    decode = prefill = False
     attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
     if attn is not None and cpu_decode.available():
         decode = all(_race_decode(attn, dtype, batch) for batch in _DECODE_BATCHES)
+    if attn is not None and cpu_prefill.available():
+        prefill = all(_race_prefill(attn, dtype, length) for length in _PREFILL_LENGTHS)
     # The LM head's float32 logits from bf16 weights: the C GEMM against torch's chunked float32 path,
     # at one and eight rows (sampled rows per step). float32 weights follow the GEMM decisions.
     logits = False
@@ -193,7 +200,7 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
         logits = all(_race_layer(lm_head, torch.randn(rows, lm_head.in_features).to(dtype), "float32_logits_kernel",
                                  True, False, call=lm_head.forward_float32) for rows in (1, 8))
     return {"gemm": tuple(gemm), "rms_norm": tuple(rms), "silu_and_mul": tuple(silu), "paged_decode": decode,
-            "logits": logits, "quantized": quantized}
+            "logits": logits, "quantized": quantized, "prefill_attention": prefill}
 
 
 def _measure_quantized(linears: list[Linear], dtype: torch.dtype) -> tuple[bool, ...]:
@@ -221,7 +228,13 @@ def _measure_quantized(linears: list[Linear], dtype: torch.dtype) -> tuple[bool,
         finally:
             for quant in by_kind.values():
                 quant.dequantize_table = ()
-    return tuple(decisions)
+    # Dequantizing costs the same whatever the rows and the kernel's cost grows with them, so the torch
+    # GEMM keeps every row count above the smallest point from which it wins at every larger point (a
+    # noisy kernel win in between moves that point up rather than leaving a hole in the ladder).
+    first = len(decisions)
+    while first > 0 and not decisions[first - 1]:
+        first -= 1
+    return tuple(i < first for i in range(len(decisions)))
 
 
 def _race_decode(attn: Attention, dtype: torch.dtype, batch: int, context: int = 512, block_size: int = 16) -> bool:
@@ -243,13 +256,32 @@ def _race_decode(attn: Attention, dtype: torch.dtype, batch: int, context: int =
     )
 
 
+def _race_prefill(attn: Attention, dtype: torch.dtype, length: int, block_size: int = 16) -> bool:
+    """The C prefill kernel against SDPA (the torch path of ``paged_attention``) on one fresh prompt of
+    ``length`` tokens with ``attn``'s heads, in blocks laid out in reverse (paged, not contiguous)."""
+    from tokenmill.attention.metadata import build_attention_metadata
+    from tokenmill.attention.torch_paged import paged_attention
+
+    blocks = -(-length // block_size)
+    cache = torch.randn(2, blocks, block_size, attn.num_kv_heads, attn.head_dim).to(dtype)
+    q = torch.randn(length, attn.num_heads, attn.head_dim).to(dtype)
+    table = torch.arange(blocks - 1, -1, -1, dtype=torch.int64).view(1, blocks)
+    metadata, _ = build_attention_metadata([length], [0], table.numpy(), block_size)
+    if not cpu_prefill.supports(q, cache[0]):
+        return False
+    return _race(
+        lambda: paged_attention(q, cache[0], cache[1], metadata, attn.scale, use_prefill_kernel=True),
+        lambda: paged_attention(q, cache[0], cache[1], metadata, attn.scale, use_prefill_kernel=False),
+    )
+
+
 def _cache_key(model: nn.Module, dtype: torch.dtype) -> str:
     shapes = sorted({(type(m).__name__, tuple(p.shape), str(p.dtype)) for m in model.modules()
                      for p in (*m.parameters(recurse=False), *m.buffers(recurse=False))})
     quant_kinds = sorted({m.quant.describe() for m in model.modules() if getattr(m, "quant", None) is not None})
     shapes.append(("quantized", tuple(quant_kinds), ""))
     sources = b"".join(p.read_bytes() for p in (batch_invariant._SOURCE, silu_and_mul_kernel._SOURCE,
-                                                cpu_decode._SOURCE, qgemm._SOURCE))
+                                                cpu_decode._SOURCE, qgemm._SOURCE, cpu_prefill._SOURCE))
     parts = [str(_DISPATCH_VERSION), csrc_build.selected_isa(), torch.__version__, str(dtype),
              str(torch.get_num_threads()), repr(shapes), hashlib.sha256(sources).hexdigest()]
     return hashlib.sha256(csrc_build._machine_key(None) + "|".join(parts).encode()).hexdigest()[:24]
@@ -258,9 +290,10 @@ def _cache_key(model: nn.Module, dtype: torch.dtype) -> str:
 def _plan_from_json(fields: object, isa: str) -> KernelPlan:
     """A cached plan, checked field by field. Raises ValueError for anything but what ``asdict`` wrote."""
     ladders = ("gemm", "rms_norm", "silu_and_mul", "quantized")
-    if not isinstance(fields, dict) or set(fields) != {"isa", "dtype", *ladders, "paged_decode", "logits"}:
+    flags = ("paged_decode", "logits", "prefill_attention")
+    if not isinstance(fields, dict) or set(fields) != {"isa", "dtype", *ladders, *flags}:
         raise ValueError("not a kernel plan")
-    if fields["isa"] != isa or not all(isinstance(fields[k], bool) for k in ("paged_decode", "logits")):
+    if fields["isa"] != isa or not all(isinstance(fields[k], bool) for k in flags):
         raise ValueError("not a kernel plan for this ISA path")
     if fields["dtype"] not in ("bfloat16", "float32"):
         raise ValueError("bad dtype")
@@ -324,3 +357,4 @@ def apply_plan(model: nn.Module, plan: KernelPlan, lm_head: nn.Module | None = N
             module.cpu_kernel_table = silu
         elif isinstance(module, Attention):
             module.cpu_decode_kernel = plan.paged_decode
+            module.cpu_prefill_kernel = plan.prefill_attention

@@ -211,6 +211,21 @@ AI float offset_term(int qtype, const group_info* gi, const float* s, const floa
     return gi->o0 * t[idx];
 }
 
+/* One row of K weights as float32 (of) or bf16 (ob): w = D * (s_h * u) + o_h per element. qtype is a
+ * constant at each call below, so the format's switch folds away and the element loops vectorise. */
+AI void dequantize_row(int qtype, const uint8_t* row, int64_t G, float* of, uint16_t* ob) {
+    for (int64_t g = 0; g < G; g++) {
+        int u[32];
+        float v[32];
+        const group_info gi = group_params(qtype, row, g);
+        group_codes(qtype, row, g, u);
+        for (int i = 0; i < 16; i++) v[i] = gi.D * (float)(gi.s0 * u[i]) + gi.o0;
+        for (int i = 16; i < 32; i++) v[i] = gi.D * (float)(gi.s1 * u[i]) + gi.o1;
+        if (of) memcpy(of + g * QK, v, sizeof(v));
+        else for (int i = 0; i < 32; i++) ob[g * QK + i] = f32_to_bf16(v[i]);
+    }
+}
+
 /* Weights of rows ids[0..n) (all N rows when ids is NULL) as float32 or bf16, [n, K]. */
 void qg_dequantize(int qtype, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, void* out, int out_bf16,
                    int num_threads) {
@@ -220,14 +235,12 @@ void qg_dequantize(int qtype, const uint8_t* w, int64_t K, const int64_t* ids, i
         const uint8_t* row = w + (ids ? ids[r] : r) * rb;
         float* of = out_bf16 ? NULL : (float*)out + r * K;
         uint16_t* ob = out_bf16 ? (uint16_t*)out + r * K : NULL;
-        for (int64_t g = 0; g < G; g++) {
-            int u[32];
-            group_info gi = group_params(qtype, row, g);
-            group_codes(qtype, row, g, u);
-            for (int i = 0; i < 32; i++) {
-                const float v = gi.D * (float)((i < 16 ? gi.s0 : gi.s1) * u[i]) + (i < 16 ? gi.o0 : gi.o1);
-                if (of) of[g * QK + i] = v; else ob[g * QK + i] = f32_to_bf16(v);
-            }
+        switch (qtype) {
+        case Q4_0: dequantize_row(Q4_0, row, G, of, ob); break;
+        case Q4_1: dequantize_row(Q4_1, row, G, of, ob); break;
+        case Q8_0: dequantize_row(Q8_0, row, G, of, ob); break;
+        case Q4_K: dequantize_row(Q4_K, row, G, of, ob); break;
+        default: dequantize_row(Q6_K, row, G, of, ob); break;
         }
     }
 }

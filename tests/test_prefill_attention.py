@@ -1,0 +1,170 @@
+"""The flash-style CPU prefill attention kernel (attention/csrc/paged_prefill.c) and the prefill GEMM dispatch.
+
+Proves: every ISA path's build of the kernel equals a dense float64 causal reference (float32 within
+1e-5, bf16 within its output rounding) for fresh prompts, chunks after a cached prefix and several
+spans mixed with decodes in one batch, GQA and not, over block sizes 1 and 16 and head dims on and off
+the vector width (refused, and left to SDPA, where it is not a multiple); the engine with the kernel
+forced on gives transformers' greedy tokens and prompt log-probabilities (within 1e-4) in float32 on a
+tiny model and on the embedded SmolLM2 (chunked prefill, so later chunks attend over a cached prefix);
+GGUF weights dequantized into the per-thread scratch buffer give the same products as a fresh
+dequantized copy, bf16 rows are the float32 rows rounded; the plan switches the attention layers and
+keeps the dequantize-and-GEMM rows a suffix of the ladder.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_attention import dense_reference, fill_cache
+from tests.test_cpu_isa_paths import build_for_isa
+from tests.tiny_models import make_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.attention import Attention, build_attention_metadata, cpu_prefill
+from tokenmill.attention.torch_paged import paged_attention
+from tokenmill.csrc_build import ISAS
+from tokenmill.quantization import qgemm
+from tokenmill.quantization.formats import QuantizedTensor
+from tokenmill.quantization.gguf_weight import GGUFWeight
+from tokenmill.runner import cpu_kernels
+
+HEADS = [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48), (4, 2, 24)]
+
+
+def spans_batch(dtype, h, kvh, d, block_size, seed):
+    """A decode, a fresh 33-token prompt, a 17-token chunk after 40 cached tokens, a 2-token prompt and a
+    100-token prompt in one flat batch: (q, k_cache, v_cache, metadata, keys, values, query_lens)."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    lens = [9, 33, 57, 2, 100]
+    query_lens = np.array([1, 33, 17, 2, 100])
+    k_cache, v_cache, tables, keys, values = fill_cache(lens, block_size, 200 // block_size * 4 + 40, kvh, d, dtype, rng)
+    max_blocks = max(len(t) for t in tables)
+    block_table = np.array([t + [0] * (max_blocks - len(t)) for t in tables])
+    meta, _ = build_attention_metadata(query_lens, np.array(lens) - query_lens, block_table, block_size)
+    q = torch.randn(int(query_lens.sum()), h, d).to(dtype)
+    return q, k_cache, v_cache, meta, keys, values, query_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefill_kernel_matches_dense_reference(isa, dtype, block_size):
+    lib = build_for_isa(cpu_prefill._load, isa)
+    width = lib.paged_prefill_vector_width()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for h, kvh, d in HEADS:
+        q, k_cache, v_cache, meta, keys, values, query_lens = spans_batch(dtype, h, kvh, d, block_size, seed=d + h)
+        out = torch.zeros_like(q)
+        if d % width:
+            with pytest.raises(ValueError, match="multiple"):
+                cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, out)
+            continue
+        cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, out)
+        start = 0
+        for i, n in enumerate(query_lens):
+            if n > 1:
+                ref = dense_reference(q[start:start + n], keys[i], values[i], d**-0.5)
+                torch.testing.assert_close(out[start:start + n].double(), ref, atol=tol, rtol=tol)
+            else:  # decode rows are not the kernel's: left as they were
+                assert not out[start:start + n].any()
+            start += n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_with_the_kernel_matches_sdpa(dtype):
+    """The layer's entry point: decodes and prefill spans together, kernel on against SDPA."""
+    for h, kvh, d in HEADS:
+        q, k_cache, v_cache, meta, _, _, _ = spans_batch(dtype, h, kvh, d, 4, seed=7)
+        on = paged_attention(q, k_cache, v_cache, meta, d**-0.5, use_prefill_kernel=True)
+        off = paged_attention(q, k_cache, v_cache, meta, d**-0.5, use_prefill_kernel=False)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(on.float(), off.float(), atol=tol, rtol=tol)
+
+
+def force_prefill_kernel(llm: LLM, on: bool = True) -> int:
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Attention)]
+    for m in layers:
+        m.cpu_prefill_kernel = on
+    return len(layers)
+
+
+@torch.inference_mode()
+def check_against_transformers(llm: LLM, hf, prompt: list[int], new_tokens: int) -> float:
+    """Greedy tokens equal transformers'; returns the largest |prompt logprob difference|."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, prompt_logprobs=0)
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    ref_ids = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.outputs[0].token_ids == ref_ids
+    ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    return max(abs(out.prompt_logprobs[pos][prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item())
+               for pos in range(1, len(prompt)))
+
+
+@pytest.mark.skipif(not cpu_prefill.available(), reason="the C kernels cannot be built here")
+def test_tiny_model_with_the_kernel_matches_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model("llama", tmp_path / "m")  # head_dim 16, GQA 4:2
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=24)
+    assert force_prefill_kernel(llm) == 2
+    prompt = [int(t) for t in np.random.default_rng(3).integers(100, 40000, size=70)]  # chunks of 24, 24, 22
+    assert check_against_transformers(llm, hf, prompt, 10) < 1e-4
+
+
+@pytest.mark.skipif(not cpu_prefill.available(), reason="the C kernels cannot be built here")
+def test_smollm2_with_the_kernel_matches_transformers(hf_smollm2):
+    llm = LLM(dtype="float32", quantization="none", max_num_batched_tokens=160, num_kv_blocks=64)
+    assert force_prefill_kernel(llm) == 30
+    text = "The history of the printing press begins in the fifteenth century. " * 12
+    prompt = llm.get_tokenizer().encode(text)[:400]  # chunks of 160, 160, 80
+    assert check_against_transformers(llm, hf_smollm2, prompt, 8) < 1e-4
+
+
+def q4_1_weight(n: int, k: int, seed: int) -> GGUFWeight:
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 32, 20), dtype=np.uint8)
+    half = (rng.standard_normal((n, k // 32, 2)) * 0.01).astype(np.float16)
+    raw[:, :, :4] = half.view(np.uint8).reshape(n, k // 32, 4)
+    return GGUFWeight([QuantizedTensor(3, (n, k), torch.from_numpy(raw.reshape(n, -1).copy()))])
+
+
+@pytest.mark.skipif(not qgemm.available(), reason="the C kernels cannot be built here")
+def test_dequantized_products_use_the_scratch_buffer_correctly():
+    small, big = q4_1_weight(40, 64, 1), q4_1_weight(96, 128, 2)
+    f32 = big.dequantize(torch.float32)
+    assert torch.equal(big.dequantize(torch.bfloat16), f32.bfloat16())  # bf16 rows: float32 rows rounded
+    buf = torch.empty(96, 128)
+    assert qgemm.dequantize(big.parts[0].data, 3, 128, dtype=torch.float32, out=buf) is buf and torch.equal(buf, f32)
+    with pytest.raises(ValueError, match="out must be"):
+        qgemm.dequantize(big.parts[0].data, 3, 128, dtype=torch.bfloat16, out=buf)
+    for w in (small, big):
+        w.dequantize_table = (True,)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs, xb = torch.randn(300, 64).to(dtype), torch.randn(300, 128).to(dtype)
+        got_big = big.matmul(xb)
+        got_small = small.matmul(xs)  # reuses (and overwrites) this thread's buffer
+        assert torch.equal(got_big, F.linear(xb, big.dequantize(dtype)))
+        assert torch.equal(got_small, F.linear(xs, small.dequantize(dtype)))
+
+
+def test_plan_switches_prefill_attention_and_keeps_a_dequantize_suffix(monkeypatch):
+    attn = Attention(4, 2, 16, 0.25)
+    for flag in (True, False):
+        cpu_kernels.apply_plan(attn, cpu_kernels.KernelPlan(isa="avx2", dtype="float32", prefill_attention=flag))
+        assert attn.cpu_prefill_kernel is flag
+    cpu_kernels.apply_plan(attn, cpu_kernels.KernelPlan(isa=None))
+    assert attn.cpu_prefill_kernel is False
+    # Race results per ladder point (True: the quantized kernel won); a noisy kernel win at 128 rows
+    # moves the switch to 256, a noisy dequantize win at 4 rows is ignored.
+    wins = iter([True, True, False, True, True, True, True, True, False])
+    monkeypatch.setattr(cpu_kernels, "_race", lambda c_fn, torch_fn: next(wins))
+    layer = torch.nn.Module()
+    from tokenmill.layers.linear import Linear
+
+    layer.proj = Linear(64, 40)
+    layer.proj.load_quantized(q4_1_weight(40, 64, 3))
+    assert cpu_kernels._measure_quantized([layer.proj], torch.float32) == (True,) * 8 + (False,)
