@@ -153,6 +153,15 @@ def test_invariant_kernel_is_the_recurrence_and_independent_of_batching_and_spli
     first = invariant_ops.recurrent_rule(*(x[length : length + 13] for x in (q, k, v, g, beta)), split)
     rest = invariant_ops.recurrent_rule(*(x[length + 13 :] for x in (q, k, v, g, beta)), split)
     assert torch.equal(torch.cat((first, rest)), out[length:]) and torch.equal(split[0], state[1])
+    pool = torch.zeros(5, heads, dk, dv)  # the decode form: one token per sequence, states in place in a pool
+    pool[3], pool[1] = s0[0], s0[1]
+    rows = torch.tensor([0, length])
+    one = invariant_ops.recurrent_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], pool, torch.tensor([3, 1]))
+    alone = s0[:1].clone()
+    assert torch.equal(one[1], invariant_ops.recurrent_rule(*(x[length : length + 1] for x in (q, k, v, g, beta)),
+                                                             s0[1:].clone())[0])
+    assert torch.equal(one[0], invariant_ops.recurrent_rule(*(x[:1] for x in (q, k, v, g, beta)), alone)[0])
+    assert torch.equal(pool[3], alone[0]) and not pool[0].any() and not pool[2].any()
 
 
 # ---- end to end against transformers ----------------------------------------------------------

@@ -22,7 +22,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def _setup(lib: ctypes.CDLL) -> None:
-    lib.gdn_recurrent_f32.argtypes = [_P] * 7 + [_I64] * 5
+    lib.gdn_recurrent_f32.argtypes = [_P] * 8 + [_I64] * 5
     lib.gdn_gates_f32.argtypes = [_P] * 6 + [_I64] * 2
     lib.gdn_sigmoid_f32.argtypes = [_P, _P, _I64, ctypes.c_int]
     lib.gdn_row_inv_norm_f32.argtypes = [_P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int]
@@ -38,6 +38,7 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
 def available() -> bool:
     """True if the compiled kernel can be used in this process."""
     try:
@@ -53,23 +54,30 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 
 
 def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor) -> torch.Tensor:
+                   state: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
     """The gated delta rule token by token (as ``gated_delta_rule.recurrent_gated_delta_rule``) for S sequences
-    of L tokens each, updating ``state`` in place.
+    of L tokens each, updating their states in place (also the default mode's decode step: one C call, no
+    gather of the states).
 
     Args:
         q, k: [S * L, H, Dk] float32 (normalised, scaled, expanded to value heads); v: [S * L, H, Dv];
-        g, beta: [S * L, H]; state: [S, H, Dk, Dv] float32 contiguous.
+        g, beta: [S * L, H]; state: [S, H, Dk, Dv] float32 contiguous, or with ``slots`` ([S] int64) a pool
+        [N, H, Dk, Dv] whose row slots[s] is sequence s's state.
     Returns:
         o [S * L, H, Dv] float32.
     """
-    assert state.dtype == torch.float32 and state.is_contiguous()
-    num_seqs, heads, dk, dv = state.shape
+    assert state.dtype == torch.float32 and state.is_contiguous() and state.device.type == "cpu"
+    num_seqs = state.shape[0] if slots is None else slots.shape[0]
+    heads, dk, dv = state.shape[1:]
     q, k, v, g, beta = (_f32(x) for x in (q, k, v, g, beta))
     seq_len = q.shape[0] // num_seqs if num_seqs else 0
+    if slots is not None:
+        slots = slots.to(torch.int64).contiguous()
+        assert num_seqs == 0 or 0 <= int(slots.min()) and int(slots.max()) < state.shape[0]
     out = torch.empty(q.shape[0], heads, dv, dtype=torch.float32)
     _lib().gdn_recurrent_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-                             state.data_ptr(), out.data_ptr(), num_seqs, seq_len, heads, dk, dv)
+                             state.data_ptr(), None if slots is None else slots.data_ptr(), out.data_ptr(),
+                             num_seqs, seq_len, heads, dk, dv)
     return out
 
 

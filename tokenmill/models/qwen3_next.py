@@ -193,12 +193,13 @@ class GatedDeltaNet(nn.Module):
         core = torch.empty_like(v)  # (T, Hv, Dv) float32
         if len(meta.decode_reqs):
             tok, slots = meta.decode_token_idx, meta.slot_ids[meta.decode_reqs]
-            state = rec_state[slots]  # (Bd, Hv, Dk, Dv) a gathered copy
-            if invariant:
-                core[tok] = invariant_ops.recurrent_rule(q[tok], k[tok], v[tok], g[tok], beta[tok], state)
-            else:
+            if invariant or (rec_state.device.type == "cpu" and invariant_ops.available()):
+                # one C call updating the slots in place (both modes; deterministic mode requires it)
+                core[tok] = invariant_ops.recurrent_rule(q[tok], k[tok], v[tok], g[tok], beta[tok], rec_state, slots)
+            else:  # torch: the specification's batched form, on a gathered copy
+                state = rec_state[slots]  # (Bd, Hv, Dk, Dv)
                 core[tok] = decode_step(q[tok], k[tok], v[tok], g[tok], beta[tok], state)
-            rec_state[slots] = state
+                rec_state[slots] = state
         for r in meta.prefill_reqs:
             start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
             slot = meta.slot_ids[r]
