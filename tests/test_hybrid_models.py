@@ -280,6 +280,24 @@ def test_prefix_hits_at_and_between_checkpoints_equal_no_caching(tiny):
     assert len(cached.engine.kv_cache_manager.state_slots.checkpoints) >= 3
 
 
+def test_prefix_hit_from_the_ram_tier_resumes_from_its_checkpoint(tiny):
+    path, _ = tiny
+    if "qwen3_next" in path:
+        pytest.skip("the tier path does not depend on the architecture: one of them is enough")
+    # a 16-block pool (64 tokens) over a RAM tier: the first prompt's blocks are pushed down by the next two
+    llm = engine_for(path, num_kv_blocks=16, kv_offload_memory=0.01, state_checkpoint_interval=2)
+    base, *others = random_prompts(3, seed=31, lo=29, hi=30)
+    tail = random_prompts(1, seed=32, lo=5, hi=6)[0]
+    run_one(llm, base)
+    for prompt in others:
+        run_one(llm, prompt)
+    tokens, logprobs, num_cached, _ = run_one(llm, base[:26] + tail)  # 6 blocks matched below the pool
+    ref_tokens, ref_logprobs, _, _ = run_one(engine_for(path, num_kv_blocks=256), base[:26] + tail)
+    assert llm.engine.kv_store.ram.stats.hits >= 6 and num_cached == 24 and tokens == ref_tokens
+    assert max(abs(x - y) for x, y in zip(logprobs, ref_logprobs)) < 1e-5
+    llm.engine.check_integrity()
+
+
 def test_deterministic_mode_is_bit_identical_across_batches_chunks_and_prefix_hits(tiny):
     path, hf = tiny
     # 7-token chunks shared by the batch: the target's prompt is cut differently alone and among others

@@ -14,20 +14,19 @@ logger = logging.getLogger(__name__)
 def attach_state_pool(engine) -> None:
     """Give ``engine`` (an LLMEngine whose runner and KV cache manager exist) one linear-state slot per
     ``max_num_seqs`` sequence and, with prefix caching, ``max_num_seqs`` state checkpoints taken every
-    ``state_checkpoint_interval`` blocks (dropped with their KV block or a prefix-cache reset).
+    ``state_checkpoint_interval`` blocks (dropped with their KV block, or, with KV offload tiers, kept while the
+    block lives on below the pool until the LRU reuses them; all dropped by a prefix-cache reset).
 
     Raises:
         ConfigError: a setting whose feature does not carry linear-layer state yet (CUDA backend,
-            `speculative_config`, `kv_transfer_config`, KV offload tiers).
+            `speculative_config`, `kv_transfer_config`).
     """
     config = engine.config
     for name, on, why in (
             ("speculative_config", config.speculative_config is not None, "a rejected draft would have to roll "
              "the recurrent state back"),
             ("kv_transfer_config", config.kv_transfer_config is not None, "transferred blocks carry no linear-layer "
-             "state checkpoints"),
-            ("kv_offload_memory", engine.kv_store is not None, "the KV offload tiers (`kv_offload_memory`, "
-             "`kv_offload_disk_path`) do not carry linear-layer state checkpoints")):
+             "state checkpoints")):
         if on:
             raise ConfigError(f"`{name}` does not support hybrid linear-attention models yet: {why} "
                               "(docs/hybrid_models.md)")
@@ -43,14 +42,8 @@ def attach_state_pool(engine) -> None:
         checkpoints = StateCheckpoints(num_checkpoints, config.cache.state_checkpoint_interval)
         kv.state_slots.checkpoints = checkpoints
         pool = kv.block_pool
-        on_evict = pool.on_evict
-
-        def evict(block_id: int, block_hash: int) -> None:  # a checkpoint leaves with its KV block
-            checkpoints.drop(block_hash)
-            if on_evict is not None:
-                on_evict(block_id, block_hash)
-
-        pool.on_evict = evict
+        if kv.offload is None:  # a checkpoint leaves with its KV block; with lower tiers the block lives on there
+            pool.on_evict = lambda block_id, block_hash: checkpoints.drop(block_hash)
         pool.on_reset = checkpoints.clear
     if config.deterministic:
         from tokenmill.linear_attention import invariant_ops
