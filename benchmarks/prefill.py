@@ -4,7 +4,8 @@ For each dtype and ``--quantization`` the embedded SmolLM2-135M-Instruct GGUF is
 ``LLM.generate(max_tokens=1)`` timed over ShareGPT-like prompts: ShareGPT first turns, tokenized,
 concatenated and cut to exactly ``--lengths`` tokens (every request its own text; prefix caching off),
 ``--concurrency`` requests at once. "old" is the engine of ``--baseline-tree`` (a checkout of the
-commit before this work, e.g. ``git archive <commit> | tar -x -C /tmp/tm_base``), "new" this tree; each
+commit before this work, e.g. ``git archive <commit> | tar -x -C /tmp/tm_base``), "new" that of
+``--new-tree`` (default: this working tree; a clean checkout keeps others' unfinished edits out); each
 runs in its own process (``--worker``), the two alternate per repeat and the best of ``--repeats``
 is kept, so load from other processes hits both alike. A breakdown pass (batch 1) times the attention
 layers (K/V write + attention), the linear layers and the rest of the step with module hooks.
@@ -131,6 +132,8 @@ def run_variant(tree: Path, args, dtype: str, quantization: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--baseline-tree", type=Path, help="checkout of the old engine (omit: new only)")
+    parser.add_argument("--new-tree", type=Path, default=REPO,
+                        help="checkout of the new engine (default: this repository's working tree)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--quantization", default="gguf,none")
     parser.add_argument("--lengths", default="128,512,2048", type=lambda s: [int(x) for x in s.split(",")])
@@ -149,7 +152,7 @@ def main() -> None:
 
     from tokenmill import csrc_build
 
-    variants = ([("old", args.baseline_tree.resolve())] if args.baseline_tree else []) + [("new", REPO)]
+    variants = ([("old", args.baseline_tree.resolve())] if args.baseline_tree else []) + [("new", args.new_tree.resolve())]
     print(f"CPU: {csrc_build.cpu_model_name()} | ISA path {csrc_build.selected_isa()} | "
           f"load {os.getloadavg()[0]:.2f} | max_num_batched_tokens {args.max_num_batched_tokens}")
     for dtype in args.dtypes.split(","):

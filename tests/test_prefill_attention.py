@@ -6,8 +6,8 @@ spans mixed with decodes in one batch, GQA and not, over block sizes 1 and 16 an
 the vector width (refused, and left to SDPA, where it is not a multiple); the engine with the kernel
 forced on gives transformers' greedy tokens and prompt log-probabilities (within 1e-4) in float32 on a
 tiny model and on the embedded SmolLM2 (chunked prefill, so later chunks attend over a cached prefix);
-GGUF weights dequantized into the per-thread scratch buffer give the same products as a fresh
-dequantized copy, bf16 rows are the float32 rows rounded; the plan switches the attention layers and
+GGUF weights dequantize to the portable build's bits on this CPU's path (bf16: the float32 values
+rounded) and, in the per-thread scratch buffer, give the same products as a fresh dequantized copy; the plan switches the attention layers and
 keeps the dequantize-and-GEMM rows a suffix of the ladder.
 """
 from __future__ import annotations
@@ -130,6 +130,21 @@ def q4_1_weight(n: int, k: int, seed: int) -> GGUFWeight:
     half = (rng.standard_normal((n, k // 32, 2)) * 0.01).astype(np.float16)
     raw[:, :, :4] = half.view(np.uint8).reshape(n, k // 32, 4)
     return GGUFWeight([QuantizedTensor(3, (n, k), torch.from_numpy(raw.reshape(n, -1).copy()))])
+
+
+@pytest.mark.skipif(not qgemm.available(), reason="the C kernels cannot be built here")
+def test_dequantize_is_the_portable_builds_values_on_this_path():
+    """This CPU's build (vectorised per format on AVX-512) against the plain-C build: the same float32
+    bits for every format, and bf16 rows that are the float32 rows rounded (torch's rounding)."""
+    from tests.test_quantized_weights import KS, QTYPES, random_blocks
+
+    portable = qgemm._load("portable")
+    for qtype in QTYPES:
+        for k in KS[qtype]:
+            data = random_blocks(qtype, 37, k, seed=qtype + k)
+            ref = qgemm._dequantize(portable, data, qtype, k, None, torch.float32)
+            assert torch.equal(qgemm.dequantize(data, qtype, k, dtype=torch.float32), ref)
+            assert torch.equal(qgemm.dequantize(data, qtype, k, dtype=torch.bfloat16), ref.bfloat16())
 
 
 @pytest.mark.skipif(not qgemm.available(), reason="the C kernels cannot be built here")
