@@ -153,7 +153,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm: forward(input_ids [T], positions [T], ...) -> [T, hidden]."""
+    """Embedding, decoder layers, final norm: forward(input_ids [T], positions [T], ...) -> [T, hidden].
+
+    ``lean_decode`` (set by the CPU runner, ``tokenmill.runner.lean_decode``): runs a decode-only step's
+    layers in one C call, or returns None and the layers below run; None (the default) costs nothing.
+    """
+
+    lean_decode = None
 
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
         super().__init__()
@@ -170,6 +176,10 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} kv caches for {len(self.layers)} layers"
+        if self.lean_decode is not None:
+            out = self.lean_decode(self, input_ids, positions, kv_caches, attn_metadata)
+            if out is not None:
+                return out
         hidden_states = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary_emb(positions, hidden_states.dtype)  # (T, 1, D/2) each, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -128,6 +128,14 @@ class ModelRunner:
             num_kv_blocks, block_size, num_kv_blocks * block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / GIB, self.bytes_per_token, self.kv_dtype,
         )
+        if (self.kernel_plan is not None and self.kernel_plan.isa is not None and lora_manager is None
+                and self.kv_dtype == loaded.dtype):  # decode-only steps in one C call (runner/lean_decode.py)
+            from tokenmill.runner.lean_decode import install_lean_decode
+
+            why_not = install_lean_decode(self.model, loaded.dtype, block_size)
+            if why_not is None:
+                self.kernel_choice += ", lean decode step"
+            logger.info("lean decode step: %s", why_not or "on")
         self.sampler = Sampler(self.vocab_size)
         self.state_cache = None  # hybrid models: the linear layers' state pool (allocate_state_cache)
 

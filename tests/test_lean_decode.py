@@ -1,0 +1,192 @@
+"""The lean decode step (tokenmill/runner/lean_decode.py) against the torch path it replaces.
+
+With the torch path's layers on the C kernels the lean step calls (RMSNorm, SiLU×up, paged decode, the
+quantized product), a decode step must give the same bits both ways: the hidden states after the final
+norm and every KV row written, for float32 and bf16, on tiny int8 Llama / Qwen2 (biases) / Qwen3 (q/k
+norms) models and on the embedded SmolLM2 Q4_1 GGUF; greedy generation then gives the same tokens and
+logprobs. The check is repeated in a subprocess on another ISA path (AVX2, or portable on an AVX2
+machine). Steps the lean step does not take (prefill, mixed, LoRA, quantized KV, deterministic mode,
+dense weights, --no-cpu-kernels) run the torch path.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams, csrc_build
+from tokenmill.attention import build_attention_metadata
+from tokenmill.attention.layer import Attention
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.linear import Linear
+from tokenmill.runner import lean_decode
+
+pytestmark = pytest.mark.skipif(not lean_decode.available() or csrc_build.kernels_disabled(),
+                                reason="no C compiler, or TOKENMILL_DISABLE_CPU_KERNELS=1")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def torch_path_on_c_kernels(model) -> None:
+    """Every layer of the torch path on the C kernel the lean step calls, at every row count."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SiluAndMul)):
+            module.cpu_kernel_table = (True,)
+        elif isinstance(module, Attention):
+            module.cpu_decode_kernel = True
+        elif isinstance(module, Linear) and module.quant is not None:
+            module.quant.dequantize_table = ()
+
+
+def decode_step_both_ways(llm, context_lens: list[int], seed: int = 0):
+    """Prefill ``context_lens`` random sequences (torch path), then run one decode step of all of them through
+    the torch path and, from the same KV cache, through the lean step. Returns ((hidden, kv) torch,
+    (hidden, kv) lean); hidden [B, hidden] after the final norm, kv the runner's whole KV pool."""
+    runner = llm.engine.runner
+    model, lean = runner.model, runner.model.model.lean_decode
+    assert lean is not None, runner.kernel_choice
+    gen = np.random.default_rng(seed)
+    block_size = runner.block_size
+    blocks = [-(-(n + 1) // block_size) for n in context_lens]
+    ids = gen.permutation(np.arange(1, runner.num_kv_blocks))[: sum(blocks)]  # scattered block ids
+    table = np.zeros((len(context_lens), max(blocks)), dtype=np.int64)
+    for i, start in enumerate(np.cumsum([0, *blocks[:-1]])):
+        table[i, : blocks[i]] = ids[start : start + blocks[i]]
+    lens = np.asarray(context_lens, dtype=np.int64)
+    with torch.inference_mode():
+        lean.enabled = False
+        tokens = torch.from_numpy(gen.integers(3, runner.vocab_size, int(lens.sum()) + len(lens)))
+        metadata, positions = build_attention_metadata(lens, np.zeros_like(lens), table, block_size)
+        model(tokens[: int(lens.sum())], torch.from_numpy(positions), runner.kv_caches, metadata)
+        before = runner.kv_cache.clone()
+        metadata, positions = build_attention_metadata(np.ones_like(lens), lens, table, block_size)
+        step = (tokens[int(lens.sum()):], torch.from_numpy(positions), runner.kv_caches, metadata)
+        want = (model(*step), runner.kv_cache.clone())
+        runner.kv_cache.copy_(before)
+        lean.enabled = True
+        steps = lean.steps
+        got = (model(*step), runner.kv_cache.clone())
+        assert lean.steps == steps + 1, "the lean step did not run"
+    return want, got
+
+
+def assert_same_bits(want, got) -> None:
+    (h_want, kv_want), (h_got, kv_got) = want, got
+    assert h_got.dtype == h_want.dtype and torch.equal(h_got, h_want), \
+        f"hidden states differ, max |diff| {(h_got.float() - h_want.float()).abs().max().item():.3g}"
+    assert torch.equal(kv_got, kv_want), "the KV rows written differ"
+
+
+@pytest.fixture(scope="module")
+def tiny_paths(tmp_path_factory):
+    from tests.tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("lean")
+    return {arch: str(make_tiny_model(arch, root / arch)) for arch in ("llama", "qwen2", "qwen3")}
+
+
+def tiny_int8_engine(path: str, dtype: str, **kwargs) -> LLM:
+    return LLM(model=path, dtype=dtype, quantization="int8", num_threads=2, num_kv_blocks=48, **kwargs)
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen3", "float32"), ("qwen2", "bfloat16")])
+def test_a_decode_step_gives_the_torch_path_bits_on_tiny_int8_models(tiny_paths, arch, dtype):
+    llm = tiny_int8_engine(tiny_paths[arch], dtype)
+    try:
+        assert "lean decode step" in llm.engine.runner.kernel_choice
+        torch_path_on_c_kernels(llm.engine.runner.model)
+        assert_same_bits(*decode_step_both_ways(llm, [5, 17, 40]))  # 1, 2 and 3 blocks, scattered
+        assert_same_bits(*decode_step_both_ways(llm, [33], seed=1))  # batch 1
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    llm = LLM(dtype="float32", num_threads=2, max_model_len=256, kv_cache_memory=0.05)
+    yield llm
+    llm.close()
+
+
+def test_embedded_q4_1_model_decodes_the_same_bits_and_greedy_tokens(smollm2):
+    runner = smollm2.engine.runner
+    assert runner.loaded.quantization == "gguf" and "lean decode step" in runner.kernel_choice
+    torch_path_on_c_kernels(runner.model)
+    assert_same_bits(*decode_step_both_ways(smollm2, [20, 9]))
+    lean = runner.model.model.lean_decode
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+    chats = [[{"role": "user", "content": c}] for c in ("What is the capital of France?", "Name three rivers.")]
+    steps = lean.steps
+    got = smollm2.chat(chats, params)
+    assert lean.steps - steps == 11  # one prefill step (torch), then 11 decode steps of both chats
+    lean.enabled = False
+    try:
+        want = smollm2.chat(chats, params)
+    finally:
+        lean.enabled = True
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        assert g.token_ids == w.token_ids
+        assert [lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)] == \
+               [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)]
+
+
+def test_other_isa_path_gives_the_torch_path_bits(tiny_paths):
+    """The whole process on another ISA path (TOKENMILL_CPU_ISA): AVX2 where this CPU has AVX-512, else portable."""
+    other = "avx2" if csrc_build.selected_isa() != "avx2" and csrc_build.isa_supported("avx2") else "portable"
+    code = ("import sys; from tests.test_lean_decode import check_tiny; check_tiny(sys.argv[1], sys.argv[2])")
+    env = {**os.environ, "TOKENMILL_CPU_ISA": other}
+    result = subprocess.run([sys.executable, "-c", code, tiny_paths["qwen3"], other], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    csrc_build.loaded_kernels.add(("lean_decode (subprocess)", other))
+
+
+def check_tiny(path: str, isa: str) -> None:
+    """test_other_isa_path_gives_the_torch_path_bits's subprocess: float32 (--dtype auto on a CPU without bf16
+    arithmetic) on the forced path."""
+    assert csrc_build.selected_isa() == isa
+    llm = tiny_int8_engine(path, "float32")
+    try:
+        lean = llm.engine.runner.model.model.lean_decode
+        assert lean is not None and lean.isa == isa
+        torch_path_on_c_kernels(llm.engine.runner.model)
+        assert_same_bits(*decode_step_both_ways(llm, [5, 17, 40]))
+    finally:
+        llm.close()
+
+
+def test_engines_the_lean_step_does_not_serve_keep_the_torch_path(tiny_paths):
+    """Quantized KV and LoRA engines are never given the step (deterministic mode and --no-cpu-kernels neither:
+    tests/test_cpu_kernels.py checks their kernel_choice text, which would name it); dense weights are refused."""
+    for why, kwargs in {"quantized KV cache": dict(kv_cache_dtype="int8"), "LoRA": dict(enable_lora=True)}.items():
+        llm = tiny_int8_engine(tiny_paths["llama"], "float32", **kwargs)
+        try:
+            assert llm.engine.runner.model.model.lean_decode is None, why
+            assert "lean decode step" not in llm.engine.runner.kernel_choice
+            out = llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0]
+            assert len(out.token_ids) == 3
+        finally:
+            llm.close()
+    from tests.tiny_models import tiny_config
+    from tokenmill.models.llama import LlamaForCausalLM
+
+    dense = LlamaForCausalLM(tiny_config("llama"))  # dense (unloaded) weights
+    assert "dense" in lean_decode.install_lean_decode(dense, torch.float32, 16)
+    assert dense.model.lean_decode is None
+
+
+def test_prefill_and_mixed_steps_take_the_torch_path(smollm2):
+    """A step with a multi-token query (prefill, or prefill + decode) is not the lean step's: it answers None."""
+    runner = smollm2.engine.runner
+    lean = runner.model.model.lean_decode
+    table = np.array([[1, 2], [3, 4]], dtype=np.int64)
+    for query_lens, computed in (([4, 1], [0, 7]), ([3, 3], [0, 0])):
+        metadata, positions = build_attention_metadata(np.array(query_lens), np.array(computed), table, 16)
+        ids = torch.ones(sum(query_lens), dtype=torch.int64)
+        assert lean(runner.model.model, ids, torch.from_numpy(positions), runner.kv_caches, metadata) is None

@@ -1,0 +1,206 @@
+/* A Llama-family decoder stack's decode step (one query token per sequence) in one C call.
+ *
+ * For each layer, over the B sequences of the step, exactly the operations of the torch path
+ * (tokenmill/models/llama.py, the specification), in its order and with its roundings:
+ *   xn = RMSNorm(h)                                 rms_norm kernel (batch_invariant.c)
+ *   qkv = xn @ Wqkv^T (+ b)                         quantized product per format segment (qgemm.c)
+ *   q, k = RMSNorm per head (Qwen3's q_norm/k_norm), then rotate-half RoPE from the float32 cos|sin cache
+ *   k, v -> k_cache/v_cache[slot_mapping[b]]        the layer's paged KV cache
+ *   a = attention of q over block_table[b]          paged decode kernel (paged_decode.c)
+ *   h = (a @ Wo^T (+ b)) + h
+ *   h = (silu(gate) * up) @ Wdown^T (+ b) + h       over RMSNorm(h); silu_and_mul kernel
+ * The kernels are the ones the torch path's layers call in default CPU mode, passed in as function
+ * pointers into their own libraries (the very same machine code), and every tensor the torch path
+ * holds is held here in the model dtype; the elementwise steps (bias, RoPE, residual adds) round each
+ * result to the model dtype as torch's ops do (bf16: nearest even; float32: IEEE single operations,
+ * no contraction: -std=c11 turns it off). So when the torch path's layers run these kernels, the two
+ * paths give the same bits. The final norm and the LM head stay with the caller.
+ *
+ * Layouts (row-major): hidden [B, hidden] in the model dtype (in: the embeddings; out: the residual
+ * stream after the last layer); positions, slot_mapping, seq_lens [B] int64; block_table [B, max_blocks]
+ * int64; kv[2 * l] / kv[2 * l + 1] the K / V cache of layer l, [num_blocks, block_size, kv_heads,
+ * head_dim] in the model dtype. No SIMD here: the ISA paths are the kernels' (tokenmill/csrc_build.py).
+ * Built at run time by tokenmill/runner/lean_decode.py; tests/test_lean_decode.py holds it to the torch path.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define LD_MAX_SEGMENTS 4
+
+/* The kernels' exported signatures (qg_linear, bi_rms_norm_*, silu_and_mul_*, paged_decode_*). */
+typedef int (*ld_qlinear_fn)(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, int x_bf16, int64_t M,
+                             void* y, int y_bf16, int64_t ldy, int num_threads);
+typedef void (*ld_rms_norm_fn)(const void* x, const void* w, void* y, int64_t M, int64_t H, float eps, int num_threads);
+typedef void (*ld_silu_and_mul_fn)(const void* x, void* out, int64_t M, int64_t I, int num_threads);
+typedef void (*ld_attention_fn)(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
+                                const int64_t* seq_lens, void* out, int num_seqs, int num_heads, int num_kv_heads,
+                                int head_dim, int block_size, int max_blocks, float scale, int num_threads);
+
+typedef struct {
+    ld_qlinear_fn qlinear;
+    ld_rms_norm_fn rms_norm;            /* the model dtype's variant */
+    ld_silu_and_mul_fn silu_and_mul;
+    ld_attention_fn attention;
+} ld_kernels;
+
+typedef struct {
+    int32_t num_segments;
+    int32_t qtype[LD_MAX_SEGMENTS];
+    int64_t rows[LD_MAX_SEGMENTS];           /* output rows of each segment, stacked in order */
+    const uint8_t* data[LD_MAX_SEGMENTS];    /* [rows, row bytes] GGUF blocks */
+    const void* bias;                        /* [sum(rows)] in the model dtype, or NULL */
+} ld_linear;
+
+typedef struct {
+    const void* input_norm;  /* [hidden] model dtype */
+    const void* post_norm;   /* [hidden] */
+    const void* q_norm;      /* [head_dim] or NULL (Qwen3's per-head norms) */
+    const void* k_norm;
+    ld_linear qkv, o, gate_up, down;
+} ld_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t block_size, max_position;
+    float eps, scale;
+    int32_t bf16;              /* model dtype: 1 bfloat16, 0 float32 */
+    const float* cos_sin;      /* [max_position, head_dim]: cos half | sin half, float32 */
+    const ld_layer* layers;    /* [num_layers] */
+    ld_kernels kernels;
+} ld_model;
+
+/* A float as the model dtype holds it (bf16: round to nearest even; float32: unchanged). */
+static inline float rnd(float x, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+static inline float ld_load(const void* p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+static inline void ld_store(void* p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t*)p)[i] = f32_to_bf16(v); else ((float*)p)[i] = v;
+}
+
+static int64_t ld_linear_out(const ld_linear* L) {
+    int64_t n = 0;
+    for (int s = 0; s < L->num_segments; s++) n += L->rows[s];
+    return n;
+}
+
+/* y [M, N] (model dtype) = x [M, K] @ W^T (+ bias): each segment into its column range, as
+ * GGUFWeight.matmul does, then y += bias rounded to the dtype. Returns qg_linear's code. */
+static int ld_linear_run(const ld_model* m, const ld_linear* L, const void* x, int64_t M, int64_t K, void* y,
+                         int num_threads) {
+    const int bf16 = m->bf16;
+    const size_t elt = bf16 ? 2 : 4;
+    const int64_t N = ld_linear_out(L);
+    int64_t col = 0;
+    for (int s = 0; s < L->num_segments; s++) {
+        const int rc = m->kernels.qlinear(L->qtype[s], L->data[s], L->rows[s], K, x, bf16, M, (char*)y + col * elt,
+                                          bf16, N, num_threads);
+        if (rc != 0) return rc;
+        col += L->rows[s];
+    }
+    if (L->bias)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t n = 0; n < N; n++)
+                ld_store(y, i * N + n, ld_load(y, i * N + n, bf16) + ld_load(L->bias, n, bf16), bf16);
+    return 0;
+}
+
+/* In-place rotate-half RoPE of n_heads heads [n_heads, D] (model dtype) at the cache row cs (cos | sin,
+ * float32), as layers/rotary_embedding.py: cos/sin cast to the dtype, then [x1 c - x2 s, x2 c + x1 s]
+ * with every product and sum rounded to the dtype. */
+static void ld_rope(void* x, int64_t n_heads, int64_t D, const float* cs, int bf16) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < n_heads; h++)
+        for (int64_t i = 0; i < half; i++) {
+            const int64_t i1 = h * D + i, i2 = i1 + half;
+            const float c = rnd(cs[i], bf16), s = rnd(cs[half + i], bf16);
+            const float x1 = ld_load(x, i1, bf16), x2 = ld_load(x, i2, bf16);
+            const float a = rnd(x1 * c, bf16), b = rnd(x2 * s, bf16);
+            const float e = rnd(x2 * c, bf16), f = rnd(x1 * s, bf16);
+            ld_store(x, i1, a - b, bf16);
+            ld_store(x, i2, e + f, bf16);
+        }
+}
+
+/* h[i] = h[i] + y[i] (h.add_ of the torch path: y + h rounded to the dtype). */
+static void ld_residual(void* h, const void* y, int64_t n, int bf16) {
+    for (int64_t i = 0; i < n; i++) ld_store(h, i, ld_load(y, i, bf16) + ld_load(h, i, bf16), bf16);
+}
+
+/* One decode step of every layer for B sequences (see the top of the file). Returns 0; -1 for a bad
+ * argument (B < 1, a position outside the RoPE cache, a sequence length outside 1..max_blocks * block_size,
+ * a layer of the wrong shape), checked before anything is written; -2 when memory cannot be allocated
+ * (here, or inside a product: the KV rows of the layers before may then hold this step's values). */
+int ld_decode(const ld_model* m, int64_t B, const int64_t* positions, const int64_t* slot_mapping,
+              const int64_t* block_table, int64_t max_blocks, const int64_t* seq_lens, void* const* kv,
+              void* hidden, int num_threads) {
+    const int bf16 = m->bf16;
+    const size_t elt = bf16 ? 2 : 4;
+    const int64_t Hd = m->hidden, H = m->num_heads, KVH = m->num_kv_heads, D = m->head_dim, I = m->intermediate;
+    const int64_t q_size = H * D, kv_size = KVH * D, nqkv = q_size + 2 * kv_size;
+    if (B < 1 || D % 2) return -1;
+    for (int64_t b = 0; b < B; b++)
+        if (positions[b] < 0 || positions[b] >= m->max_position || seq_lens[b] < 1 ||
+            seq_lens[b] > max_blocks * m->block_size) return -1;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const ld_layer* L = &m->layers[l];
+        if (ld_linear_out(&L->qkv) != nqkv || ld_linear_out(&L->o) != Hd || ld_linear_out(&L->gate_up) != 2 * I ||
+            ld_linear_out(&L->down) != Hd) return -1;
+    }
+    const int64_t wide = Hd > q_size ? Hd : q_size;
+    char* xn = malloc(elt * (size_t)(B * wide));            /* normed input / attention output */
+    char* qkv = malloc(elt * (size_t)(B * nqkv));
+    char* q = malloc(elt * (size_t)(B * (q_size + kv_size))); /* q | k per row, contiguous (norms, RoPE) */
+    char* attn = malloc(elt * (size_t)(B * q_size));
+    char* out = malloc(elt * (size_t)(B * Hd));
+    char* gu = malloc(elt * (size_t)(B * 2 * I));
+    char* act = malloc(elt * (size_t)(B * I));
+    int rc = 0;
+    if (!xn || !qkv || !q || !attn || !out || !gu || !act) { rc = -2; goto done; }
+    const ld_kernels* k = &m->kernels;
+    for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
+        const ld_layer* L = &m->layers[l];
+        char* k_cache = kv[2 * l];
+        char* v_cache = kv[2 * l + 1];
+        /* attention block */
+        k->rms_norm(hidden, L->input_norm, xn, B, Hd, m->eps, num_threads);
+        if ((rc = ld_linear_run(m, &L->qkv, xn, B, Hd, qkv, num_threads))) break;
+        for (int64_t b = 0; b < B; b++) { /* q | k of row b, contiguous: [H + KVH, D] */
+            char* src = qkv + elt * (size_t)(b * nqkv);
+            char* qb = q + elt * (size_t)(b * (q_size + kv_size));
+            if (L->q_norm) { /* Qwen3: RMSNorm over head_dim, per q head and per k head */
+                k->rms_norm(src, L->q_norm, qb, H, D, m->eps, num_threads);
+                k->rms_norm(src + elt * (size_t)q_size, L->k_norm, qb + elt * (size_t)q_size, KVH, D, m->eps,
+                            num_threads);
+            } else {
+                memcpy(qb, src, elt * (size_t)(q_size + kv_size));
+            }
+        }
+        for (int64_t b = 0; b < B; b++) {
+            char* qb = q + elt * (size_t)(b * (q_size + kv_size));
+            ld_rope(qb, H + KVH, D, m->cos_sin + positions[b] * D, bf16);
+            memcpy(attn + elt * (size_t)(b * q_size), qb, elt * (size_t)q_size); /* rotated q, for attention */
+            const size_t slot = elt * (size_t)(slot_mapping[b] * kv_size);
+            memcpy(k_cache + slot, qb + elt * (size_t)q_size, elt * (size_t)kv_size);
+            memcpy(v_cache + slot, qkv + elt * (size_t)(b * nqkv + q_size + kv_size), elt * (size_t)kv_size);
+        }
+        k->attention(attn, k_cache, v_cache, block_table, seq_lens, xn, (int)B, (int)H, (int)KVH, (int)D,
+                     (int)m->block_size, (int)max_blocks, m->scale, num_threads);
+        if ((rc = ld_linear_run(m, &L->o, xn, B, q_size, out, num_threads))) break;
+        ld_residual(hidden, out, B * Hd, bf16);
+        /* MLP block */
+        k->rms_norm(hidden, L->post_norm, xn, B, Hd, m->eps, num_threads);
+        if ((rc = ld_linear_run(m, &L->gate_up, xn, B, Hd, gu, num_threads))) break;
+        k->silu_and_mul(gu, act, B, I, num_threads);
+        if ((rc = ld_linear_run(m, &L->down, act, B, I, out, num_threads))) break;
+        ld_residual(hidden, out, B * Hd, bf16);
+    }
+    if (rc != 0) rc = -2; /* a product refused: only an allocation inside the kernel can fail here */
+done:
+    free(xn); free(qkv); free(q); free(attn); free(out); free(gu); free(act);
+    return rc;
+}

@@ -1,0 +1,249 @@
+"""Lean decode step: a decode-only step of a Llama-family model with GGUF/int8 weights runs every decoder
+layer in one C call (csrc/lean_decode.c) instead of ~15 torch ops and Python calls per layer.
+
+At batch 1 a step's products read ~100 MB of 4-bit weights in a few milliseconds, so per-layer Python
+and torch dispatch (hundreds of calls per step) are a large share of it. ``install_lean_decode`` (called
+by the CPU runner in default mode) gives ``LlamaModel`` a ``LeanDecode``; for each step it either runs
+the layers in C and returns the hidden states, or returns None and the torch path (the reference,
+``tokenmill/models/llama.py``) runs. The C step calls the same compiled kernels as the torch path's
+layers (qgemm, RMSNorm, SiLU×up, paged decode attention: function pointers into their libraries, for one
+ISA path) and holds every intermediate in the model dtype, so the two agree bit for bit wherever the
+layers run those kernels. Taken only when the step is decode-only (every query one token) and the
+quantized kernel is the measured choice at that row count; never with LoRA, a quantized KV cache,
+deterministic mode (the runner does not install it) or dense weights. ``--no-cpu-kernels`` turns it off
+with the other C kernels (docs/lean_decode.md).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from tokenmill.attention import cpu_decode
+from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
+from tokenmill.layers import batch_invariant, silu_and_mul_kernel
+from tokenmill.quantization import qgemm
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "lean_decode.c"
+MAX_SEGMENTS = 4  # LD_MAX_SEGMENTS: format segments per fused projection
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("num_segments", ctypes.c_int32), ("qtype", ctypes.c_int32 * MAX_SEGMENTS),
+                ("rows", ctypes.c_int64 * MAX_SEGMENTS), ("data", ctypes.c_void_p * MAX_SEGMENTS),
+                ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear)]
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("qlinear", ctypes.c_void_p), ("rms_norm", ctypes.c_void_p), ("silu_and_mul", ctypes.c_void_p),
+                ("attention", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64),
+                ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+                ("block_size", ctypes.c_int64), ("max_position", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("bf16", ctypes.c_int32), ("cos_sin", ctypes.c_void_p),
+                ("layers", ctypes.POINTER(_Layer)), ("kernels", _Kernels)]
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.ld_decode.argtypes = [ctypes.POINTER(_Model), i64, p, p, p, i64, p, p, p, ctypes.c_int]
+    lib.ld_decode.restype = ctypes.c_int
+
+
+def _load(isa: str | None = None) -> ctypes.CDLL | None:
+    """Build (or reuse) the step's library for ``isa`` (default: csrc_build.selected_isa()); None if
+    unavailable. It holds no SIMD code of its own: the kernels it calls carry the ISA path."""
+    return load_c_library(_SOURCE, "lean_decode", _setup, DEFAULT_FLAGS, isa)
+
+
+@functools.cache
+def _built() -> ctypes.CDLL | None:
+    return _load()
+
+
+def available() -> bool:
+    """True if the library can be used in this process (builds it on the first call)."""
+    return _built() is not None
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def kernel_set(dtype: torch.dtype, isa: str | None = None) -> tuple[_Kernels, str] | None:
+    """The kernels the step calls for ``dtype`` and their ISA path: this process's builds (``isa`` None, the
+    ones the torch path's layers call) or builds for ``isa`` (tests run the step on another path). None when
+    one of them cannot be built."""
+    if isa is None:
+        libs = (qgemm._built(), batch_invariant._built(), silu_and_mul_kernel._get_lib(), cpu_decode._get_lib())
+    else:
+        libs = (qgemm._load(isa), batch_invariant._load(isa), silu_and_mul_kernel._load(isa), cpu_decode._load(isa))
+    if any(lib is None for lib in libs):
+        return None
+    q, bi, silu, attn = libs
+    suffix = "bf16" if dtype == torch.bfloat16 else "f32"
+    kernels = _Kernels(qlinear=_address(q.qg_linear), rms_norm=_address(getattr(bi, f"bi_rms_norm_{suffix}")),
+                       silu_and_mul=_address(getattr(silu, f"silu_and_mul_{suffix}")),
+                       attention=_address(getattr(attn, f"paged_decode_{suffix}")))
+    return kernels, q.qg_isa().decode()
+
+
+def _linear(module, dtype: torch.dtype) -> tuple[_Linear, list[torch.Tensor]] | None:
+    """The C description of a quantized ``Linear`` (and the tensors it points into), or None when the layer
+    is not one the lean step runs (dense weight, too many format segments, a bias in another dtype)."""
+    quant = getattr(module, "quant", None)
+    if quant is None or len(quant.parts) > MAX_SEGMENTS:
+        return None
+    if module.bias is not None and (module.bias.dtype != dtype or not module.bias.is_contiguous()):
+        return None
+    desc = _Linear(num_segments=len(quant.parts))
+    keep = []
+    for i, part in enumerate(quant.parts):
+        assert part.data.is_contiguous() and part.data.dtype == torch.uint8
+        desc.qtype[i], desc.rows[i], desc.data[i] = part.qtype, part.shape[0], part.data.data_ptr()
+        keep.append(part.data)
+    if module.bias is not None:
+        desc.bias = module.bias.data_ptr()
+        keep.append(module.bias)
+    return desc, keep
+
+
+class LeanDecode:
+    """A LlamaModel's decode-only steps in one C call; built by ``install_lean_decode``.
+
+    ``__call__(model, input_ids [T] int64, positions [T] int64, kv_caches, metadata)`` returns the final
+    hidden states [T, hidden] (after the model's final norm, in the model dtype) or None when the step is
+    not one the lean path takes (the caller then runs the torch layers). ``enabled`` (default True)
+    switches it off without uninstalling (tests and benchmarks compare both paths on one engine);
+    ``steps`` counts the steps it ran.
+    """
+
+    enabled = True
+
+    def __init__(self, lib: ctypes.CDLL, desc: _Model, layers, keep: list[torch.Tensor], dtype: torch.dtype,
+                 probe, isa: str) -> None:
+        self._lib = lib
+        self.isa = isa  # the kernels' ISA path
+        self._desc = desc
+        self._layers = layers  # the ctypes array desc.layers points into
+        self._keep = keep  # tensors whose memory the description points at
+        self.dtype = dtype
+        self._probe = probe  # a quantized layer: its dequantize_table says which row counts take the kernel
+        self._kv_key = None
+        self._kv_ptrs = None
+        self.steps = 0  # decode steps run here (tests check that the lean path was taken)
+
+    def _kv_pointers(self, kv_caches) -> ctypes.Array | None:
+        first = kv_caches[0][0]
+        if type(first) is not torch.Tensor or first.dtype != self.dtype or len(kv_caches) != self._desc.num_layers:
+            return None  # a quantized KV cache (QuantizedKVCache), or not this model's caches
+        key = (id(kv_caches), first.data_ptr())
+        if key != self._kv_key:  # the pool moved (RL sleep/wake) or another pool: pointers again
+            ptrs = (ctypes.c_void_p * (2 * len(kv_caches)))()
+            for i, (k, v) in enumerate(kv_caches):
+                if not (k.is_contiguous() and v.is_contiguous()):
+                    return None
+                ptrs[2 * i], ptrs[2 * i + 1] = k.data_ptr(), v.data_ptr()
+            self._kv_key, self._kv_ptrs = key, ptrs
+        return self._kv_ptrs
+
+    def __call__(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, metadata) -> torch.Tensor | None:
+        if not self.enabled:
+            return None
+        num_tokens = input_ids.shape[0]
+        if (num_tokens == 0 or metadata.num_prefills or metadata.linear_state is not None
+                or metadata.query_start_loc.shape[0] != num_tokens + 1):
+            return None  # not decode-only
+        table = self._probe.dequantize_table
+        if table and table[min(num_tokens, len(table) - 1)]:
+            return None  # the measured plan dequantizes for torch's GEMM at this many rows
+        ptrs = self._kv_pointers(kv_caches)
+        if ptrs is None:
+            return None
+        hidden = model.embed_tokens(input_ids).contiguous()  # (T, hidden), overwritten by the C call
+        block_table = metadata.block_table.contiguous()
+        positions = positions.contiguous()
+        slot_mapping = metadata.slot_mapping.contiguous()
+        seq_lens = metadata.seq_lens.contiguous()
+        rc = self._lib.ld_decode(ctypes.byref(self._desc), num_tokens, positions.data_ptr(), slot_mapping.data_ptr(),
+                                 block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), ptrs,
+                                 hidden.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("lean decode step: scratch memory could not be allocated")
+        if rc != 0:
+            return None  # e.g. a position past the RoPE cache: the torch path raises its own error
+        self.steps += 1
+        return model.norm(hidden)
+
+
+def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | None = None) -> str | None:
+    """Give ``model`` (a ``LlamaForCausalLM`` or subclass) a ``LeanDecode`` for its decode-only steps.
+
+    ``isa``: run the step on the kernels built for that path (tests; default: this process's builds, which
+    the torch path's layers call). Returns None when installed, else why not (a dense or oddly fused layer,
+    a dtype other than float32 / bfloat16, norms with different eps, a model that is not a plain
+    Llama-family stack, or a library that cannot be built). Uninstalls a previous one first.
+    """
+    from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, LlamaModel):
+        return "not a Llama-family decoder stack"
+    inner.lean_decode = None
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} (float32 or bfloat16 only)"
+    layers = list(inner.layers)
+    if not layers or any(type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention
+                         or type(layer.mlp) is not LlamaMLP for layer in layers):
+        return "decoder layers other than LlamaDecoderLayer"
+    attn0 = layers[0].self_attn
+    eps = layers[0].input_layernorm.variance_epsilon
+    norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                             layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]
+    if any(n.variance_epsilon != eps or n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms):
+        return "RMSNorms with different eps or dtypes"
+    cache = inner.rotary_emb.cos_sin_cache
+    if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1] != attn0.head_dim:
+        return "a RoPE cache the lean step cannot read"
+    keep: list[torch.Tensor] = [cache]
+    descs = (_Layer * len(layers))()
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = [_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None for p in parts):
+            return f"layer {i} has a dense projection (the lean step runs quantized GGUF/int8 weights only)"
+        for _, tensors in parts:
+            keep.extend(tensors)
+        d = descs[i]
+        d.qkv, d.o, d.gate_up, d.down = (p[0] for p in parts)
+        d.input_norm = layer.input_layernorm.weight.data_ptr()
+        d.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+        if attn.q_norm is not None:
+            d.q_norm, d.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+        keep.extend(n.weight for n in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+                    if n is not None)
+    lib = _built() if isa is None else _load(isa)
+    kernels = kernel_set(dtype, isa)
+    if lib is None or kernels is None:
+        return "the lean decode library or a kernel it calls cannot be built here"
+    desc = _Model(num_layers=len(layers), hidden=inner.embed_tokens.embedding_dim, num_heads=attn0.num_heads,
+                  num_kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim,
+                  intermediate=layers[0].mlp.down_proj.in_features, block_size=block_size,
+                  max_position=cache.shape[0], eps=eps, scale=attn0.attn.scale, bf16=int(dtype == torch.bfloat16),
+                  cos_sin=cache.data_ptr(), layers=descs, kernels=kernels[0])
+    inner.lean_decode = LeanDecode(lib, desc, descs, keep, dtype, layers[0].self_attn.qkv_proj.quant, kernels[1])
+    return None
