@@ -1,18 +1,27 @@
-"""Speculative decoding (n-gram proposer): exact by construction.
+"""Speculative decoding: exact by construction, and drafting only where it pays.
 
-The proposer against a slow reference; the rejection sampler's output distribution (200k draws)
-against the target and against a step-by-step reference; greedy outputs token-identical to plain
-decoding for k = 1..5 on tiny models of two architectures (with chunked prefill, forced preemption
-and prefix hits, no block holding an unverified token ever cached) and on the embedded SmolLM2
-with a copy task where most drafts are accepted; deterministic mode bit-identical with and without
-speculation (greedy and seeded sampling, log-probabilities included); stop strings, max_tokens,
-n > 1, structured outputs; the counters; the config's errors.
+The n-gram proposer against a slow reference; the rejection sampler's output distribution (200k
+draws) against the target and against a step-by-step reference; greedy outputs token-identical to
+plain decoding for k = 1..5 with each proposer, on tiny models of every architecture (chunked
+prefill, forced preemption and prefix hits; no block holding an unverified token ever cached) and on
+the embedded SmolLM2 (a copy task where most drafts are accepted); deterministic mode bit-identical
+with and without speculation (greedy and seeded sampling, log-probabilities included); stop
+strings, max_tokens, n > 1, structured outputs; the counters; adaptive verification (the cost
+model, the slot plan against brute force, a failing request paused and retried while another keeps
+drafting, outputs unchanged); the config's errors.
+
+Cheap by design (CI runs the whole suite under a time limit): one engine per tiny architecture and
+one embedded-model engine are shared by the tests of this module; a test changes the speculator's
+settings (``set_spec``) instead of loading a model again, and plain-decoding baselines are requests
+of the same engine with ``disable_speculative_decoding``.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,9 +30,12 @@ import torch
 from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.sampling.sampler import exponential_race
-from tokenmill.server.metrics import EngineStats, ServerMetrics
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.server.metrics import EngineStats, ServerMetrics
+from tokenmill.spec_decode import Speculator
+from tokenmill.spec_decode.adaptive import FIRST_PAUSE, AcceptanceEstimate, StepCostModel, plan_num_drafts
 from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.metrics import SpecDecodingStats
 from tokenmill.spec_decode.ngram_proposer import propose_ngram, propose_ngram_reference
 from tokenmill.spec_decode.rejection_sampler import (
     accept_sampled_prefix, rejection_sample, rejection_sample_reference,
@@ -31,31 +43,41 @@ from tokenmill.spec_decode.rejection_sampler import (
 
 # Tiny models with a 64-token vocabulary: their greedy outputs fall into loops, so the n-gram
 # proposer's drafts are accepted often enough to exercise every path (multi-token steps, bonus tokens).
-ARCHS = ["llama", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+VOCAB = 64
 
 
 def spec(k: int, **extra) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, **extra}
+    """An n-gram config that verifies every draft found (adaptive verification off), unless ``extra`` says otherwise."""
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+            "enable_adaptive_verification": False, **extra}
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def tiny(request, tmp_path_factory):
-    return str(make_tiny_model(request.param, tmp_path_factory.mktemp(request.param), vocab_size=64))
+def set_spec(llm: LLM, **fields) -> Speculator:
+    """Give the engine's speculator its original settings with ``fields`` changed (no model load);
+    counters, per-request estimates and step costs start again. Returns the speculator."""
+    speculator = llm.engine.speculator
+    speculator.config = replace(llm.engine.config.speculative_config, **fields)
+    speculator.stats = SpecDecodingStats(speculator.config.num_speculative_tokens)
+    speculator.estimates.clear()
+    speculator.cost_model = StepCostModel(max_tokens=256)
+    return speculator
 
 
 def prompts_for(seed: int, num: int = 4) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 64) for _ in range(rng.randrange(6, 40))] for _ in range(num)]
+    return [[1] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(6, 40))] for _ in range(num)]
 
 
-def watch_unverified_blocks(llm: LLM) -> list[int]:
+def watch_unverified_blocks(llm: LLM) -> list[dict[str, tuple[int, int]]]:
     """Before every forward, assert that no cached block of a scheduled request covers a position at
     or past its verified tokens (drafts included), and that each cached block's hash is its own
-    tokens'. Returns a list that grows by the number of draft tokens of each step."""
+    tokens'. Returns a list that grows by one dict per step: request id -> (output tokens so far,
+    drafts scheduled), for the requests verifying drafts."""
     engine = llm.engine
     kv = engine.kv_cache_manager
     inner = engine.runner.execute_model
-    seen: list[int] = []
+    seen: list[dict[str, tuple[int, int]]] = []
 
     def checked(scheduler_output):
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -68,16 +90,42 @@ def watch_unverified_blocks(llm: LLM) -> list[int]:
                     assert block.block_hash == request.block_hashes[index]
             if spec_tokens.get(request.request_id):
                 assert request.num_computed_tokens == request.num_tokens - 1
-        seen.append(sum(len(d) for d in spec_tokens.values()))
+        seen.append({r.request_id: (r.num_output_tokens, len(spec_tokens[r.request_id]))
+                     for r in scheduler_output.scheduled_requests if spec_tokens.get(r.request_id)})
         return inner(scheduler_output)
 
     engine.runner.execute_model = checked
     return seen
 
 
-def generate_ids(llm: LLM, prompts, params: SamplingParams) -> list[list[list[int]]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [[c.token_ids for c in o.outputs] for o in outs]
+def num_drafts_seen(seen: list[dict]) -> int:
+    return sum(n for step in seen for _, n in step.values())
+
+
+def logprob_maps(output) -> list[dict[int, float]]:
+    return [{t: lp.logprob for t, lp in e.items()} for e in output.logprobs]
+
+
+def assert_same_greedy(got, want) -> None:
+    """Same tokens, and log-probabilities equal to 1e-4 (the verify step's rows are computed in one
+    batch; plain decoding computes them one step at a time)."""
+    for g, w in zip(got, want):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        for gc, wc in zip(g.outputs, w.outputs):
+            if wc.logprobs is None:
+                continue
+            got_lp, want_lp = logprob_maps(gc), logprob_maps(wc)
+            assert len(got_lp) == len(want_lp)
+            for a, b in zip(got_lp, want_lp):
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+def plain(params: SamplingParams) -> SamplingParams:
+    return replace(params, disable_speculative_decoding=True)
+
+
+def token_prompts(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]
 
 
 # ---------------------------------------------------------------- the proposer
@@ -168,78 +216,173 @@ def test_sampling_every_position_and_keeping_the_matching_prefix_is_rejection_sa
     assert total_variation(sampled[accepted, 1], p[1]) < 0.01  # after an accepted draft: x_1 ~ p_1
 
 
+# ---------------------------------------------------------------- adaptive verification: the pieces
+
+
+def test_step_cost_model_interpolates_extrapolates_and_never_decreases():
+    costs = StepCostModel(max_tokens=32, warmup=0)
+    assert np.allclose(costs.relative_costs(1, 3), [1.0, 1.1, 1.2, 1.3])  # nothing seen: the prior per token
+    costs.observe(5, 0.030)
+    assert costs.has_measured_up_to(5) and not costs.has_measured_up_to(4)  # no drafting at 1..4 tokens yet
+    costs.observe(1, 0.010)
+    assert np.allclose(costs.relative_costs(1, 4), [1.0, 1.5, 2.0, 2.5, 3.0])  # linear between seen points
+    assert np.allclose(costs.relative_costs(5, 2), [1.0, 1.03, 1.06])  # past the last: prior 0.1 * t(5) / 5, floored
+    costs.observe(3, 0.001)  # a fast step: costs still never fall as tokens are added
+    rel = costs.relative_costs(1, 4)
+    assert np.all(np.diff(rel) >= 0.03 - 1e-12) and rel[-1] == pytest.approx(3.0)
+    costs.observe(5, 0.050)  # slower: the mean moves 5% of the way ...
+    assert costs.seconds[5] == pytest.approx(0.031)
+    costs.observe(5, 0.011)  # ... faster: 30%
+    assert costs.seconds[5] == pytest.approx(0.031 - 0.3 * 0.020)
+    costs.observe(33, 1.0)  # beyond the table: ignored
+    assert np.isnan(costs.seconds[6:]).all()
+    warm = StepCostModel(max_tokens=8)  # the default: each size's first step is a warm-up, not counted
+    warm.observe(2, 5.0)
+    assert not warm.has_measured_up_to(8)
+    warm.observe(2, 0.02)
+    assert warm.seconds[2] == 0.02
+
+
+def test_plan_num_drafts_is_the_best_plan_by_brute_force():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        num_requests, k = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+        survival = [np.cumprod(rng.uniform(0.0, 1.0, k)) for _ in range(num_requests)]
+        caps = [int(c) for c in rng.integers(0, k + 1, num_requests)]
+        costs = StepCostModel(max_tokens=32, warmup=0)
+        for t in range(1, 33):
+            costs.observe(t, 1.0 + float(rng.uniform(0.05, 0.6)) * (t - 1))
+        base = num_requests
+        rel = costs.relative_costs(base, sum(caps))
+
+        def rate(plan):
+            return (base + sum(s[:n].sum() for s, n in zip(survival, plan))) / rel[sum(plan)]
+
+        got = plan_num_drafts(survival, caps, base, costs)
+        assert all(0 <= n <= c for n, c in zip(got, caps))
+        best = max(rate(p) for p in itertools.product(*[range(c + 1) for c in caps]))
+        assert rate(got) == pytest.approx(best)
+
+
+def test_acceptance_estimate_updates_seen_positions_pauses_and_backs_off():
+    estimate = AcceptanceEstimate(4)
+    estimate.observe(4, 1)  # position 0 accepted, position 1 rejected, 2 and 3 not reached
+    assert estimate.accept.tolist() == pytest.approx([0.775, 0.525, 0.7, 0.7])
+    assert estimate.survival().tolist() == pytest.approx(np.cumprod([0.775, 0.525, 0.7, 0.7]).tolist())
+    estimate.pause_now(10)
+    assert estimate.is_paused(10 + FIRST_PAUSE - 1) and not estimate.is_paused(10 + FIRST_PAUSE)
+    assert estimate.accept.tolist() == [0.7] * 4  # a retry starts from the prior
+    estimate.pause_now(40)  # the retry accepted nothing: the next pause is twice as long
+    assert estimate.is_paused(40 + 2 * FIRST_PAUSE - 1) and not estimate.is_paused(40 + 2 * FIRST_PAUSE)
+    estimate.observe(2, 2)
+    estimate.pause_now(100)  # this retry accepted a draft: back to the first length
+    assert not estimate.is_paused(100 + FIRST_PAUSE)
+
+
 # ---------------------------------------------------------------- greedy equality on tiny models
 
 
 @pytest.fixture(scope="module")
-def tiny_baseline(tiny):
-    """Plain greedy outputs of the scenarios below (no speculation), computed once per model."""
-    llm = LLM(model=tiny, dtype="float32", num_threads=1, num_kv_blocks=256, block_size=4)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
-    prompts = prompts_for(1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return prompts, params, outs
+def tiny_engines(tmp_path_factory):
+    """arch -> the module's one engine for that tiny architecture, built on first use: speculation on
+    (every available draft verified), the plain greedy outputs of ``prompts_for(1)`` (logprobs too)
+    computed in it with speculation opted out, and a watch over every step's blocks and drafts."""
+    built: dict[str, SimpleNamespace] = {}
+
+    def get(arch: str) -> SimpleNamespace:
+        if arch not in built:
+            path = str(make_tiny_model(arch, tmp_path_factory.mktemp(arch), vocab_size=VOCAB))
+            llm = LLM(model=path, dtype="float32", num_threads=1, num_kv_blocks=256, block_size=4,
+                      speculative_config=spec(5))
+            seen = watch_unverified_blocks(llm)
+            prompts = prompts_for(1)
+            params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+            base = llm.generate(token_prompts(prompts), plain(params))
+            assert not any(seen), "an opted-out request verified drafts"
+            built[arch] = SimpleNamespace(arch=arch, path=path, llm=llm, seen=seen, prompts=prompts, params=params,
+                                          base=base)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(params=ARCHS)
+def tiny(request, tiny_engines):
+    """Every tiny architecture."""
+    return tiny_engines(request.param)
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def tiny2(request, tiny_engines):
+    """Two architectures (with and without q/k norms) for the costlier scenarios."""
+    return tiny_engines(request.param)
+
+
+@pytest.fixture
+def tiny_llama(tiny_engines):
+    """One architecture, for what does not depend on it (bookkeeping, the runner, the policy)."""
+    return tiny_engines("llama")
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
-def test_greedy_is_token_identical_to_plain_decoding(tiny, tiny_baseline, k):
-    prompts, params, base = tiny_baseline
-    # k = 2: chunked prefill under a 7-token budget; k = 4: a pool so small that requests are preempted.
-    budget = 7 if k == 2 else 1024
-    blocks = 24 if k == 4 else 256
-    llm = LLM(model=tiny, dtype="float32", num_threads=1, num_kv_blocks=blocks, block_size=4,
-              max_num_batched_tokens=budget, speculative_config=spec(k))
-    drafts = watch_unverified_blocks(llm)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for got, want in zip(outs, base):
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        got_lp = [{t: lp.logprob for t, lp in e.items()} for e in got.outputs[0].logprobs]
-        want_lp = [{t: lp.logprob for t, lp in e.items()} for e in want.outputs[0].logprobs]
-        assert len(got_lp) == len(want_lp)
-        for a, b in zip(got_lp, want_lp):
-            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
-    stats = llm.engine.speculator.stats
-    assert sum(drafts) == stats.num_draft_tokens > 0
+def test_greedy_is_token_identical_to_plain_decoding(tiny, k):
+    stats = set_spec(tiny.llm, num_speculative_tokens=k).stats
+    tiny.seen.clear()
+    outs = tiny.llm.generate(token_prompts(tiny.prompts), tiny.params)
+    assert_same_greedy(outs, tiny.base)
+    assert num_drafts_seen(tiny.seen) == stats.num_draft_tokens > 0
     assert stats.num_accepted_tokens > 0, "no draft accepted: the test would not exercise multi-token steps"
-    if k == 4:
-        assert llm.engine.scheduler.num_preemptions_total > 0
+    assert max(n for step in tiny.seen for _, n in step.values()) == k
+    tiny.llm.engine.check_integrity()
+
+
+def test_greedy_with_chunked_prefill_and_preemption(tiny2):
+    """A 7-token step budget (prompts prefilled in chunks, drafts cut to fit) and a 40-block pool
+    (requests preempted and recomputed), at k = 2 and k = 4."""
+    blocks = 40
+    llm = LLM(model=tiny2.path, dtype="float32", num_threads=1, num_kv_blocks=blocks, block_size=4,
+              max_num_batched_tokens=7, speculative_config=spec(2))
+    seen = watch_unverified_blocks(llm)
+    for k in (2, 4):
+        stats = set_spec(llm, num_speculative_tokens=k).stats
+        seen.clear()
+        assert_same_greedy(llm.generate(token_prompts(tiny2.prompts), tiny2.params), tiny2.base)
+        assert num_drafts_seen(seen) == stats.num_draft_tokens and stats.num_accepted_tokens > 0
+    assert llm.engine.scheduler.num_preemptions_total > 0
     llm.engine.check_integrity()
     assert llm.engine.kv_cache_manager.block_pool.num_free_blocks == blocks
 
 
-def test_prefix_hits_n_and_stop_strings_with_speculation(tiny):
+def test_prefix_hits_n_and_stop_strings_with_speculation(tiny2):
     """Shared prefixes hit the cache, n = 2 sequences, a stop string completed in the middle of a
     multi-token step cuts the output there, max_tokens is never exceeded."""
+    llm = tiny2.llm
+    stats = set_spec(llm, num_speculative_tokens=5).stats
     prompts = prompts_for(2, num=3)
     prompts = prompts + [prompts[0] + [5, 6, 7, 8, 9, 10, 11, 12]]  # a prefix hit on prompt 0's blocks
-    plain = LLM(model=tiny, dtype="float32", num_threads=1, num_kv_blocks=256, block_size=4)
     greedy = SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True, n=2)
-    base = plain.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    base = llm.generate(token_prompts(prompts), plain(greedy))
     text = base[1].outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     stopped = SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True, stop=[stop])
-    base_stop = plain.generate([{"prompt_token_ids": prompts[1]}], stopped)[0].outputs[0]
+    base_stop = llm.generate(token_prompts(prompts[1:2]), plain(stopped))[0].outputs[0]
 
-    llm = LLM(model=tiny, dtype="float32", num_threads=1, num_kv_blocks=256, block_size=4, speculative_config=spec(5))
-    watch_unverified_blocks(llm)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    outs = llm.generate(token_prompts(prompts), greedy)
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in base]
     assert all(len(c.token_ids) == 37 for o in outs for c in o.outputs)
     assert outs[3].num_cached_tokens > 0
-    got_stop = llm.generate([{"prompt_token_ids": prompts[1]}], stopped)[0].outputs[0]
+    got_stop = llm.generate(token_prompts(prompts[1:2]), stopped)[0].outputs[0]
     assert (got_stop.text, got_stop.token_ids, got_stop.finish_reason) == (
         base_stop.text, base_stop.token_ids, base_stop.finish_reason)
     assert got_stop.finish_reason == "stop" and stop not in got_stop.text
-    assert llm.engine.speculator.stats.num_accepted_tokens > 0
+    assert stats.num_accepted_tokens > 0
     llm.engine.check_integrity()
 
 
-def test_counters_add_up_and_opt_out_and_batch_size_switch(tiny):
-    llm = LLM(model=tiny, dtype="float32", num_threads=1, num_kv_blocks=256, block_size=4,
-              speculative_config=spec(4, disable_by_batch_size=2))
-    stats = llm.engine.speculator.stats
+def test_counters_add_up_and_opt_out_and_batch_size_switch(tiny_llama):
+    stats = set_spec(tiny_llama.llm, num_speculative_tokens=4, disable_by_batch_size=2).stats
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts_for(3, num=2)], params)
+    tiny_llama.llm.generate(token_prompts(prompts_for(3, num=2)), params)
     assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens <= 4 * stats.num_drafts
     per_pos = stats.num_accepted_tokens_per_pos
     assert sum(per_pos) == stats.num_accepted_tokens
@@ -255,101 +398,160 @@ def test_counters_add_up_and_opt_out_and_batch_size_switch(tiny):
             for p in range(4)] == per_pos
     before = stats.snapshot()
     # Three requests running together exceed disable_by_batch_size: no drafts while they do.
-    llm.generate([{"prompt_token_ids": p} for p in prompts_for(4, num=3)], SamplingParams(
-        temperature=0.0, max_tokens=3, ignore_eos=True))
+    tiny_llama.llm.generate(token_prompts(prompts_for(4, num=3)), SamplingParams(temperature=0.0, max_tokens=3,
+                                                                           ignore_eos=True))
     assert stats.snapshot() == before
-    opted_out = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, disable_speculative_decoding=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts_for(3, num=2)], opted_out)
+    tiny_llama.llm.generate(token_prompts(prompts_for(3, num=2)), plain(params))
     assert stats.snapshot() == before
 
 
-def test_cuda_runner_verifies_drafts_in_eager_steps(tiny, tiny_baseline):
+def test_cuda_runner_verifies_drafts_in_eager_steps(tiny_llama):
     """The CUDA runner's code on CPU (reference attention backend): verify steps run eagerly, plain
     decode steps through the padded decode; tokens equal plain decoding."""
     from tokenmill.runner.cuda_runner import CudaModelRunner
 
-    prompts, params, base = tiny_baseline
-    llm = LLM(model=tiny, dtype="float32", num_threads=1, num_kv_blocks=256, block_size=4, max_num_seqs=8,
+    llm = LLM(model=tiny_llama.path, dtype="float32", num_threads=1, num_kv_blocks=256, block_size=4, max_num_seqs=8,
               speculative_config=spec(3))
     engine = llm.engine
     engine.runner = runner = CudaModelRunner(engine.loaded, engine.config.cache, engine.scheduler_config,
                                              attention_backend="torch")
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    outs = llm.generate(token_prompts(tiny_llama.prompts), tiny_llama.params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in tiny_llama.base]
     assert engine.speculator.stats.num_accepted_tokens > 0
     assert runner.num_general_steps > 0 and runner.num_padded_decode_steps > 0
     engine.check_integrity()
+
+
+# ---------------------------------------------------------------- adaptive verification in the engine
+
+
+def frozen_costs(per_token: float) -> StepCostModel:
+    """A cost model that prices each extra token at ``per_token`` of a one-token step and ignores what
+    the engine measures (so a test's drafting does not depend on this machine's speed)."""
+    costs = StepCostModel(max_tokens=256, up_weight=0.0, down_weight=0.0, warmup=0)
+    for t in range(1, 257):
+        costs.observe(t, 1.0 + per_token * (t - 1))
+    return costs
+
+
+class ScriptedSpeculator(Speculator):
+    """Proposes from the known plain-decoding output of each prompt: the true next tokens (every
+    draft accepted) for prompts in ``good``, the same with a wrong first token (every draft rejected)
+    for the rest. Stands in for a proposer whose acceptance is known in advance."""
+
+    def __init__(self, config, max_model_len, future: dict[tuple, list[int]], good: set[tuple]) -> None:
+        super().__init__(config, max_model_len)
+        self.future, self.good = future, good
+
+    def propose_drafts(self, requests, limits):
+        drafts = []
+        for request, k in zip(requests, limits):
+            key = tuple(request.prompt_token_ids)
+            nxt = self.future[key][request.num_output_tokens : request.num_output_tokens + k]
+            drafts.append(nxt if key in self.good or not nxt else [(nxt[0] + 1) % VOCAB] + nxt[1:])
+        return drafts
+
+
+def test_adaptive_verification_pauses_a_failing_request_and_keeps_outputs(tiny_llama):
+    """Two requests in one batch under a fixed step cost (each extra token 25% of a one-token step):
+    the one whose drafts are all rejected verifies a few, is paused, retried after FIRST_PAUSE output
+    tokens and paused for longer; the one whose drafts are all accepted drafts at every step. Outputs
+    equal plain decoding; with adaptive verification off the failing request verifies at every step."""
+    llm, k = tiny_llama.llm, 4
+    good, bad = tiny_llama.prompts[0], tiny_llama.prompts[1]
+    future = {tuple(p): o.outputs[0].token_ids for p, o in zip(tiny_llama.prompts, tiny_llama.base)}
+
+    def run(adaptive: bool):
+        config = replace(llm.engine.config.speculative_config, num_speculative_tokens=k,
+                         enable_adaptive_verification=adaptive)
+        speculator = ScriptedSpeculator(config, llm.engine.max_model_len, future, {tuple(good)})
+        speculator.cost_model = frozen_costs(0.25)
+        saved, llm.engine.speculator = llm.engine.speculator, speculator
+        try:
+            tiny_llama.seen.clear()
+            outs = llm.generate(token_prompts([good, bad]), tiny_llama.params)
+        finally:
+            llm.engine.speculator = saved
+        assert_same_greedy(outs, tiny_llama.base[:2])
+        ids = [o.request_id for o in outs]
+        verified = [[step[rid] for step in tiny_llama.seen if rid in step] for rid in ids]  # (output length, drafts) per verify
+        return speculator, verified
+
+    speculator, (good_steps, bad_steps) = run(adaptive=True)
+    good_drafts = sum(n for _, n in good_steps)
+    assert speculator.stats.num_accepted_tokens == good_drafts >= 30  # the good one: most tokens from drafts
+    bad_steps = [out for out, _ in bad_steps]
+    assert 2 <= len(bad_steps) <= 8, bad_steps  # the bad one: a few verifies, of 48 steps
+    gaps = np.diff(bad_steps)
+    assert gaps.max() >= FIRST_PAUSE and speculator.num_paused_total >= 2  # paused, retried, paused again
+    llm.engine.check_integrity()
+
+    _, (_, bad_always) = run(adaptive=False)
+    assert len(bad_always) >= 40
 
 
 # ---------------------------------------------------------------- deterministic mode
 
 
 def test_deterministic_mode_is_bit_identical_with_and_without_speculation(tmp_path):
-    path = str(make_tiny_model("qwen3", tmp_path / "qwen3", dtype=torch.bfloat16, vocab_size=64))
+    path = str(make_tiny_model("qwen3", tmp_path / "qwen3", dtype=torch.bfloat16, vocab_size=VOCAB))
     prompts = prompts_for(5, num=3)
     cases = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=3),
              SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=40, ignore_eos=True, logprobs=3,
                             repetition_penalty=1.1, n=2)]
+    llm = LLM(model=path, dtype="bfloat16", deterministic=True, num_threads=1, num_kv_blocks=256, block_size=4,
+              max_num_batched_tokens=32, enable_prefix_caching=False, speculative_config=spec(4))
 
-    def run(speculative_config):
-        llm = LLM(model=path, dtype="bfloat16", deterministic=True, num_threads=1, num_kv_blocks=256, block_size=4,
-                  max_num_batched_tokens=32, speculative_config=speculative_config)
+    def run(opt_out: bool):
         results = []
         for params in cases:
-            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params):
+            for o in llm.generate(token_prompts(prompts), replace(params, disable_speculative_decoding=opt_out)):
                 results.append([(c.token_ids, [{t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in c.logprobs],
                                  c.cumulative_logprob) for c in o.outputs])
-        return results, llm
+        return results
 
-    plain, _ = run(None)
-    spec_out, llm = run(spec(4))
-    assert spec_out == plain
+    without = run(opt_out=True)
+    assert llm.engine.speculator.stats.num_draft_tokens == 0
+    assert run(opt_out=False) == without
     assert llm.engine.speculator.stats.num_accepted_tokens > 0
 
 
 # ---------------------------------------------------------------- the draft-model proposer
 
 
-def test_draft_model_proposer_is_exact_and_frees_its_pool(tmp_path):
-    """A tiny random Llama drafts for another (the target itself as its own draft accepts every
-    draft; a different random model almost none): outputs equal plain decoding, greedy and seeded,
-    in deterministic mode bit for bit, and the draft's KV pool is empty afterwards."""
-    target = str(make_tiny_model("llama", tmp_path / "target", dtype=torch.bfloat16, vocab_size=64))
-    other = str(make_tiny_model("llama", tmp_path / "draft", dtype=torch.bfloat16, vocab_size=64, seed=11,
+def test_draft_model_proposer_is_exact_for_k_1_to_5_and_frees_its_pool(tmp_path):
+    """A tiny random Llama drafts for itself (every greedy draft accepted, k = 1..5) and a different
+    random model drafts for it (almost none accepted): outputs equal plain decoding, greedy and
+    seeded, in deterministic mode bit for bit, and the draft's KV pool is empty afterwards."""
+    target = str(make_tiny_model("llama", tmp_path / "target", dtype=torch.bfloat16, vocab_size=VOCAB))
+    other = str(make_tiny_model("llama", tmp_path / "draft", dtype=torch.bfloat16, vocab_size=VOCAB, seed=11,
                                 num_hidden_layers=1))
     prompts = prompts_for(6, num=2)
-    cases = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2),
-             SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True, logprobs=2)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=16, ignore_eos=True, logprobs=2)
 
-    def run(speculative_config, num_kv_blocks=128):
-        llm = LLM(model=target, dtype="bfloat16", deterministic=True, num_threads=1, num_kv_blocks=num_kv_blocks,
-                  block_size=4, speculative_config=speculative_config)
-        outs, greedy_stats = [], None
-        for params in cases:
-            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params):
-                outs.append([(c.token_ids, [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs])
-                             for c in o.outputs])
-            if llm.engine.speculator is not None and greedy_stats is None:
-                greedy_stats = llm.engine.speculator.stats.snapshot()
-        return outs, llm, greedy_stats
+    def outputs(llm, params):
+        return [[(c.token_ids, logprob_maps(c)) for c in o.outputs] for o in llm.generate(token_prompts(prompts), params)]
 
-    plain, _, _ = run(None)
-    got, llm, greedy = run({"method": "draft_model", "model": target, "num_speculative_tokens": 3})
-    assert got == plain
-    stats, pool = llm.engine.speculator.stats, llm.engine.speculator.pool
-    assert greedy["num_draft_tokens"] > 0 and stats.num_draft_tokens > greedy["num_draft_tokens"]
-    # Its own argmax: every greedy draft is accepted; seeded rows keep the drafts their draws equal.
-    assert greedy["num_accepted_tokens"] == greedy["num_draft_tokens"]
-    assert stats.num_accepted_tokens > greedy["num_accepted_tokens"]
+    llm = LLM(model=target, dtype="bfloat16", deterministic=True, num_threads=1, num_kv_blocks=128, block_size=4,
+              speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 3,
+                                  "enable_adaptive_verification": False})
+    want_greedy, want_seeded = outputs(llm, plain(greedy)), outputs(llm, plain(seeded))
+    for k in range(1, 6):
+        stats = set_spec(llm, num_speculative_tokens=k).stats
+        assert outputs(llm, greedy) == want_greedy
+        # Its own argmax: every greedy draft is accepted.
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens, k
+    stats = set_spec(llm, num_speculative_tokens=3).stats
+    assert outputs(llm, seeded) == want_seeded
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # seeded rows keep the drafts their draws equal
+    pool = llm.engine.speculator.pool
     assert not pool.blocks and len(pool.free) == 128
     llm.engine.check_integrity()
 
     other_llm = LLM(model=target, dtype="bfloat16", deterministic=True, num_threads=1, num_kv_blocks=128, block_size=4,
                     speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 3})
-    greedy_plain = plain[: len(prompts)]
-    got_other = [[(c.token_ids, [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs]) for c in o.outputs]
-                 for o in other_llm.generate([{"prompt_token_ids": p} for p in prompts], cases[0])]
-    assert got_other == greedy_plain
+    assert outputs(other_llm, greedy) == want_greedy
     assert other_llm.engine.speculator.stats.num_draft_tokens > 0
     other_llm.engine.check_integrity()
     with pytest.raises(ValueError, match="vocabulary"):
@@ -370,22 +572,42 @@ def smollm2():
 def plain_and_speculative(llm: LLM, messages: list[dict], params: SamplingParams):
     stats = llm.engine.speculator.stats
     before = stats.snapshot()
-    plain = llm.chat(messages, replace(params, disable_speculative_decoding=True))[0].outputs[0]
+    want = llm.chat(messages, plain(params))[0].outputs[0]
     assert stats.snapshot() == before, "the opted-out request verified drafts"
-    return plain, llm.chat(messages, params)[0].outputs[0]
+    return want, llm.chat(messages, params)[0].outputs[0]
 
 
 COPY_TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
              "All that glitters is not gold. Actions speak louder than words.")
+COPY_MESSAGES = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{COPY_TEXT}"}]
 
 
-def test_smollm2_copy_task_accepts_most_drafts_and_matches_plain_decoding(smollm2):
-    messages = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{COPY_TEXT}"}]
-    stats = smollm2.engine.speculator.stats
-    want, got = plain_and_speculative(smollm2, messages, SamplingParams(temperature=0.0, max_tokens=40))
+@pytest.fixture(scope="module")
+def smollm2_copy(smollm2):
+    """The copy task's plain greedy output (32 tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    return params, smollm2.chat(COPY_MESSAGES, plain(params))[0].outputs[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_smollm2_copy_task_accepts_most_drafts_and_matches_plain_decoding(smollm2, smollm2_copy, k):
+    stats = set_spec(smollm2, num_speculative_tokens=k, enable_adaptive_verification=False).stats
+    params, want = smollm2_copy
+    got = smollm2.chat(COPY_MESSAGES, params)[0].outputs[0]
     assert got.token_ids == want.token_ids and got.text == want.text
     assert stats.acceptance_rate > 0.5, stats
     smollm2.engine.check_integrity()
+
+
+def test_smollm2_adaptive_verification_keeps_drafting_on_the_copy_task(smollm2, smollm2_copy):
+    """Adaptive verification (the default) where a step is bound by reading the weights (each extra
+    token 10% of a one-token step): the copy task's drafts pay, so they keep being verified."""
+    speculator = set_spec(smollm2, num_speculative_tokens=4, enable_adaptive_verification=True)
+    speculator.cost_model = frozen_costs(0.1)
+    params, want = smollm2_copy
+    got = smollm2.chat(COPY_MESSAGES, params)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    assert speculator.stats.acceptance_rate > 0.5 and speculator.stats.num_accepted_tokens >= 12, speculator.stats
 
 
 def test_structured_output_with_speculation_is_valid_json_and_equals_plain(smollm2):
@@ -394,13 +616,38 @@ def test_structured_output_with_speculation_is_valid_json_and_equals_plain(smoll
     messages = [{"role": "user", "content": 'Reply with JSON like {"name":"Alice Smith","age":30} for Alice Smith, '
                                             "who is 30, copying that exact form."}]
     params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
-    stats = smollm2.engine.speculator.stats
-    before = stats.num_draft_tokens
+    stats = set_spec(smollm2, num_speculative_tokens=4, enable_adaptive_verification=False).stats
     want, got = plain_and_speculative(smollm2, messages, params)
     assert got.token_ids == want.token_ids
     value = json.loads(got.text)
     assert set(value) == {"name", "age"} and isinstance(value["age"], int)
-    assert stats.num_draft_tokens > before, "no draft was verified under the constraint"
+    assert stats.num_draft_tokens > 0, "no draft was verified under the constraint"
+
+
+def test_smollm2_draft_model_is_exact_for_k_1_to_5(smollm2, smollm2_copy):
+    """The draft-model proposer on the embedded model: the same GGUF, loaded again as the draft of the
+    module's engine, drafts for it (its greedy drafts are the target's argmax, so nearly all are
+    accepted); outputs equal plain decoding."""
+    from tokenmill.models.default_model import default_model_path
+
+    engine = smollm2.engine
+    config = SpeculativeConfig(method="draft_model", model=str(default_model_path()), num_speculative_tokens=1,
+                               enable_adaptive_verification=False)
+    speculator = engine._build_speculator(config, engine.max_model_len)  # loads the draft only
+    saved, engine.speculator = engine.speculator, speculator
+    try:
+        params, want = smollm2_copy
+        params = replace(params, max_tokens=8)
+        for k in range(1, 6):
+            speculator.config = replace(config, num_speculative_tokens=k)
+            speculator.stats = stats = SpecDecodingStats(k)
+            got = smollm2.chat(COPY_MESSAGES, params)[0].outputs[0]
+            assert got.token_ids == want.token_ids[:8], k
+            assert stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.8, (k, stats)
+        assert not speculator.pool.blocks
+        engine.check_integrity()
+    finally:
+        engine.speculator = saved
 
 
 # ---------------------------------------------------------------- configuration
@@ -412,6 +659,7 @@ def test_structured_output_with_speculation_is_valid_json_and_equals_plain(smoll
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "ngram", "model": "x.gguf"}, "model"),
     ({"method": "draft_model"}, "model"),
+    ({"enable_adaptive_verification": "yes"}, "enable_adaptive_verification"),
     ({"lookahead": 3}, "unknown keys"),
     ("{not json", "must be JSON"),
 ])
@@ -423,6 +671,7 @@ def test_speculative_config_errors_name_the_field(value, field):
 def test_speculative_config_defaults():
     config = SpeculativeConfig.from_value('{"method": "ngram", "num_speculative_tokens": 2}')
     assert (config.lookup_min, config.lookup_max, config.num_speculative_tokens) == (2, 5, 2)
+    assert config.enable_adaptive_verification is True
     assert SpeculativeConfig.from_value({"prompt_lookup_max": 1}).lookup_min == 1
     assert SpeculativeConfig.from_value(None) is None
     with pytest.raises(ValueError, match="disable_speculative_decoding"):

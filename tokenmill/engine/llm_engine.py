@@ -335,6 +335,7 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        step_start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if self.kv_store is not None:  # copies to / from the lower KV tiers, before the forward
             self.kv_store.transfer(scheduler_output.blocks_to_offload, scheduler_output.blocks_to_load)
@@ -360,7 +361,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.record(scheduler_output.scheduled_spec_decode_tokens,
                                    [r.request_id for r in scheduler_output.scheduled_requests],
-                                   {i: len(t) for i, t in runner_output.extra_sampled_token_ids.items()})
+                                   {i: len(t) for i, t in runner_output.extra_sampled_token_ids.items()},
+                                   scheduler_output.total_num_scheduled_tokens, time.perf_counter() - step_start)
             spec_stats = self.speculator.stats
         self.stats_logger.maybe_log(self.scheduler, self.kv_cache_manager, self.kv_store, spec_stats)
         outputs, to_stop = self.output_processor.process(updated)

@@ -28,10 +28,14 @@ class SpeculativeConfig:
         model: the draft model (path or GGUF file) of ``draft_model``.
         disable_by_batch_size: no drafts in a step that runs more requests than this (None: never
             off). At large batches a step is compute-bound and verifying rejected drafts costs time.
+        enable_adaptive_verification: choose per step how many drafts each request verifies from its
+            running acceptance and the measured cost of a step by token count, pausing a request whose
+            drafts do not pay (``spec_decode.adaptive``; vLLM's field name). False: every available
+            draft, up to ``num_speculative_tokens``, is verified.
 
     Raises:
         ConfigError: an unknown method or key, a count out of range, min above max, a ``model``
-            with ``ngram`` or none with ``draft_model``.
+            with ``ngram`` or none with ``draft_model``, a non-boolean ``enable_adaptive_verification``.
     """
 
     method: str = "ngram"
@@ -40,6 +44,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None
     disable_by_batch_size: int | None = None
+    enable_adaptive_verification: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -54,6 +59,9 @@ class SpeculativeConfig:
                     maximum is not None and value > maximum):
                 bound = ">= 1" if maximum is None else f"in [1, {maximum}]"
                 raise ConfigError(f"`speculative_config` {name} must be an integer {bound}, got {value!r}")
+        if not isinstance(self.enable_adaptive_verification, bool):
+            raise ConfigError("`speculative_config` enable_adaptive_verification must be true or false, got "
+                              f"{self.enable_adaptive_verification!r}")
         if self.lookup_min > self.lookup_max:
             raise ConfigError(f"`speculative_config` prompt_lookup_min ({self.lookup_min}) must be <= "
                               f"prompt_lookup_max ({self.lookup_max})")

@@ -88,7 +88,10 @@ class DraftModelSpeculator(Speculator):
         self.pool = DraftKVPool(self.loaded, num_kv_blocks, block_size, self.device)
         logger.info("draft model %s: %d KV blocks x %d tokens", self.loaded.model_path, num_kv_blocks, block_size)
 
+    proposals_are_free = False  # each draft is a forward of the draft model: plan, then propose
+
     def forget_others(self, running: list[Request]) -> None:
+        super().forget_others(running)
         alive = {r.request_id for r in running}
         for request_id in [r for r in self.pool.blocks if r not in alive]:
             self.pool.release(request_id)

@@ -1,0 +1,163 @@
+"""Adaptive verification: how many drafts each request verifies per step, so that drafting happens
+only where it pays (``speculative_config.enable_adaptive_verification``, vLLM's field name).
+
+Three pieces, pure Python and numpy (no torch, nothing from the engine):
+
+- ``StepCostModel``: seconds per engine step by the number of scheduled tokens T, learned online
+  (an exponentially weighted mean per T), interpolated where T was never seen, never decreasing in T.
+- ``AcceptanceEstimate``: per request, an exponentially weighted estimate of the probability that
+  the draft at position j is accepted given that the ones before it were; their running product is
+  a draft slot's survival probability. A request whose first position stops paying is paused for a
+  number of output tokens (doubling while retries keep failing), then starts again from the prior.
+- ``plan_num_drafts``: ranks every (request, position) slot by survival probability and admits the
+  best ones while (requests + expected accepted drafts) / predicted step time keeps growing.
+
+The policy follows the description of vLLM's adaptive verification (slots ranked by the running
+product of per-position acceptance estimates, admitted under a cost model of the step) and the
+EWMA-with-pause of SGLang's adaptive speculative decoding; the code is our own.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+PRIOR_ACCEPTANCE = 0.7  # a new request's acceptance estimate at every position (optimistic: drafts get tried)
+EWMA_WEIGHT = 0.25  # weight of the newest verify in a position's estimate
+PRIOR_ROW_COST = 0.1  # an unmeasured extra token's cost, relative to the step it joins (optimistic: it gets tried)
+MIN_ROW_COST = 0.03  # a draft token never costs less than this fraction of the step it joins
+FIRST_PAUSE = 16  # output tokens a request waits after its first pause; doubles per failed retry
+MAX_PAUSE = 256
+
+
+class StepCostModel:
+    """Predicted step time by scheduled tokens T in [1, ``max_tokens``], from observed steps.
+
+    The first ``warmup`` steps of each T are not counted (a first step of a new shape may carry one-time
+    costs). After that each T keeps a running mean that moves quickly towards faster steps
+    (``down_weight``) and slowly towards slower ones (``up_weight``): on a shared machine a slow step is
+    usually another process's doing, and a T priced too high would never be tried again to correct it.
+
+    Args:
+        max_tokens: the largest T tracked (steps with more tokens are not recorded).
+        up_weight, down_weight: weight of a slower / faster observation in T's running mean.
+        warmup: steps of each T that are not counted.
+    """
+
+    def __init__(self, max_tokens: int, up_weight: float = 0.05, down_weight: float = 0.3, warmup: int = 1) -> None:
+        self.max_tokens = max_tokens
+        self.up_weight, self.down_weight, self.warmup = up_weight, down_weight, warmup
+        self.seconds = np.full(max_tokens + 1, np.nan)  # [T] running mean (NaN: never counted); index 0 unused
+        self.num_observed = np.zeros(max_tokens + 1, dtype=np.int64)  # [T] steps seen, warm-up included
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Record one step of ``num_tokens`` scheduled tokens that took ``seconds``."""
+        if not 1 <= num_tokens <= self.max_tokens or seconds <= 0:
+            return
+        self.num_observed[num_tokens] += 1
+        if self.num_observed[num_tokens] <= self.warmup:
+            return
+        old = self.seconds[num_tokens]
+        if np.isnan(old):
+            self.seconds[num_tokens] = seconds
+        else:
+            weight = self.down_weight if seconds < old else self.up_weight
+            self.seconds[num_tokens] = old + weight * (seconds - old)
+
+    def has_measured_up_to(self, num_tokens: int) -> bool:
+        """True once a step of at most ``num_tokens`` tokens has been timed (so a step of that size is
+        not priced by a guess from larger ones alone)."""
+        return bool((~np.isnan(self.seconds[1 : num_tokens + 1])).any())
+
+    def relative_costs(self, base: int, count: int) -> np.ndarray:
+        """Predicted time of a step of ``base + n`` tokens over that of ``base`` tokens, n = 0..count.
+
+        Measured points are used as they are; between two of them the time is interpolated linearly,
+        beyond the last one (or with none) it grows by ``PRIOR_ROW_COST`` per token of the base step.
+        The result never grows by less than ``MIN_ROW_COST`` per token. Returns [count + 1] float, [0] == 1.
+        """
+        end = base + count
+        t = np.arange(1, max(end, self.max_tokens) + 1)
+        known = ~np.isnan(self.seconds[1:])
+        values = self.seconds[1:][known] if known.any() else np.array([1.0])
+        points = np.flatnonzero(known) + 1 if known.any() else np.array([1])
+        est = np.interp(t, points, values)  # constant before the first point and after the last
+        last = points[-1]
+        est = np.where(t > last, values[-1] * (1 + PRIOR_ROW_COST * (t - last) / last), est)
+        first = points[0]
+        est = np.where(t < first, values[0] / (1 + PRIOR_ROW_COST * (first - np.minimum(t, first)) / first), est)
+        costs = est[base - 1 : end] / est[base - 1]  # (count + 1,)
+        floor = 1.0 + MIN_ROW_COST * np.arange(count + 1)
+        return np.maximum(np.maximum.accumulate(costs), floor)
+
+
+class AcceptanceEstimate:
+    """One request's per-position acceptance estimates and pause state.
+
+    Args:
+        num_positions: k, the most drafts per step.
+    """
+
+    def __init__(self, num_positions: int) -> None:
+        self.accept = np.full(num_positions, PRIOR_ACCEPTANCE)  # [k] P(draft j accepted | drafts < j accepted)
+        self.paused_until: int | None = None  # output length at which drafting resumes
+        self.pause = FIRST_PAUSE
+        self.accepted_since_resume = False
+
+    def survival(self) -> np.ndarray:
+        """[k] probability that draft j and every draft before it are accepted."""
+        return np.cumprod(self.accept)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """Update from one verify: ``num_accepted`` of ``num_drafts`` drafts accepted (positions after
+        the first rejection were not observed)."""
+        seen = min(num_accepted + 1, num_drafts)
+        outcome = np.zeros(seen)
+        outcome[:num_accepted] = 1.0
+        self.accept[:seen] += EWMA_WEIGHT * (outcome - self.accept[:seen])
+        if num_accepted:
+            self.accepted_since_resume = True
+
+    def is_paused(self, num_output_tokens: int) -> bool:
+        """True while paused; at the end of a pause the estimates start again from the prior."""
+        if self.paused_until is None:
+            return False
+        if num_output_tokens < self.paused_until:
+            return True
+        self.paused_until = None
+        self.accept[:] = PRIOR_ACCEPTANCE
+        self.accepted_since_resume = False
+        return False
+
+    def pause_now(self, num_output_tokens: int) -> None:
+        """Stop drafting for a while: ``FIRST_PAUSE`` output tokens, doubling (up to ``MAX_PAUSE``) each
+        time the retry after a pause accepted no draft, back to ``FIRST_PAUSE`` once one did."""
+        if self.accepted_since_resume:
+            self.pause = FIRST_PAUSE
+        self.paused_until = num_output_tokens + self.pause
+        self.pause = min(2 * self.pause, MAX_PAUSE)
+
+
+def plan_num_drafts(survival: list[np.ndarray], caps: list[int], base_tokens: int,
+                    costs: StepCostModel) -> list[int]:
+    """How many drafts each request verifies in the next step.
+
+    Args:
+        survival: per request, [k] survival probability of each draft position (non-increasing).
+        caps: per request, the most drafts it may verify (drafts available, room left).
+        base_tokens: tokens the step schedules without drafts (one per decoding request).
+        costs: the step cost model.
+    Returns:
+        per request, n_i <= caps[i]: the N best slots overall (highest survival first; a request's
+        positions in order), N maximising (base_tokens + sum of admitted survival) / cost(base + N).
+    """
+    values, owner = [], []
+    for i, (s, cap) in enumerate(zip(survival, caps)):
+        values.append(s[:cap])
+        owner.append(np.full(min(cap, len(s)), i))
+    if not values or sum(len(v) for v in values) == 0:
+        return [0] * len(caps)
+    values_all, owner_all = np.concatenate(values), np.concatenate(owner)
+    order = np.argsort(-values_all, kind="stable")  # a request's positions stay in order (non-increasing)
+    gain = base_tokens + np.concatenate([[0.0], np.cumsum(values_all[order])])  # [N + 1] expected tokens
+    rate = gain / costs.relative_costs(base_tokens, len(order))
+    best = int(np.argmax(rate))  # the first maximum: fewest drafts among equally good plans
+    return np.bincount(owner_all[order[:best]], minlength=len(caps)).tolist()
