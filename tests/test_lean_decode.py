@@ -190,3 +190,18 @@ def test_prefill_and_mixed_steps_take_the_torch_path(smollm2):
         metadata, positions = build_attention_metadata(np.array(query_lens), np.array(computed), table, 16)
         ids = torch.ones(sum(query_lens), dtype=torch.int64)
         assert lean(runner.model.model, ids, torch.from_numpy(positions), runner.kv_caches, metadata) is None
+
+
+def test_parameters_moved_by_rl_sleep_and_wake_up_are_found_again(smollm2):
+    """RL sleep frees every parameter and wake-up allocates it anew (tokenmill/rl/engine_ops.py): the step's
+    pointers follow, and the bits stay the torch path's."""
+    runner = smollm2.engine.runner
+    torch_path_on_c_kernels(runner.model)
+    params = list(runner.model.parameters())
+    old = [p.data for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.data = p.data.clone()  # new storage, same values
+        for tensor in old:
+            tensor.fill_(float("nan"))  # what a stale pointer would now read
+    assert_same_bits(*decode_step_both_ways(smollm2, [12], seed=2))

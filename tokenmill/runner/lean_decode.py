@@ -118,7 +118,7 @@ def _linear(module, dtype: torch.dtype) -> tuple[_Linear, list[torch.Tensor]] | 
         keep.append(part.data)
     if module.bias is not None:
         desc.bias = module.bias.data_ptr()
-        keep.append(module.bias)
+        keep.append(module.bias.data)
     return desc, keep
 
 
@@ -134,13 +134,14 @@ class LeanDecode:
 
     enabled = True
 
-    def __init__(self, lib: ctypes.CDLL, desc: _Model, layers, keep: list[torch.Tensor], dtype: torch.dtype,
-                 probe, isa: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, desc: _Model, described: tuple[ctypes.Array, list[torch.Tensor]],
+                 cos_sin: torch.Tensor, dtype: torch.dtype, probe, isa: str, weights_key: tuple[int, int]) -> None:
         self._lib = lib
         self.isa = isa  # the kernels' ISA path
         self._desc = desc
-        self._layers = layers  # the ctypes array desc.layers points into
-        self._keep = keep  # tensors whose memory the description points at
+        self._layers, self._keep = described  # the ctypes array desc.layers points into; the tensors it points at
+        self._cos_sin = cos_sin
+        self._weights_key = weights_key
         self.dtype = dtype
         self._probe = probe  # a quantized layer: its dequantize_table says which row counts take the kernel
         self._kv_key = None
@@ -171,6 +172,14 @@ class LeanDecode:
         table = self._probe.dequantize_table
         if table and table[min(num_tokens, len(table) - 1)]:
             return None  # the measured plan dequantizes for torch's GEMM at this many rows
+        if _weights_key(model.layers) != self._weights_key:  # parameters reallocated (RL wake-up): describe again
+            described = _describe(list(model.layers), self.dtype)
+            if isinstance(described, str):
+                self.enabled = False
+                return None
+            self._layers, self._keep = described
+            self._desc.layers = ctypes.cast(self._layers, ctypes.POINTER(_Layer))
+            self._weights_key = _weights_key(model.layers)
         ptrs = self._kv_pointers(kv_caches)
         if ptrs is None:
             return None
@@ -188,6 +197,35 @@ class LeanDecode:
             return None  # e.g. a position past the RoPE cache: the torch path raises its own error
         self.steps += 1
         return model.norm(hidden)
+
+
+def _describe(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list[torch.Tensor]] | str:
+    """The C description of ``layers`` (LlamaDecoderLayers) and the tensors it points into, or why the lean
+    step cannot run them."""
+    keep: list[torch.Tensor] = []
+    descs = (_Layer * len(layers))()
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = [_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None for p in parts):
+            return f"layer {i} has a dense projection (the lean step runs quantized GGUF/int8 weights only)"
+        for _, tensors in parts:
+            keep.extend(tensors)
+        d = descs[i]
+        d.qkv, d.o, d.gate_up, d.down = (p[0] for p in parts)
+        d.input_norm = layer.input_layernorm.weight.data_ptr()
+        d.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+        if attn.q_norm is not None:
+            d.q_norm, d.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+        keep.extend(n.weight.data for n in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm,
+                                            attn.k_norm) if n is not None)
+    return descs, keep
+
+
+def _weights_key(layers) -> tuple[int, int]:
+    """Where the first and last layers' norm weights live: RL sleep frees and reallocates every parameter
+    (tokenmill/rl/engine_ops.py), after which the description's pointers are rebuilt."""
+    return layers[0].input_layernorm.weight.data_ptr(), layers[-1].post_attention_layernorm.weight.data_ptr()
 
 
 def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | None = None) -> str | None:
@@ -219,23 +257,9 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
     cache = inner.rotary_emb.cos_sin_cache
     if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1] != attn0.head_dim:
         return "a RoPE cache the lean step cannot read"
-    keep: list[torch.Tensor] = [cache]
-    descs = (_Layer * len(layers))()
-    for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        parts = [_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(p is None for p in parts):
-            return f"layer {i} has a dense projection (the lean step runs quantized GGUF/int8 weights only)"
-        for _, tensors in parts:
-            keep.extend(tensors)
-        d = descs[i]
-        d.qkv, d.o, d.gate_up, d.down = (p[0] for p in parts)
-        d.input_norm = layer.input_layernorm.weight.data_ptr()
-        d.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-        if attn.q_norm is not None:
-            d.q_norm, d.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
-        keep.extend(n.weight for n in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
-                    if n is not None)
+    described = _describe(layers, dtype)
+    if isinstance(described, str):
+        return described
     lib = _built() if isa is None else _load(isa)
     kernels = kernel_set(dtype, isa)
     if lib is None or kernels is None:
@@ -244,6 +268,7 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
                   num_kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim,
                   intermediate=layers[0].mlp.down_proj.in_features, block_size=block_size,
                   max_position=cache.shape[0], eps=eps, scale=attn0.attn.scale, bf16=int(dtype == torch.bfloat16),
-                  cos_sin=cache.data_ptr(), layers=descs, kernels=kernels[0])
-    inner.lean_decode = LeanDecode(lib, desc, descs, keep, dtype, layers[0].self_attn.qkv_proj.quant, kernels[1])
+                  cos_sin=cache.data_ptr(), layers=described[0], kernels=kernels[0])
+    inner.lean_decode = LeanDecode(lib, desc, described, cache, dtype, layers[0].self_attn.qkv_proj.quant, kernels[1],
+                                   _weights_key(layers))
     return None
