@@ -29,6 +29,7 @@ import torch
 
 from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.attention import build_attention_metadata
 from tokenmill.sampling.sampler import exponential_race
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.metrics import EngineStats, ServerMetrics
@@ -40,6 +41,7 @@ from tokenmill.spec_decode.ngram_proposer import propose_ngram, propose_ngram_re
 from tokenmill.spec_decode.rejection_sampler import (
     accept_sampled_prefix, rejection_sample, rejection_sample_reference,
 )
+from tokenmill.spec_decode.verify_rows import verify_rows_layout
 
 # Tiny models with a 64-token vocabulary: their greedy outputs fall into loops, so the n-gram
 # proposer's drafts are accepted often enough to exercise every path (multi-token steps, bonus tokens).
@@ -214,6 +216,23 @@ def test_sampling_every_position_and_keeping_the_matching_prefix_is_rejection_sa
     residual[draft] = 0
     assert total_variation(rejected, residual / residual.sum()) < 0.01
     assert total_variation(sampled[accepted, 1], p[1]) < 0.01  # after an accepted draft: x_1 ~ p_1
+
+
+# ---------------------------------------------------------------- the verify step as decode rows
+
+
+def test_verify_rows_layout_gives_each_token_its_plain_decoding_position_and_blocks():
+    """Request 0 verifies 2 drafts after 9 computed tokens, request 1 decodes one token after 2: the rows
+    are what three plain decode steps of request 0 and one of request 1 would schedule."""
+    table = np.array([[7, 8, 9], [3, 0, 0]])
+    query_lens, computed, blocks = verify_rows_layout(np.array([3, 1]), np.array([9, 2]), table)
+    assert query_lens.tolist() == [1, 1, 1, 1]
+    assert computed.tolist() == [9, 10, 11, 2]
+    assert blocks.tolist() == [[7, 8, 9]] * 3 + [[3, 0, 0]]
+    metadata, positions = build_attention_metadata(query_lens, computed, blocks, 4)
+    assert positions.tolist() == [9, 10, 11, 2]
+    assert metadata.slot_mapping.tolist() == [9 * 4 + 1, 9 * 4 + 2, 9 * 4 + 3, 3 * 4 + 2]
+    assert metadata.seq_lens.tolist() == [10, 11, 12, 3] and metadata.num_prefills == 0
 
 
 # ---------------------------------------------------------------- adaptive verification: the pieces

@@ -21,6 +21,7 @@ from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
 from tokenmill.sampling.grammar_mask import apply_token_bitmask_
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.spec_decode.rejection_sampler import accept_sampled_prefix
+from tokenmill.spec_decode.verify_rows import verify_rows_layout
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ class ModelRunner:
                 self.kernel_choice += ", lean decode step"
             logger.info("lean decode step: %s", why_not or "on")
         self.sampler = Sampler(self.vocab_size)
+        self.verify_as_decode_rows = True  # verify steps of decoding requests as decode rows (spec_decode.verify_rows)
         self.state_cache = None  # hybrid models: the linear layers' state pool (allocate_state_cache)
 
     def allocate_state_cache(self, num_slots: int):
@@ -155,9 +157,15 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Shapes: T = total scheduled tokens, B = scheduled requests."""
         requests, query_lens, num_computed, input_ids, block_table = self._gather_inputs(scheduler_output)
-        metadata, positions = build_attention_metadata(
-            query_lens, num_computed, block_table, self.block_size, per_token=self.deterministic
-        )
+        if self._verify_as_decode_rows(scheduler_output, requests, num_computed):
+            metadata, positions = build_attention_metadata(*verify_rows_layout(query_lens, num_computed, block_table),
+                                                           self.block_size)
+            query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)]))  # (B + 1,) per request
+        else:
+            metadata, positions = build_attention_metadata(
+                query_lens, num_computed, block_table, self.block_size, per_token=self.deterministic
+            )
+            query_start_loc = metadata.query_start_loc
         if self.state_cache is not None:  # hybrid model: each request's linear-attention state slot
             metadata = self.state_cache.step_metadata(metadata, requests, query_lens, num_computed)
         if self.lora_manager is not None:  # adapters into their slots; each token's slot for the hooked layers
@@ -168,11 +176,11 @@ class ModelRunner:
         # Requests whose scheduled tokens reach the end of their sequence get a new token.
         ends = num_computed + query_lens
         sample_rows = [i for i, r in enumerate(requests) if ends[i] >= r.num_tokens]
-        last_token_idx = metadata.query_start_loc[1:] - 1  # (B,)
+        last_token_idx = query_start_loc[1:] - 1  # (B,)
         sampled: list[int | None] = [None] * len(requests)
         logprobs_out: list[PositionLogprobs | None] | None = None
         prompt_logprobs = self._prompt_logprobs(
-            requests, num_computed, query_lens, metadata.query_start_loc, hidden, input_ids
+            requests, num_computed, query_lens, query_start_loc, hidden, input_ids
         )
         if scheduler_output.scheduled_spec_decode_tokens and sample_rows:  # verify drafts
             return self._verify(scheduler_output, sample_rows, last_token_idx.numpy(), hidden, prompt_logprobs)
@@ -181,6 +189,17 @@ class ModelRunner:
             sampled, logprobs_out = self._sample(requests, sample_rows, hidden[last_token_idx[rows_t]],
                                                  scheduler_output.grammar_bitmask)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out, prompt_logprobs=prompt_logprobs)
+
+    def _verify_as_decode_rows(self, scheduler_output: SchedulerOutput, requests, num_computed: np.ndarray) -> bool:
+        """True when this step verifies drafts and every request is decoding (its scheduled tokens are its
+        last sampled token and its drafts): then each token runs as a decode row of its own
+        (``verify_rows_layout``), through the decode path (the lean decode step where installed) and the
+        same per-row kernels as plain decoding, instead of as a short prefill. Not in deterministic mode
+        (its per-token attention is already exact) nor for hybrid models (their state advances per request)."""
+        if (not scheduler_output.scheduled_spec_decode_tokens or not self.verify_as_decode_rows
+                or self.deterministic or self.state_cache is not None):
+            return False
+        return all(int(c) == r.num_tokens - 1 for c, r in zip(num_computed, requests))
 
     def _verify(self, scheduler_output: SchedulerOutput, sample_rows: list[int], last_token_idx: np.ndarray,
                 hidden: torch.Tensor, prompt_logprobs: dict) -> ModelRunnerOutput:
