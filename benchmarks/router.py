@@ -104,9 +104,13 @@ def run_workload(base_url: str, workers: list[str], workload: list, tokenizer, c
     """One timed run through ``base_url``; throughput, TTFT and the workers' prefix-hit tokens."""
     before = prefix_hits(workers)
     config = ClientConfig(base_url=base_url, endpoint="completions", ignore_eos=True)
-    client = make_client(config)
-    run = asyncio.run(run_serve_benchmark(client, config, LoadConfig(max_concurrency=concurrency,
-                                                                     disable_tqdm=True), workload, tokenizer))
+
+    async def one_run():
+        async with make_client(config) as client:  # closed inside its own event loop
+            return await run_serve_benchmark(client, config, LoadConfig(max_concurrency=concurrency,
+                                                                        disable_tqdm=True), workload, tokenizer)
+
+    run = asyncio.run(one_run())
     m = run.metrics
     return {"completed": m.completed, "failed": m.failed, "req_s": m.request_throughput,
             "tok_s": m.total_token_throughput, "out_tok_s": m.output_throughput,
@@ -158,6 +162,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks per worker")
     parser.add_argument("--overhead-requests", type=int, default=40)
+    parser.add_argument("--overhead-policies", nargs="+", choices=POLICIES, default=["cache_aware", "kv_aware"],
+                        help="policies whose added TTFT is measured (kv_aware also tokenizes each prompt)")
     parser.add_argument("--workloads", nargs="+", choices=["shared-prefix", "sharegpt"],
                         default=["shared-prefix", "sharegpt"])
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -208,26 +214,28 @@ def main() -> int:
             rows.append((name, f"2 replicas x 1 thread, router {policy}", result))
             print(rows[-1], flush=True)
 
-    # Router overhead: one worker (2 threads), the router in front of it, requests one at a time.
+    # Router overhead: one worker (2 threads), a router in front of it per policy, requests one at a time.
+    overhead = {}
     worker = start_worker(args.model, 2, log_dir, "overhead_worker", args.kv_blocks).wait("/health")
-    router = None
     try:
-        router = Process(["router", "--policy", "cache_aware", "--worker-urls", worker.url], log_dir,
-                         "overhead_router").wait("/health", timeout=60)
-        router_overhead(worker.url, router.url, tokenizer, 4)  # warm both paths
-        overhead = router_overhead(worker.url, router.url, tokenizer, args.overhead_requests)
+        for policy in args.overhead_policies:
+            router = Process(["router", "--policy", policy, "--worker-urls", worker.url], log_dir,
+                             f"overhead_router_{policy}").wait("/health", timeout=60)
+            try:
+                router_overhead(worker.url, router.url, tokenizer, 4)  # warm both paths
+                overhead[policy] = router_overhead(worker.url, router.url, tokenizer, args.overhead_requests)
+            finally:
+                router.stop()
     finally:
-        if router is not None:
-            router.stop()
         worker.stop()
 
     print()
     print(table(rows))
     print()
-    print(f"router overhead ({args.overhead_requests} requests, 16-token prompts, 1 output token, one at a time): "
-          f"direct median TTFT {overhead['direct_med_ms']:.2f} ms, through the router "
-          f"{overhead['routed_med_ms']:.2f} ms: +{overhead['added_med_ms']:.2f} ms median, "
-          f"+{overhead['added_mean_ms']:.2f} ms mean")
+    for policy, o in overhead.items():
+        print(f"router overhead, {policy} ({args.overhead_requests} requests, 16-token prompts, 1 output token, one at "
+              f"a time): direct median TTFT {o['direct_med_ms']:.2f} ms, through the router {o['routed_med_ms']:.2f} ms:"
+              f" +{o['added_med_ms']:.2f} ms median, +{o['added_mean_ms']:.2f} ms mean")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": [{"workload": w, "configuration": c, **r} for w, c, r in rows],
                                                "overhead": overhead, "args": vars(args)}, indent=2, default=str))

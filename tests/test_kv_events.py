@@ -243,6 +243,33 @@ def test_kv_aware_sends_a_new_prefix_to_a_stable_home_on_an_idle_fleet():
     assert len(set(homes)) == 4  # and prefixes spread over the fleet
 
 
+def test_kv_aware_predicts_a_dispatched_prompts_blocks_until_events_arrive_or_the_ttl_ends():
+    now = [100.0]
+    policy = KVAwarePolicy(KVIndex(), predicted_ttl=10.0, clock=lambda: now[0])
+    shared = list(range(300, 364))  # 64 tokens: 4 full blocks shared by the burst
+    first = route_request(shared + [1, 2, 3])
+    home = policy.select(first, [view("a"), view("b")])
+    assert home.reason == "cache_miss"
+    policy.on_dispatched(first, home)
+    other = "b" if home.worker_id == "a" else "a"
+    # The second request of the burst: no KV event yet, its home is busier (40 outstanding tokens,
+    # 2.5 blocks of load), yet the 4 predicted blocks outweigh that: it stays with the prefix.
+    loads = {home.worker_id: 40, other: 0}
+    second = route_request(shared + [4, 5])
+    decision = policy.select(second, [view(w, loads[w]) for w in ("a", "b")])
+    assert (decision.worker_id, decision.reason, decision.expected_hit_tokens) == (home.worker_id, "kv_overlap", 64)
+    # Once the prediction has expired (and no event confirmed it), the load decides again.
+    now[0] += 10.5
+    policy.housekeeping()
+    assert policy.select(second, [view(w, loads[w]) for w in ("a", "b")]).worker_id == other
+    # predicted_ttl 0: events only.
+    events_only = KVAwarePolicy(KVIndex(), predicted_ttl=0)
+    events_only.on_dispatched(first, events_only.select(first, [view("a"), view("b")]))
+    assert events_only.select(second, [view(w, loads[w]) for w in ("a", "b")]).worker_id == other
+    with pytest.raises(ValueError, match="predicted_ttl"):
+        KVAwarePolicy(KVIndex(), predicted_ttl=-1)
+
+
 def test_kv_event_endpoints_from_a_workers_status():
     status = {"kv_events": {"enabled": True, "publisher": "zmq", "endpoint": "tcp://0.0.0.0:5557",
                             "replay_endpoint": "tcp://*:5558"}}

@@ -45,6 +45,9 @@ def register(subparsers) -> None:
     parser.add_argument("--kv-overlap-weight", type=float, default=1.0,
                         help="kv_aware: cost of one prompt block to prefill, in blocks of decode load (Dynamo's "
                              "overlap score weight); 0 routes by load alone")
+    parser.add_argument("--kv-predicted-ttl", type=float, default=10.0,
+                        help="kv_aware: seconds a dispatched prompt's blocks count as held by its worker before its "
+                             "KV events confirm them (so a burst sharing a new prefix stays together); 0 = events only")
     parser.add_argument("--kv-events-endpoints", nargs="+", default=[], metavar="WORKER=ENDPOINT[,REPLAY]",
                         help="kv_aware: where a worker (URL or id) publishes KV events, when the address in its "
                              "/debug/status is not reachable from here, e.g. http://10.0.0.5:8000=tcp://10.0.0.5:5557")
@@ -100,7 +103,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                           balance_abs_threshold=args.balance_abs_threshold,
                           balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
                           eviction_interval=args.eviction_interval, load_cap_epsilon=args.load_cap_epsilon,
-                          seed=args.seed, kv_overlap_weight=args.kv_overlap_weight,
+                          seed=args.seed, kv_overlap_weight=args.kv_overlap_weight, kv_predicted_ttl=args.kv_predicted_ttl,
                           kv_events_endpoints=parse_kv_events_endpoints(args.kv_events_endpoints) or None)
     worker_urls, prefill_urls, prefill_policy = tuple(args.worker_urls), (), None
     if args.pd_disaggregation:

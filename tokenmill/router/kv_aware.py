@@ -15,17 +15,28 @@ whatever the arrivals (the paper's ceil((1 + eps) m / n) for requests of size r)
 fleet) go to the rendezvous-hash winner of the prompt's first block, so a new prefix has one home
 before any event arrives. Requests without token ids go to the least loaded worker under the same
 cap. Pure Python; no I/O in ``select`` (the index has its own thread); never imports torch.
+
+Predicted blocks: a worker's KV events arrive only once it has computed the prompt, so requests that
+share a new prefix and arrive together would all look like misses and spread over the fleet. Each
+dispatch therefore also records the request's prompt blocks as *predicted* on its worker for
+``predicted_ttl`` seconds (the approximate, TTL-based indexing Dynamo's KV router uses when it has no
+events); ``overlap(w)`` is the larger of the event-backed and the predicted overlap. A prediction that
+turns out wrong (the worker evicted the blocks) can mislead routing for at most ``predicted_ttl``.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import time
+from collections import OrderedDict
+from typing import Callable
 
 from tokenmill.kv_cache.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
 from tokenmill.router.kv_index import KVIndex
 from tokenmill.router.policy import Decision, Policy, RouteRequest, WorkerView
 
 DEFAULT_BLOCK_SIZE = 16  # assumed for workers whose block size is unknown (tokenmill's default)
+MAX_PREDICTED_BLOCKS = 1 << 20  # per worker; the oldest predictions go first beyond it
 
 
 def request_block_hashes(token_ids: tuple[int, ...] | list[int], block_size: int, extra_keys: tuple = ()) -> list[int]:
@@ -69,12 +80,21 @@ class KVAwarePolicy(Policy):
         epsilon: the cap's slack: no worker above ``(1 + epsilon) x`` the mean load takes a request.
         endpoints: worker_id or URL -> (endpoint, replay_endpoint), used instead of what the worker's view
             says (the router's ``--kv-events-endpoints``: for addresses the worker cannot know, e.g. NAT).
+        predicted_ttl: seconds a dispatched request's prompt blocks count as held by its worker before
+            its KV events confirm them (``--kv-predicted-ttl``); 0 trusts the events alone.
+        clock: monotonic seconds (tests pass a fake one).
+
+    Raises:
+        ValueError: a negative ``overlap_weight``, ``epsilon`` or ``predicted_ttl``.
     """
 
     name = "kv_aware"
 
     def __init__(self, index: KVIndex | None = None, overlap_weight: float = 1.0, epsilon: float = 0.25,
-                 endpoints: dict[str, tuple[str, str | None]] | None = None) -> None:
+                 endpoints: dict[str, tuple[str, str | None]] | None = None, predicted_ttl: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not predicted_ttl >= 0:
+            raise ValueError(f"predicted_ttl must be >= 0, got {predicted_ttl}")
         if overlap_weight < 0:
             raise ValueError(f"overlap_weight must be >= 0, got {overlap_weight}")
         if epsilon < 0:
@@ -84,6 +104,11 @@ class KVAwarePolicy(Policy):
         self.overlap_weight = overlap_weight
         self.epsilon = epsilon
         self.endpoints = dict(endpoints or {})
+        self.predicted_ttl = predicted_ttl
+        self._clock = clock
+        # worker_id -> (block size, {block hash: expiry}) in insertion order (= expiry order: one ttl).
+        self._predicted: dict[str, tuple[int, OrderedDict[int, float]]] = {}
+        self._last_hashes: tuple[int, dict[int, list[int]]] | None = None  # (id(request), size -> hashes)
 
     # ---- routing --------------------------------------------------------------------------------
     def select(self, request: RouteRequest, workers: list[WorkerView]) -> Decision:
@@ -103,7 +128,7 @@ class KVAwarePolicy(Policy):
                 ids = [v.worker_id for v in workers if (v.block_size or DEFAULT_BLOCK_SIZE) == size]
                 by_size[size] = hashes, self.index.overlaps(hashes, ids) if hashes else {}
             hashes, overlaps = by_size[size]
-            overlap = overlaps.get(w.worker_id, 0)
+            overlap = max(overlaps.get(w.worker_id, 0), self._predicted_overlap(w.worker_id, size, hashes))
             cost = self.overlap_weight * (len(hashes) - overlap) + w.outstanding_tokens / size
             scored.append((cost, w, overlap, size))
         eligible_ids = {id(w) for w in eligible}
@@ -118,6 +143,7 @@ class KVAwarePolicy(Policy):
                 tie_key.append(self._prefix_key(request, workers))
             return max(tied, key=lambda item: _rendezvous(tie_key[0], item[1].worker_id))
 
+        self._last_hashes = (id(request), {size: hashes for size, (hashes, _) in by_size.items()})
         best_any = pick(scored)
         _, best, overlap, size = pick([item for item in scored if id(item[1]) in eligible_ids])
         if best is not best_any[1]:
@@ -125,6 +151,52 @@ class KVAwarePolicy(Policy):
         else:
             reason = "kv_overlap" if overlap else "cache_miss"
         return Decision(best.worker_id, reason, expected_hit_tokens=overlap * size)
+
+    # ---- predicted blocks -------------------------------------------------------------------------
+    def _predicted_overlap(self, worker_id: str, block_size: int, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` predicted on ``worker_id`` and not expired."""
+        entry = self._predicted.get(worker_id)
+        if entry is None or entry[0] != block_size or not hashes:
+            return 0
+        now, table, n = self._clock(), entry[1], 0
+        for h in hashes:
+            expiry = table.get(h)
+            if expiry is None or expiry <= now:
+                break
+            n += 1
+        return n
+
+    def on_dispatched(self, request: RouteRequest, decision: Decision) -> None:
+        """Record the prompt blocks of ``request`` as predicted on ``decision.worker_id`` (see the module
+        docstring); the hashes are the ones ``select`` computed for this request."""
+        if self.predicted_ttl == 0 or request.prompt_token_ids is None:
+            return
+        last, self._last_hashes = self._last_hashes, None
+        if last is None or last[0] != id(request):
+            return  # not the request select() last scored (e.g. a session override): nothing to reuse
+        by_size = last[1]
+        size = next((s for s in by_size if (entry := self._predicted.get(decision.worker_id)) and entry[0] == s),
+                    None)
+        if size is None:  # first prediction for this worker, or its block size changed
+            if len(by_size) != 1:
+                return  # workers of several block sizes: the worker's size is unknown here
+            size = next(iter(by_size))
+            self._predicted[decision.worker_id] = (size, OrderedDict())
+        table = self._predicted[decision.worker_id][1]
+        now = self._clock()
+        expiry = now + self.predicted_ttl
+        for h in by_size[size]:
+            table[h] = expiry
+            table.move_to_end(h)
+        while table and (len(table) > MAX_PREDICTED_BLOCKS or next(iter(table.values())) <= now):
+            table.popitem(last=False)
+
+    def housekeeping(self) -> None:
+        """Drop expired predictions."""
+        now = self._clock()
+        for _, table in self._predicted.values():
+            while table and next(iter(table.values())) <= now:
+                table.popitem(last=False)
 
     @staticmethod
     def _prefix_key(request: RouteRequest, workers: list[WorkerView]) -> int:
@@ -145,6 +217,7 @@ class KVAwarePolicy(Policy):
 
     def on_worker_removed(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
+        self._predicted.pop(worker_id, None)
 
     def close(self) -> None:
         if self._owns_index:
@@ -153,6 +226,6 @@ class KVAwarePolicy(Policy):
 
 def build_policy(config) -> KVAwarePolicy:
     """The policy from the router's ``PolicyConfig`` (``kv_overlap_weight``, ``load_cap_epsilon``,
-    ``kv_events_endpoints``)."""
+    ``kv_events_endpoints``, ``kv_predicted_ttl``)."""
     return KVAwarePolicy(overlap_weight=config.kv_overlap_weight, epsilon=config.load_cap_epsilon,
-                         endpoints=config.kv_events_endpoints)
+                         endpoints=config.kv_events_endpoints, predicted_ttl=config.kv_predicted_ttl)

@@ -29,6 +29,8 @@ class PolicyConfig:
     kv_overlap_weight: ``kv_aware``'s weight of a block to prefill against a block of decode load.
     kv_events_endpoints: worker URL or id -> (KV events endpoint, replay endpoint or None), for
     workers whose ``/debug/status`` does not give an address the router can reach.
+    kv_predicted_ttl: ``kv_aware``: seconds a dispatched prompt's blocks count as held by its worker
+    before KV events confirm them (0: events only).
     """
 
     name: str = "cache_aware"
@@ -41,6 +43,7 @@ class PolicyConfig:
     seed: int | None = None
     kv_overlap_weight: float = 1.0
     kv_events_endpoints: dict[str, tuple[str, str | None]] | None = None
+    kv_predicted_ttl: float = 10.0
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
@@ -59,6 +62,8 @@ class PolicyConfig:
             raise ValueError(f"load_cap_epsilon must be >= 0, got {self.load_cap_epsilon}")
         if not self.kv_overlap_weight >= 0:
             raise ValueError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight}")
+        if not self.kv_predicted_ttl >= 0:
+            raise ValueError(f"kv_predicted_ttl must be >= 0, got {self.kv_predicted_ttl}")
 
 
 def request_tokens(request: RouteRequest) -> int:
