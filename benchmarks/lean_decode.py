@@ -1,11 +1,15 @@
 """Batch-1 decode with the lean decode step (one C call per step for all decoder layers) against the torch
 path it replaces, in one run, on the embedded SmolLM2-135M Q4_1 GGUF; plus the dense model for scale.
 
-For each dtype: ``--quantization gguf`` with the lean step on and off (the same engine: the step is
-switched with ``LeanDecode.enabled``, so scheduler, sampler and kernels are the same), and
+For each dtype: ``--quantization gguf`` with the lean step on (its thread count chosen per step by
+``ThreadChoice``, and fixed to the engine's) and off (the same engine: the step is switched with
+``LeanDecode.enabled``, so scheduler, sampler and kernels are the same), and
 ``--quantization none`` (dense weights: no lean step). Workload as benchmarks/cpu_kernels.py: one
 64-token prompt, 128 new tokens, greedy, ignore_eos; decode tok/s excludes the first token; modes
-alternate (on, off, off, on) and the best of two is kept. Then a profile of the decode steps of the
+alternate (on, off, off, on) and the best of two is kept. On a shared machine wall-clock rates swing with
+the other processes' load (two threads that wait for each other at every kernel suffer most), so each
+mode is also measured on one thread in thread CPU time per decode step, which the load disturbs less.
+Then a profile of the decode steps of the
 torch path and of the lean path (cProfile over 64 steps; time per step split into the quantized
 products, attention, the RMSNorm / SiLU×up kernels, torch ops and the Python around them). cProfile's
 own cost inflates the Python share; the tok/s table is measured without it.
@@ -20,6 +24,7 @@ import json
 import os
 import pstats
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_kernels import batch1_decode  # noqa: E402
@@ -33,6 +38,25 @@ _CATEGORIES = {
     ("layers/silu_and_mul_kernel.py", "_silu_and_mul"): "RMSNorm / SiLU kernels",
     ("runner/lean_decode.py", "__call__"): "lean step (C call)",
 }
+
+
+def cpu_ms_per_step(llm, new_tokens: int = 65) -> float:
+    """Thread CPU milliseconds per decode step, one thread (the caller sets torch's thread count), best of two."""
+    from tokenmill import SamplingParams
+
+    prompt = {"prompt_token_ids": list(range(1000, 1064))}
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompt, first)
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.thread_time()
+        llm.generate(prompt, first)
+        t1 = time.thread_time()
+        llm.generate(prompt, full)
+        t2 = time.thread_time()
+        best = min(best, ((t2 - t1) - (t1 - t0)) / (new_tokens - 1))
+    return 1000 * best
 
 
 def profile_decode(llm, steps: int = 64) -> dict[str, float]:
@@ -80,15 +104,29 @@ def main() -> None:
         lean = llm.engine.runner.model.model.lean_decode
         if lean is None:
             sys.exit(f"the lean decode step is not installed: {llm.engine.runner.kernel_choice}")
-        best = {"lean": 0.0, "torch": 0.0}
+        pool = torch.get_num_threads()
+        best = {"lean": 0.0, "lean_pool": 0.0, "torch": 0.0}
+        for mode in ("lean", "lean_pool", "torch", "torch", "lean_pool", "lean"):
+            lean.enabled = mode != "torch"
+            lean.threads = pool if mode == "lean_pool" else None
+            best[mode] = max(best[mode], batch1_decode(llm))
+        lean.threads = None
+        row = {"dtype": dtype, "threads": pool, "gguf_lean_tok_s": best["lean"],
+               "gguf_lean_pool_threads_tok_s": best["lean_pool"], "gguf_torch_tok_s": best["torch"],
+               "speedup": best["lean"] / best["torch"]}
+        print(f"{dtype}: gguf lean {best['lean']:.1f} tok/s (thread count chosen per step), lean on {pool} threads "
+              f"{best['lean_pool']:.1f}, gguf torch path {best['torch']:.1f} tok/s -> {row['speedup']:.2f}x",
+              flush=True)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        cpu = {"lean": float("inf"), "torch": float("inf")}
         for mode in ("lean", "torch", "torch", "lean"):
             lean.enabled = mode == "lean"
-            best[mode] = max(best[mode], batch1_decode(llm))
-        row = {"dtype": dtype, "threads": torch.get_num_threads(),
-               "gguf_lean_tok_s": best["lean"], "gguf_torch_tok_s": best["torch"],
-               "speedup": best["lean"] / best["torch"]}
-        print(f"{dtype}: gguf lean {best['lean']:.1f} tok/s, gguf torch path {best['torch']:.1f} tok/s "
-              f"-> {row['speedup']:.2f}x", flush=True)
+            cpu[mode] = min(cpu[mode], cpu_ms_per_step(llm))
+        torch.set_num_threads(threads)
+        row["gguf_lean_cpu_ms_1thread"], row["gguf_torch_cpu_ms_1thread"] = cpu["lean"], cpu["torch"]
+        print(f"  one thread, CPU ms per decode step: lean {cpu['lean']:.2f}, torch path {cpu['torch']:.2f} "
+              f"-> {cpu['torch'] / cpu['lean']:.2f}x", flush=True)
         if not args.no_profile:
             for mode in ("torch", "lean"):
                 lean.enabled = mode == "lean"
@@ -101,7 +139,12 @@ def main() -> None:
             dense = LLM(dtype=dtype, quantization="none", num_threads=args.num_threads, max_model_len=512,
                         kv_cache_memory=0.1)
             row["dense_tok_s"] = max(batch1_decode(dense) for _ in range(2))
-            print(f"{dtype}: dense (--quantization none) {row['dense_tok_s']:.1f} tok/s", flush=True)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            row["dense_cpu_ms_1thread"] = cpu_ms_per_step(dense)
+            torch.set_num_threads(threads)
+            print(f"{dtype}: dense (--quantization none) {row['dense_tok_s']:.1f} tok/s; one thread "
+                  f"{row['dense_cpu_ms_1thread']:.2f} CPU ms per decode step", flush=True)
             dense.close()
         results["runs"].append(row)
     if args.output_json:

@@ -102,6 +102,8 @@ def test_a_decode_step_gives_the_torch_path_bits_on_tiny_int8_models(tiny_paths,
         torch_path_on_c_kernels(llm.engine.runner.model)
         assert_same_bits(*decode_step_both_ways(llm, [5, 17, 40]))  # 1, 2 and 3 blocks, scattered
         assert_same_bits(*decode_step_both_ways(llm, [33], seed=1))  # batch 1
+        llm.engine.runner.model.model.lean_decode.threads = 1  # what ThreadChoice may switch to: the same bits
+        assert_same_bits(*decode_step_both_ways(llm, [5, 17, 40], seed=2))
     finally:
         llm.close()
 
@@ -119,11 +121,11 @@ def test_embedded_q4_1_model_decodes_the_same_bits_and_greedy_tokens(smollm2):
     torch_path_on_c_kernels(runner.model)
     assert_same_bits(*decode_step_both_ways(smollm2, [20, 9]))
     lean = runner.model.model.lean_decode
-    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
-    chats = [[{"role": "user", "content": c}] for c in ("What is the capital of France?", "Name three rivers.")]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    chats = [[{"role": "user", "content": "What is the capital of France?"}]]
     steps = lean.steps
     got = smollm2.chat(chats, params)
-    assert lean.steps - steps == 11  # one prefill step (torch), then 11 decode steps of both chats
+    assert lean.steps - steps == 7  # one prefill step (torch), then 7 decode steps
     lean.enabled = False
     try:
         want = smollm2.chat(chats, params)
@@ -205,3 +207,18 @@ def test_parameters_moved_by_rl_sleep_and_wake_up_are_found_again(smollm2):
         for tensor in old:
             tensor.fill_(float("nan"))  # what a stale pointer would now read
     assert_same_bits(*decode_step_both_ways(smollm2, [12], seed=2))
+
+
+def test_thread_choice_moves_to_the_faster_count_and_tries_the_slower_one_less_and_less_often():
+    choice = lean_decode.ThreadChoice()
+    picks = []
+    for step in range(300):
+        threads = choice.pick(2)
+        picks.append(threads)
+        busy = step < 200  # another process on the other core: two threads wait at every barrier
+        choice.record(threads, (0.3 if threads == 2 else 0.03) if busy else (0.008 if threads == 2 else 0.014))
+    assert picks[:16] == [2] * 16 and picks[16] == 1  # the first trial of one thread wins
+    trials = [i for i in range(17, 200) if picks[i] == 2]
+    assert trials == [33, 66, 131], trials  # two threads retried after 16, 32, 64 steps
+    assert picks[-1] == 2 and choice.current == 2  # the load went away: the next trial (step 260) won
+    assert lean_decode.ThreadChoice().pick(1) == 1

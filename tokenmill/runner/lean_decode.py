@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "lean_decode.c"
 MAX_SEGMENTS = 4  # LD_MAX_SEGMENTS: format segments per fused projection
+MAX_ADAPTIVE_ROWS = 8  # batch sizes up to this choose their thread count by timing (ThreadChoice)
 
 
 class _Linear(ctypes.Structure):
@@ -122,6 +124,51 @@ def _linear(module, dtype: torch.dtype) -> tuple[_Linear, list[torch.Tensor]] | 
     return desc, keep
 
 
+class ThreadChoice:
+    """How many threads the lean step of one batch size runs with: the pool's (``torch.get_num_threads()``) or one.
+
+    A decode step calls ~150 kernels, each ending in a barrier of its threads. When another process keeps
+    one of two cores busy, every barrier waits for a descheduled thread and a batch-1 step on two threads
+    becomes several times slower than on one (measured on the 2-core machine: RESULTS.md). The step's bits do
+    not depend on the thread count (each kernel it calls computes a row with the same instructions whatever
+    the threads), so it may switch at any step: the count with the lower moving average of the C call's
+    time is used, and the other one is tried for one step after ``interval`` steps (16 at first, doubling
+    each time the trial loses, at most 1024; back to 16 when it wins).
+    """
+
+    FIRST_INTERVAL = 16
+    MAX_INTERVAL = 1024
+
+    def __init__(self) -> None:
+        self.average: dict[int, float] = {}  # seconds per step, by thread count
+        self.current: int | None = None
+        self.interval = self.FIRST_INTERVAL
+        self.countdown = self.FIRST_INTERVAL
+
+    def pick(self, pool: int) -> int:
+        """The thread count of the next step (``pool``: the engine's thread count)."""
+        if self.current not in (1, pool):  # first step, or the pool's size changed
+            self.current, self.average = pool, {}
+        if pool == 1:
+            return 1
+        other = 1 if self.current == pool else pool
+        return other if self.countdown <= 0 else self.current
+
+    def record(self, threads: int, seconds: float) -> None:
+        """The C call of a step picked by ``pick`` took ``seconds`` on ``threads`` threads."""
+        if threads != self.current:  # the trial step of the other count
+            self.average[threads] = seconds
+            if seconds < self.average.get(self.current, float("inf")):
+                self.current, self.interval = threads, self.FIRST_INTERVAL
+            else:
+                self.interval = min(2 * self.interval, self.MAX_INTERVAL)
+            self.countdown = self.interval
+            return
+        previous = self.average.get(threads)
+        self.average[threads] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        self.countdown -= 1
+
+
 class LeanDecode:
     """A LlamaModel's decode-only steps in one C call; built by ``install_lean_decode``.
 
@@ -129,10 +176,12 @@ class LeanDecode:
     hidden states [T, hidden] (after the model's final norm, in the model dtype) or None when the step is
     not one the lean path takes (the caller then runs the torch layers). ``enabled`` (default True)
     switches it off without uninstalling (tests and benchmarks compare both paths on one engine);
-    ``steps`` counts the steps it ran.
+    ``steps`` counts the steps it ran. Batch sizes up to ``MAX_ADAPTIVE_ROWS`` pick their thread count with a
+    ``ThreadChoice`` each (``threads`` fixes it instead); larger ones use the engine's.
     """
 
     enabled = True
+    threads: int | None = None  # a fixed thread count for the C call (tests, benchmarks); None: ThreadChoice
 
     def __init__(self, lib: ctypes.CDLL, desc: _Model, described: tuple[ctypes.Array, list[torch.Tensor]],
                  cos_sin: torch.Tensor, dtype: torch.dtype, probe, isa: str, weights_key: tuple[int, int]) -> None:
@@ -147,6 +196,7 @@ class LeanDecode:
         self._kv_key = None
         self._kv_ptrs = None
         self.steps = 0  # decode steps run here (tests check that the lean path was taken)
+        self.thread_choice: dict[int, ThreadChoice] = {}  # by batch size, up to MAX_ADAPTIVE_ROWS
 
     def _kv_pointers(self, kv_caches) -> ctypes.Array | None:
         first = kv_caches[0][0]
@@ -188,9 +238,17 @@ class LeanDecode:
         positions = positions.contiguous()
         slot_mapping = metadata.slot_mapping.contiguous()
         seq_lens = metadata.seq_lens.contiguous()
+        pool = torch.get_num_threads()
+        choice = None
+        if self.threads is None and num_tokens <= MAX_ADAPTIVE_ROWS:
+            choice = self.thread_choice.setdefault(num_tokens, ThreadChoice())
+        threads = self.threads or (pool if choice is None else choice.pick(pool))
+        start = time.perf_counter()
         rc = self._lib.ld_decode(ctypes.byref(self._desc), num_tokens, positions.data_ptr(), slot_mapping.data_ptr(),
                                  block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), ptrs,
-                                 hidden.data_ptr(), torch.get_num_threads())
+                                 hidden.data_ptr(), threads)
+        if choice is not None and rc == 0:
+            choice.record(threads, time.perf_counter() - start)
         if rc == -2:
             raise MemoryError("lean decode step: scratch memory could not be allocated")
         if rc != 0:
