@@ -26,7 +26,8 @@ Runs vary 10-20% on shared CPU machines: compare within one run, on an idle mach
 
     .venv/bin/python benchmarks/spec_decode.py [--num-prompts 8] [--max-tokens 128] [--k 4]
         [--quantization gguf|none] [--no-adaptive] [--prompt-lookup-min 2] [--prompt-lookup-max 5]
-        [--model PATH] [--draft-model PATH] [--num-threads N] [--profile-forward] [--output-json spec_decode.json]
+        [--model PATH] [--draft-model PATH] [--num-threads N] [--profile-forward] [--verify-layout rows|request]
+        [--output-json spec_decode.json]
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import build_attention_metadata
 from tokenmill.bench.datasets import load_sharegpt
+from tokenmill.spec_decode.verify_rows import verify_rows_layout
 
 FENCE = re.compile(r"```[a-zA-Z0-9_+#.-]*\n(.*?)```", re.S)
 CODE_EDITS = ("Add a short comment above each function in this code. Reply with the complete code.",
@@ -148,24 +150,30 @@ def run_workload(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 @torch.inference_mode()
-def profile_forward(llm: LLM, max_rows: int, context: int = 256, reps: int = 20) -> dict[int, float]:
+def profile_forward(llm: LLM, max_rows: int, context: int = 256, reps: int = 10) -> dict[str, dict[int, float]]:
     """Median ms of the target's forward plus logits for one request of ``context`` cached tokens and
-    T = 1..``max_rows`` new ones (a verify step's model work without the engine around it). Writes
-    K/V into the pool's first blocks: run it on a fresh engine, before any request."""
+    T = 1..``max_rows`` new ones (a verify step's model work without the engine around it), laid out as
+    one request ("request": a short prefill) and as decode rows ("rows": ``verify_rows_layout``, what
+    the runner does for a verify step of decoding requests). Writes K/V into the pool's first blocks:
+    run it on a fresh engine, before any request."""
     runner = llm.engine.runner
     block_size = runner.block_size
     block_table = np.arange((context + max_rows) // block_size + 1, dtype=np.int64)[None, :]
-    out = {}
-    for rows in range(1, max_rows + 1):
-        metadata, positions = build_attention_metadata(np.array([rows]), np.array([context]), block_table, block_size)
-        ids = torch.randint(0, runner.vocab_size, (rows,))
-        times = []
-        for _ in range(reps + 2):
-            start = time.perf_counter()
-            hidden = runner.model(ids, torch.from_numpy(positions), runner.kv_caches, metadata)
-            runner.model.compute_logits(hidden)
-            times.append(time.perf_counter() - start)
-        out[rows] = round(1e3 * float(np.median(times[2:])), 2)
+    out: dict[str, dict[int, float]] = {"request": {}, "rows": {}}
+    for layout in out:
+        for rows in range(1, max_rows + 1):
+            args = (np.array([rows]), np.array([context]), block_table)
+            if layout == "rows":
+                args = verify_rows_layout(*args)
+            metadata, positions = build_attention_metadata(*args, block_size)
+            ids = torch.randint(0, runner.vocab_size, (rows,))
+            times = []
+            for _ in range(reps + 2):
+                start = time.perf_counter()
+                hidden = runner.model(ids, torch.from_numpy(positions), runner.kv_caches, metadata)
+                runner.model.compute_logits(hidden)
+                times.append(time.perf_counter() - start)
+            out[layout][rows] = round(1e3 * float(np.median(times[2:])), 2)
     return out
 
 
@@ -184,6 +192,8 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workloads", default="grounded,chat")
+    parser.add_argument("--verify-layout", choices=["rows", "request"], default="rows",
+                        help="verify steps as decode rows (the default) or as one short prefill per request")
     parser.add_argument("--profile-forward", action="store_true",
                         help="first time the model's forward + logits at 1..k+1 tokens (one request, 256 cached)")
     parser.add_argument("--output-json", default=None)
@@ -199,9 +209,10 @@ def main() -> None:
                               "enable_adaptive_verification": adaptive}
     llm = LLM(model=args.model, num_threads=args.num_threads, quantization=args.quantization,
               max_model_len=args.max_prompt_len + args.max_tokens + 8, speculative_config=speculative_config)
+    llm.engine.runner.verify_as_decode_rows = args.verify_layout == "rows"
     forward_ms = profile_forward(llm, args.k + 1) if args.profile_forward else {}
-    if forward_ms:
-        print(f"forward + logits by tokens (ms, median of 20): {forward_ms}", flush=True)
+    for layout, ms in forward_ms.items():
+        print(f"forward + logits by tokens, {layout} layout (ms, median of 10): {ms}", flush=True)
     warm = llm.apply_chat_template([{"role": "user", "content": "Say hello."}])
     run_workload(llm, [warm], 8)  # kernels and caches warm
     results = {}

@@ -159,8 +159,10 @@ class LLMEngine:
             raise ConfigError("`speculative_config` method 'draft_model' runs on the CPU backend for now")
         from tokenmill.spec_decode.draft_model import DraftModelSpeculator
 
+        plan = self.runner.kernel_plan
         return DraftModelSpeculator(spec_config, max_model_len, self.loaded, self.runner.num_kv_blocks,
-                                    self.config.cache.block_size, valid_prefix)
+                                    self.config.cache.block_size, valid_prefix,
+                                    cpu_kernels=plan is not None and plan.isa is not None)
 
     @property
     def max_model_len(self) -> int:

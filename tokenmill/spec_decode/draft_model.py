@@ -67,13 +67,16 @@ class DraftModelSpeculator(Speculator):
         num_kv_blocks: draft pool size in blocks of ``block_size`` tokens.
         block_size: tokens per draft KV block.
         valid_draft_prefix: as ``Speculator``.
+        cpu_kernels: give the draft the CPU kernel plan (measured once per machine and model shape,
+            ``runner.cpu_kernels``) and the lean decode step, as the CPU runner gives the target in
+            default mode; False (deterministic mode, ``--no-cpu-kernels``, CUDA): torch ops.
 
     Raises:
         ConfigError: naming ``speculative_config`` when the draft's vocabulary differs from the target's.
     """
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, target, num_kv_blocks: int, block_size: int,
-                 valid_draft_prefix=None) -> None:
+                 valid_draft_prefix=None, cpu_kernels: bool = False) -> None:
         from tokenmill.models.loader import load_model
 
         super().__init__(config, max_model_len, valid_draft_prefix)
@@ -84,6 +87,15 @@ class DraftModelSpeculator(Speculator):
             raise ConfigError(f"`speculative_config` model has a vocabulary of {self.loaded.vocab_size} tokens, the "
                               f"target {target.vocab_size}: a draft model must share the target's tokenizer")
         self.model = self.loaded.model
+        if cpu_kernels and self.device.type == "cpu":  # the drafts' prefill and decode steps in C where it pays
+            from tokenmill.runner.cpu_kernels import apply_plan, plan_cpu_kernels
+            from tokenmill.runner.lean_decode import install_lean_decode
+
+            lm_head = getattr(self.model, "lm_head", None)
+            plan = plan_cpu_kernels(self.model, self.loaded.dtype, lm_head=lm_head)
+            apply_plan(self.model, plan, lm_head)
+            if plan.isa is not None:
+                install_lean_decode(self.model, self.loaded.dtype, block_size)
         self.max_positions = min(max_model_len, self.loaded.max_position_embeddings)
         self.pool = DraftKVPool(self.loaded, num_kv_blocks, block_size, self.device)
         logger.info("draft model %s: %d KV blocks x %d tokens", self.loaded.model_path, num_kv_blocks, block_size)
