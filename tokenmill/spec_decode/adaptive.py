@@ -70,18 +70,27 @@ class StepCostModel:
     def relative_costs(self, base: int, count: int) -> np.ndarray:
         """Predicted time of a step of ``base + n`` tokens over that of ``base`` tokens, n = 0..count.
 
-        Measured points are used as they are; between two of them the time is interpolated linearly,
-        beyond the last one (or with none) it grows by ``PRIOR_ROW_COST`` per token of the base step.
-        The result never grows by less than ``MIN_ROW_COST`` per token. Returns [count + 1] float, [0] == 1.
+        Measured points are used as they are. A size not measured is priced optimistically, so that it
+        gets tried (and then measured): from the nearest measured size below it, growing by
+        ``PRIOR_ROW_COST`` of that step's per-token share per extra token, unless linear interpolation
+        between its measured neighbours is cheaper; below the first measured size, shrinking at the same
+        rate. The result never grows by less than ``MIN_ROW_COST`` per token. Returns [count + 1] float,
+        [0] == 1.
         """
         end = base + count
         t = np.arange(1, max(end, self.max_tokens) + 1)
-        known = ~np.isnan(self.seconds[1:])
-        values = self.seconds[1:][known] if known.any() else np.array([1.0])
-        points = np.flatnonzero(known) + 1 if known.any() else np.array([1])
-        est = np.interp(t, points, values)  # constant before the first point and after the last
+        seconds = np.full(len(t), np.nan)
+        seconds[: self.max_tokens] = self.seconds[1 : len(t) + 1]
+        known = ~np.isnan(seconds)
+        if not known.any():  # nothing measured: relative costs from a unit step of one token
+            seconds[0], known[0] = 1.0, True
+        values, points = seconds[known], t[known]
+        est = np.interp(t, points, values)  # between measured sizes (constant outside them)
+        below = np.maximum.accumulate(np.where(known, t, 0))  # nearest measured size at or below t (0: none)
+        lo = np.maximum(below, 1)
+        from_below = np.interp(lo, points, values) * (1 + PRIOR_ROW_COST * (t - lo) / lo)
         last = points[-1]
-        est = np.where(t > last, values[-1] * (1 + PRIOR_ROW_COST * (t - last) / last), est)
+        est = np.where(t > last, from_below, np.where((below > 0) & ~known, np.fmin(est, from_below), est))
         first = points[0]
         est = np.where(t < first, values[0] / (1 + PRIOR_ROW_COST * (first - np.minimum(t, first)) / first), est)
         costs = est[base - 1 : end] / est[base - 1]  # (count + 1,)
