@@ -11,8 +11,9 @@ the other processes' load (two threads that wait for each other at every kernel 
 mode is also measured on one thread in thread CPU time per decode step, which the load disturbs less.
 Then a profile of the decode steps of the
 torch path and of the lean path (cProfile over 64 steps; time per step split into the quantized
-products, attention, the RMSNorm / SiLU×up kernels, torch ops and the Python around them). cProfile's
-own cost inflates the Python share; the tok/s table is measured without it.
+products, attention, the RMSNorm / SiLU×up kernels, torch ops and the Python around them; thread CPU
+time with ``--profile-threads 1``). cProfile's own cost inflates the Python share; the tok/s and CPU-ms
+figures are measured without it.
 
     python benchmarks/lean_decode.py --dtypes float32,bfloat16 --output-json lean_decode.json
 """
@@ -60,12 +61,17 @@ def cpu_ms_per_step(llm, new_tokens: int = 65) -> float:
 
 
 def profile_decode(llm, steps: int = 64) -> dict[str, float]:
-    """Milliseconds per decode step by category, from cProfile over ``steps`` decode steps of one request."""
+    """Milliseconds per decode step by category, from cProfile over ``steps`` decode steps of one request
+    (thread CPU time on one thread, wall time otherwise)."""
     from tokenmill import SamplingParams
 
     prompt = {"prompt_token_ids": list(range(1000, 1064))}
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))  # prefix cached
-    profiler = cProfile.Profile()
+    import torch
+
+    # One thread: all the work is on this thread, so its CPU time (which other processes' load disturbs less)
+    # is the clock; more threads: wall time.
+    profiler = cProfile.Profile(time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
     profiler.enable()
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
     profiler.disable()
@@ -90,6 +96,10 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--no-dense", action="store_true", help="skip --quantization none")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-wall", action="store_true",
+                        help="skip the wall-clock tok/s runs (keep the one-thread CPU time; for a loaded machine)")
+    parser.add_argument("--profile-threads", type=int, default=None,
+                        help="threads for the profile (default: the engine's)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     import torch
@@ -106,17 +116,18 @@ def main() -> None:
             sys.exit(f"the lean decode step is not installed: {llm.engine.runner.kernel_choice}")
         pool = torch.get_num_threads()
         best = {"lean": 0.0, "lean_pool": 0.0, "torch": 0.0}
-        for mode in ("lean", "lean_pool", "torch", "torch", "lean_pool", "lean"):
+        for mode in () if args.no_wall else ("lean", "lean_pool", "torch", "torch", "lean_pool", "lean"):
             lean.enabled = mode != "torch"
             lean.threads = pool if mode == "lean_pool" else None
             best[mode] = max(best[mode], batch1_decode(llm))
         lean.threads = None
         row = {"dtype": dtype, "threads": pool, "gguf_lean_tok_s": best["lean"],
                "gguf_lean_pool_threads_tok_s": best["lean_pool"], "gguf_torch_tok_s": best["torch"],
-               "speedup": best["lean"] / best["torch"]}
-        print(f"{dtype}: gguf lean {best['lean']:.1f} tok/s (thread count chosen per step), lean on {pool} threads "
-              f"{best['lean_pool']:.1f}, gguf torch path {best['torch']:.1f} tok/s -> {row['speedup']:.2f}x",
-              flush=True)
+               "speedup": best["lean"] / best["torch"] if best["torch"] else None}
+        if not args.no_wall:
+            print(f"{dtype}: gguf lean {best['lean']:.1f} tok/s (thread count chosen per step), lean on {pool} "
+                  f"threads {best['lean_pool']:.1f}, gguf torch path {best['torch']:.1f} tok/s -> "
+                  f"{row['speedup']:.2f}x", flush=True)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         cpu = {"lean": float("inf"), "torch": float("inf")}
@@ -128,23 +139,27 @@ def main() -> None:
         print(f"  one thread, CPU ms per decode step: lean {cpu['lean']:.2f}, torch path {cpu['torch']:.2f} "
               f"-> {cpu['torch'] / cpu['lean']:.2f}x", flush=True)
         if not args.no_profile:
+            torch.set_num_threads(args.profile_threads or pool)
             for mode in ("torch", "lean"):
                 lean.enabled = mode == "lean"
                 row[f"profile_{mode}_ms_per_step"] = prof = profile_decode(llm)
-                print(f"  profile, {mode} path (ms/step under cProfile): "
+                print(f"  profile, {mode} path, {torch.get_num_threads()} threads (ms/step under cProfile): "
                       + ", ".join(f"{k} {v:.2f}" for k, v in prof.items()), flush=True)
             lean.enabled = True
+            torch.set_num_threads(pool)
         llm.close()
         if not args.no_dense:
             dense = LLM(dtype=dtype, quantization="none", num_threads=args.num_threads, max_model_len=512,
                         kv_cache_memory=0.1)
-            row["dense_tok_s"] = max(batch1_decode(dense) for _ in range(2))
+            if not args.no_wall:
+                row["dense_tok_s"] = max(batch1_decode(dense) for _ in range(2))
+                print(f"{dtype}: dense (--quantization none) {row['dense_tok_s']:.1f} tok/s", flush=True)
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             row["dense_cpu_ms_1thread"] = cpu_ms_per_step(dense)
             torch.set_num_threads(threads)
-            print(f"{dtype}: dense (--quantization none) {row['dense_tok_s']:.1f} tok/s; one thread "
-                  f"{row['dense_cpu_ms_1thread']:.2f} CPU ms per decode step", flush=True)
+            print(f"{dtype}: dense (--quantization none), one thread: {row['dense_cpu_ms_1thread']:.2f} CPU ms per "
+                  "decode step", flush=True)
             dense.close()
         results["runs"].append(row)
     if args.output_json:
