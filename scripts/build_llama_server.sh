@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own `llama-server` (CPU only, Release) from the llama.cpp source vendored in the
 # llama-cpp-python sdist, for `tokenmill bench compare --peer llama-server` (issue 18). Idempotent:
-# a second run only prints the path. Prints the binary's path as its last line.
+# a second run only prints the path, and an interrupted one resumes its build. Prints the binary's path
+# as its last line.
 #
-#   bash scripts/build_llama_server.sh             # both cores, about 5-10 minutes on a 2-core machine
+#   bash scripts/build_llama_server.sh             # nice 19, -j$(nproc); tens of minutes on a shared 2-core machine
 #   JOBS=1 NICE=19 bash scripts/build_llama_server.sh
 #
 # The sdist comes from the package index through pip (no other download: the web UI and every optional
@@ -32,12 +33,18 @@ if ! command -v cmake >/dev/null 2>&1; then
   fi
 fi
 PREFIX=$(dirname "$(dirname "$BIN")")
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/llama-server-build.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
-echo "downloading the llama-cpp-python $VERSION sdist" >&2
-"$PY" -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$WORK" >&2
-tar -xzf "$WORK"/llama_cpp_python-"$VERSION".tar.gz -C "$WORK"
+# The sources and the build tree stay beside the binary until it is installed, so an interrupted build
+# (a stopped session) resumes where it was; they are removed once the binary is in place.
+WORK="$PREFIX/work"
+mkdir -p "$WORK"
+SDIST="$WORK/llama_cpp_python-$VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+  echo "downloading the llama-cpp-python $VERSION sdist" >&2
+  "$PY" -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$WORK/dl" >&2
+  mv "$WORK/dl/llama_cpp_python-$VERSION.tar.gz" "$SDIST"
+fi
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
+[ -f "$SRC/CMakeLists.txt" ] || tar -xzf "$SDIST" -C "$WORK"
 [ -f "$SRC/CMakeLists.txt" ] || { echo "error: no vendored llama.cpp in the sdist ($SRC)" >&2; exit 1; }
 NICE=${NICE:-19}
 JOBS=${JOBS:-$(nproc)}
@@ -52,5 +59,6 @@ nice -n "$NICE" cmake --build "$WORK/build" --target llama-server -j "$JOBS" >"$
 mkdir -p "$PREFIX/bin"
 install -m 755 "$WORK/build/bin/llama-server" "$BIN.tmp"
 mv -f "$BIN.tmp" "$BIN"   # atomic: a half-copied binary is never at $BIN
+rm -rf "$WORK"
 "$BIN" --version >&2 2>&1 || true
 echo "$BIN"
