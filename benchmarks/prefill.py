@@ -9,6 +9,8 @@ commit before this work, e.g. ``git archive <commit> | tar -x -C /tmp/tm_base``)
 runs in its own process (``--worker``), the two alternate per repeat and the best of ``--repeats``
 is kept, so load from other processes hits both alike. A breakdown pass (batch 1) times the attention
 layers (K/V write + attention), the linear layers and the rest of the step with module hooks.
+``--threads 1`` times with the process's CPU time instead of the wall clock, so other processes'
+load on a shared machine does not inflate it.
 
 GFLOP/s counts 2 FLOPs per multiply-add: every prompt token's linears plus the LM head of the one
 sampled row per request, and QK^T + PV over the causal pairs (4 * heads * head_dim per pair and
@@ -18,6 +20,7 @@ the yardstick.
     git archive <base commit> | (mkdir -p /tmp/tm_base && tar -x -C /tmp/tm_base)
     .venv/bin/python benchmarks/prefill.py --baseline-tree /tmp/tm_base --dtypes float32,bfloat16 \
         --quantization gguf,none --lengths 128,512,2048 --concurrency 1,4 --repeats 2
+    .venv/bin/python benchmarks/prefill.py --attention-only --threads 1 --lengths 512,1024,2048
 """
 from __future__ import annotations
 
@@ -68,14 +71,17 @@ def worker(args) -> None:
     from tokenmill.layers.linear import Linear
 
     llm = LLM(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False,
-              max_model_len=4096, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=1.0)
+              max_model_len=4096, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=1.0,
+              num_threads=args.threads)
+    # One thread: this process's CPU time, which other processes' load does not inflate.
+    clock = time.process_time if args.threads == 1 else time.perf_counter
     tokenizer, model = llm.get_tokenizer(), llm.engine.runner.model
     params = SamplingParams(max_tokens=1, temperature=0)
 
     def timed(prompts):
-        start = time.perf_counter()
+        start = clock()
         llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        return time.perf_counter() - start
+        return clock() - start
 
     result = {"kernels": llm.engine.runner.kernel_choice, "cases": {}, "breakdown": {}}
     cases, skip = [], 0
@@ -90,11 +96,11 @@ def worker(args) -> None:
     starts: dict[int, float] = {}
 
     def pre(module, inputs):
-        starts[id(module)] = time.perf_counter()
+        starts[id(module)] = clock()
 
     def post(kind):
         def hook(module, inputs, output):
-            spent[kind] += time.perf_counter() - starts.pop(id(module))
+            spent[kind] += clock() - starts.pop(id(module))
         return hook
 
     for m in model.modules():
@@ -116,11 +122,51 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def attention_only(args) -> None:
+    """The prefill attention kernel against SDPA alone (this tree), SmolLM2's heads (9 query, 3 KV, head_dim
+    64), one fresh prompt per length in 16-token blocks laid out in reverse, alternating, best of 5."""
+    import numpy as np
+    import torch
+
+    from tokenmill.attention import build_attention_metadata, cpu_prefill
+    from tokenmill.attention.torch_paged import paged_attention
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.threads == 1 else time.perf_counter
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    print(f"attention only ({torch.get_num_threads()} threads; GFLOP/s over the causal pairs):")
+    print("| dtype | prompt tokens | SDPA ms | SDPA GF/s | kernel ms | kernel GF/s | kernel/SDPA |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for length in args.lengths:
+            blocks = -(-length // bs)
+            k = torch.randn(blocks, bs, kv_heads, d).to(dtype)
+            v = torch.randn(blocks, bs, kv_heads, d).to(dtype)
+            table = np.arange(blocks - 1, -1, -1)[None, :]
+            meta, _ = build_attention_metadata(np.array([length]), np.array([0]), table, bs)
+            q = torch.randn(length, heads, d).to(dtype)
+            flops = 4 * heads * d * length * (length + 1) / 2
+            fns = [lambda: paged_attention(q, k, v, meta, d**-0.5, use_prefill_kernel=False),
+                   lambda: paged_attention(q, k, v, meta, d**-0.5, use_prefill_kernel=True)]
+            best = [float("inf")] * 2
+            for fn in fns:
+                fn()
+            for _ in range(5):
+                for i, fn in enumerate(fns):
+                    start = clock()
+                    fn()
+                    best[i] = min(best[i], clock() - start)
+            assert cpu_prefill.supports(q, k)
+            print(f"| {str(dtype).removeprefix('torch.')} | {length} | {best[0] * 1e3:.1f} | {flops / best[0] / 1e9:.1f} | "
+                  f"{best[1] * 1e3:.1f} | {flops / best[1] / 1e9:.1f} | {best[0] / best[1]:.2f}x |", flush=True)
+
+
 def run_variant(tree: Path, args, dtype: str, quantization: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--dtype", dtype, "--quantization-one",
            quantization, "--lengths", ",".join(map(str, args.lengths)), "--concurrency",
            ",".join(map(str, args.concurrency)), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--inner-repeats", str(args.inner_repeats)]
+           "--inner-repeats", str(args.inner_repeats)] + (["--threads", str(args.threads)] if args.threads else [])
     env = {**os.environ, "PYTHONPATH": str(tree)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(tree))
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -141,6 +187,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="alternating old/new processes per configuration")
     parser.add_argument("--inner-repeats", type=int, default=1, help="timed runs of each case per process")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--threads", type=int, help="engine threads (default: all the CPUs it may use); 1 times "
+                        "with process CPU time, for a machine shared with other work")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="time the prefill attention kernel against SDPA in this tree, nothing else")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--quantization-one", dest="quantization_one", help=argparse.SUPPRESS)
@@ -148,6 +198,9 @@ def main() -> None:
     if args.worker:
         args.quantization = args.quantization_one
         worker(args)
+        return
+    if args.attention_only:
+        attention_only(args)
         return
 
     from tokenmill import csrc_build

@@ -109,7 +109,9 @@ def test_tiny_model_with_the_kernel_matches_transformers(tmp_path):
 
     path = make_tiny_model("llama", tmp_path / "m")  # head_dim 16, GQA 4:2
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=24)
+    # cpu_kernels=False: no kernel timing at start (the other layers on torch); the kernel is forced on below.
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=24,
+              cpu_kernels=False)
     assert force_prefill_kernel(llm) == 2
     prompt = [int(t) for t in np.random.default_rng(3).integers(100, 40000, size=70)]  # chunks of 24, 24, 22
     assert check_against_transformers(llm, hf, prompt, 10) < 1e-4
@@ -117,11 +119,11 @@ def test_tiny_model_with_the_kernel_matches_transformers(tmp_path):
 
 @pytest.mark.skipif(not cpu_prefill.available(), reason="the C kernels cannot be built here")
 def test_smollm2_with_the_kernel_matches_transformers(hf_smollm2):
-    llm = LLM(dtype="float32", quantization="none", max_num_batched_tokens=160, num_kv_blocks=64)
+    llm = LLM(dtype="float32", quantization="none", max_num_batched_tokens=100, num_kv_blocks=32, cpu_kernels=False)
     assert force_prefill_kernel(llm) == 30
     text = "The history of the printing press begins in the fifteenth century. " * 12
-    prompt = llm.get_tokenizer().encode(text)[:400]  # chunks of 160, 160, 80
-    assert check_against_transformers(llm, hf_smollm2, prompt, 8) < 1e-4
+    prompt = llm.get_tokenizer().encode(text)[:240]  # chunks of 100, 100, 40
+    assert check_against_transformers(llm, hf_smollm2, prompt, 6) < 1e-4
 
 
 def q4_1_weight(n: int, k: int, seed: int) -> GGUFWeight:
