@@ -5,6 +5,9 @@ against transformers on the same GGUF weights, and layer by layer against the to
 replace."""
 from __future__ import annotations
 
+import concurrent.futures
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,6 +75,19 @@ def test_a_damaged_plan_cache_is_measured_again(tmp_path, monkeypatch):
         cached.write_text(damage)
         llm = LLM(model=model, dtype="float32", num_kv_blocks=16)
         assert llm.engine.runner.kernel_plan.source == "measured", damage
+
+
+def test_engines_started_together_share_one_measured_plan(tmp_path, monkeypatch):
+    # Two engines planning at once (a server and an offline engine, replicas): one measures, the other
+    # waits on the lock and reads its file, so both run the same kernels and give the same bits.
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    model = str(make_tiny_model("llama", tmp_path))
+    LLM(model=model, dtype="bfloat16", num_kv_blocks=16)  # builds the kernels (and plans bf16) first
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        plans = list(pool.map(lambda _: LLM(model=model, dtype="float32", num_kv_blocks=16).engine.runner.kernel_plan,
+                              range(2)))
+    assert sorted(p.source for p in plans) == ["cache", "measured"]
+    assert replace(plans[0], source="") == replace(plans[1], source="")
 
 
 def test_no_cpu_kernels_puts_every_layer_on_torch(tmp_path):

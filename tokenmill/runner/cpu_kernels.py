@@ -16,6 +16,7 @@ whichever is faster here (the C GEMM, except on the slow portable path).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -321,20 +323,49 @@ def plan_cpu_kernels(model: nn.Module, dtype: torch.dtype, enabled: bool = True,
         return _plan_from_json(json.loads(path.read_text()), isa)
     except (OSError, ValueError):  # none yet, or unreadable / from another version: measure again
         pass
-    t0 = time.perf_counter()
-    logger.info("timing the C kernels against torch on this CPU (%s path; once per machine and model shape)", isa)
-    with torch.inference_mode():
-        fields = {"isa": isa, "dtype": str(dtype).removeprefix("torch."), **_measure(model, dtype, lm_head)}
-    plan = KernelPlan(**fields, source="measured")
-    logger.info("kernel timing took %.1fs: %s", time.perf_counter() - t0, plan.describe())
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({k: v for k, v in asdict(plan).items() if k != "source"}))
-        os.replace(tmp, path)
-    except OSError as exc:
-        logger.warning("cannot cache the kernel timing under %s (%s); it is repeated at the next start", path, exc)
+    # One process measures, the others wait for its file: processes started together (a server and an
+    # offline engine, data-parallel replicas) must not time the kernels separately and pick different
+    # ones, since the plan decides rounding and so the exact outputs.
+    with _exclusive(path.with_suffix(".lock")):
+        try:
+            return _plan_from_json(json.loads(path.read_text()), isa)
+        except (OSError, ValueError):
+            pass
+        t0 = time.perf_counter()
+        logger.info("timing the C kernels against torch on this CPU (%s path; once per machine and model shape)",
+                    isa)
+        with torch.inference_mode():
+            fields = {"isa": isa, "dtype": str(dtype).removeprefix("torch."), **_measure(model, dtype, lm_head)}
+        plan = KernelPlan(**fields, source="measured")
+        logger.info("kernel timing took %.1fs: %s", time.perf_counter() - t0, plan.describe())
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({k: v for k, v in asdict(plan).items() if k != "source"}))
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("cannot cache the kernel timing under %s (%s); it is repeated at the next start", path,
+                           exc)
     return plan
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive ``flock`` on ``lock_path`` (created if needed) for the block; without ``fcntl``
+    or a writable directory, run the block unlocked."""
+    try:
+        import fcntl
+
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a")
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        handle.close()  # closing releases the lock
 
 
 def apply_plan(model: nn.Module, plan: KernelPlan, lm_head: nn.Module | None = None) -> None:
