@@ -109,6 +109,7 @@ class KVAwarePolicy(Policy):
         # worker_id -> (block size, {block hash: expiry}) in insertion order (= expiry order: one ttl).
         self._predicted: dict[str, tuple[int, OrderedDict[int, float]]] = {}
         self._last_hashes: tuple[int, dict[int, list[int]]] | None = None  # (id(request), size -> hashes)
+        self._block_sizes: dict[str, int] = {}  # worker_id -> block size, as select() last saw it
 
     # ---- routing --------------------------------------------------------------------------------
     def select(self, request: RouteRequest, workers: list[WorkerView]) -> Decision:
@@ -122,7 +123,7 @@ class KVAwarePolicy(Policy):
         by_size: dict[int, tuple[list[int], dict[str, int]]] = {}  # block size -> (hashes, overlaps)
         scored = []
         for w in workers:
-            size = w.block_size or DEFAULT_BLOCK_SIZE
+            size = self._block_sizes[w.worker_id] = w.block_size or DEFAULT_BLOCK_SIZE
             if size not in by_size:
                 hashes = request_block_hashes(request.prompt_token_ids, size, extra_keys)
                 ids = [v.worker_id for v in workers if (v.block_size or DEFAULT_BLOCK_SIZE) == size]
@@ -174,18 +175,17 @@ class KVAwarePolicy(Policy):
         last, self._last_hashes = self._last_hashes, None
         if last is None or last[0] != id(request):
             return  # not the request select() last scored (e.g. a session override): nothing to reuse
-        by_size = last[1]
-        size = next((s for s in by_size if (entry := self._predicted.get(decision.worker_id)) and entry[0] == s),
-                    None)
-        if size is None:  # first prediction for this worker, or its block size changed
-            if len(by_size) != 1:
-                return  # workers of several block sizes: the worker's size is unknown here
-            size = next(iter(by_size))
+        size = self._block_sizes.get(decision.worker_id, DEFAULT_BLOCK_SIZE)
+        hashes = last[1].get(size)
+        if not hashes:
+            return
+        entry = self._predicted.get(decision.worker_id)
+        if entry is None or entry[0] != size:  # first prediction for this worker, or its block size changed
             self._predicted[decision.worker_id] = (size, OrderedDict())
         table = self._predicted[decision.worker_id][1]
         now = self._clock()
         expiry = now + self.predicted_ttl
-        for h in by_size[size]:
+        for h in hashes:
             table[h] = expiry
             table.move_to_end(h)
         while table and (len(table) > MAX_PREDICTED_BLOCKS or next(iter(table.values())) <= now):
@@ -218,6 +218,7 @@ class KVAwarePolicy(Policy):
     def on_worker_removed(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
         self._predicted.pop(worker_id, None)
+        self._block_sizes.pop(worker_id, None)
 
     def close(self) -> None:
         if self._owns_index:
