@@ -4,9 +4,11 @@ the router's own overhead on time to first token.
 
 For each configuration it prints request and token throughput, median / p90 TTFT, and the prefix-cache
 hit tokens the workers report (``tokenmill:prefix_cache_hits_total``, summed over workers, difference
-across the run). Router overhead: the same short requests, one at a time, sent alternately straight to
-a worker and through a router in front of that worker; the difference of the median TTFTs (and of the
-means) is what the router adds.
+across the run). Router overhead: the same short requests, one at a time, sent back to back straight to a worker and
+through a router in front of that worker, each path over its own persistent connection; the median of
+the per-pair TTFT differences is what the router adds end to end, and the router's
+``request_overhead_seconds`` histogram (dispatch + first-token relay) is its own time, without the
+worker's TTFT noise.
 
 Every server is a real process on 127.0.0.1 running the embedded SmolLM2 GGUF (or ``--model``); the
 workers publish KV events so ``kv_aware`` can route. Run on a quiet machine: the two configurations
@@ -118,27 +120,78 @@ def run_workload(base_url: str, workers: list[str], workload: list, tokenizer, c
             "input_tokens": m.total_input_tokens, "hit_tokens": prefix_hits(workers) - before}
 
 
+def histogram_quantile(metrics_text: str, name: str, labels: str, q: float) -> float:
+    """The ``q`` quantile of a Prometheus histogram in ``metrics_text`` (interpolated inside its bucket,
+    as PromQL's ``histogram_quantile``), in the histogram's unit; nan when it has no observations."""
+    buckets = []
+    for line in metrics_text.splitlines():
+        m = re.match(rf'{re.escape(name)}_bucket{{(.*)le="([^"]+)"(.*)}} (\S+)', line)
+        if m and labels in m.group(1) + m.group(3):
+            buckets.append((math.inf if m.group(2) == "+Inf" else float(m.group(2)), float(m.group(4))))
+    buckets.sort()
+    if not buckets or buckets[-1][1] == 0:
+        return math.nan
+    rank, low, below = q * buckets[-1][1], 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return low
+            return low + (le - low) * (rank - below) / max(count - below, 1e-12)
+        low, below = le, count
+    return low
+
+
 def router_overhead(worker_url: str, router_url: str, tokenizer, num: int) -> dict:
-    """Median and mean TTFT of the same 16-token prompts, one at a time, alternately direct and routed."""
+    """What the router adds to TTFT, two ways, on the same 16-token prompts sent one at a time:
+
+    - paired: each prompt goes straight to the worker and through the router back to back (the order
+      alternates, so drift cancels); the median of the per-pair differences (routed - direct) is the
+      added TTFT. One persistent client per path, so neither pays connection setup.
+    - the router's own ``request_overhead_seconds`` histogram over the routed requests: the median of
+      its ``dispatch`` stage (arrival to upstream send) plus that of ``first_token_relay``.
+    """
     requests = build_workload(DatasetConfig(name="random", num_prompts=num, random_input_len=16,
                                             random_output_len=1, seed=7), tokenizer)
+    name = "tokenmill_router:request_overhead_seconds"
 
-    async def ttfts(base_url: str, request) -> float:
-        config = ClientConfig(base_url=base_url, endpoint="completions", ignore_eos=True)
-        async with make_client(config) as client:
-            turn = request.turns[0]
-            reply = await send_request(client, config, turn.prompt, turn.expected_output_len, time.perf_counter())
-        assert reply.result.success, reply.result.error
-        return reply.result.ttft
+    async def run() -> tuple[list[float], list[float]]:
+        configs = [ClientConfig(base_url=url, endpoint="completions", ignore_eos=True)
+                   for url in (worker_url, router_url)]
+        clients = [make_client(c) for c in configs]
+        direct, routed = [], []
+        try:
+            for i, conv in enumerate(requests):
+                turn = conv.turns[0]
+                pair = [(0, direct), (1, routed)]
+                for k, out in (pair if i % 2 == 0 else pair[::-1]):
+                    reply = await send_request(clients[k], configs[k], turn.prompt, turn.expected_output_len,
+                                               time.perf_counter())
+                    assert reply.result.success, reply.result.error
+                    out.append(reply.result.ttft * 1e3)
+        finally:
+            for c in clients:
+                await c.close()
+        return direct, routed
 
-    direct, routed = [], []
-    for i, conv in enumerate(requests):  # alternate which goes first, so drift cancels
-        pair = [(worker_url, direct), (router_url, routed)]
-        for url, out in (pair if i % 2 == 0 else pair[::-1]):
-            out.append(asyncio.run(ttfts(url, conv)) * 1e3)
+    before = httpx.get(f"{router_url}/metrics", timeout=10).text
+    direct, routed = asyncio.run(run())
+    after = httpx.get(f"{router_url}/metrics", timeout=10).text
+
+    def stage_median(stage: str) -> float:
+        # The run's own observations: the quantile of (after - before) bucket counts.
+        def counts(text: str) -> dict[str, float]:
+            return {m.group(1): float(m.group(2)) for m in re.finditer(
+                rf'^({re.escape(name)}_bucket{{[^}}]*stage="{stage}"[^}}]*}}) (\S+)$', text, re.M)}
+        b, a = counts(before), counts(after)
+        diff = "\n".join(f"{key} {a[key] - b.get(key, 0.0)}" for key in a)
+        return histogram_quantile(diff, name, f'stage="{stage}"', 0.5) * 1e3
+
+    pairs = [r - d for d, r in zip(direct, routed)]
+    dispatch, relay = stage_median("dispatch"), stage_median("first_token_relay")
     return {"direct_med_ms": statistics.median(direct), "routed_med_ms": statistics.median(routed),
-            "added_med_ms": statistics.median(routed) - statistics.median(direct),
-            "added_mean_ms": statistics.fmean(routed) - statistics.fmean(direct)}
+            "added_med_ms": statistics.median(pairs), "added_mean_ms": statistics.fmean(pairs),
+            "router_dispatch_med_ms": dispatch, "router_relay_med_ms": relay,
+            "router_med_ms": dispatch + relay}
 
 
 def table(rows: list[tuple[str, str, dict]]) -> str:
@@ -161,7 +214,7 @@ def main() -> int:
     parser.add_argument("--prefix-len", type=int, default=384)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks per worker")
-    parser.add_argument("--overhead-requests", type=int, default=40)
+    parser.add_argument("--overhead-requests", type=int, default=100)
     parser.add_argument("--overhead-policies", nargs="+", choices=POLICIES, default=["cache_aware", "kv_aware"],
                         help="policies whose added TTFT is measured (kv_aware also tokenizes each prompt)")
     parser.add_argument("--workloads", nargs="+", choices=["shared-prefix", "sharegpt"],
@@ -234,8 +287,10 @@ def main() -> int:
     print()
     for policy, o in overhead.items():
         print(f"router overhead, {policy} ({args.overhead_requests} requests, 16-token prompts, 1 output token, one at "
-              f"a time): direct median TTFT {o['direct_med_ms']:.2f} ms, through the router {o['routed_med_ms']:.2f} ms:"
-              f" +{o['added_med_ms']:.2f} ms median, +{o['added_mean_ms']:.2f} ms mean")
+              f"a time): direct median TTFT {o['direct_med_ms']:.2f} ms, through the router {o['routed_med_ms']:.2f} ms;"
+              f" paired difference median {o['added_med_ms']:+.2f} ms (mean {o['added_mean_ms']:+.2f} ms); the router's "
+              f"own time (histogram medians): dispatch {o['router_dispatch_med_ms']:.3f} ms + first-token relay "
+              f"{o['router_relay_med_ms']:.3f} ms = {o['router_med_ms']:.3f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": [{"workload": w, "configuration": c, **r} for w, c, r in rows],
                                                "overhead": overhead, "args": vars(args)}, indent=2, default=str))

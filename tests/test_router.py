@@ -167,6 +167,12 @@ def test_outputs_through_the_router_equal_a_direct_request(workers, routers, tin
     decisions = sum(v for k, v in metrics.items() if k.startswith("tokenmill_router:routing_decisions_total")
                     and f"policy={policy}" in k)
     assert decisions >= 8
+    # The router's own time is observed once per request (dispatch) and once per stream (first-token relay):
+    # half of four_ways' requests stream.
+    overhead = "tokenmill_router:request_overhead_seconds"
+    assert metrics[f"{overhead}_count{{stage=dispatch}}"] == decisions
+    assert metrics[f"{overhead}_count{{stage=first_token_relay}}"] * 2 == decisions
+    assert metrics[f"{overhead}_sum{{stage=dispatch}}"] > 0
     models = router.get_json("/v1/models")["data"]
     assert [m["id"] for m in models] == [tiny_path]  # the union of two workers serving one model
 

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import signal
+import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -279,13 +280,14 @@ def build_app(config: RouterConfig) -> FastAPI:
         return content, body
 
     async def forward(kind: str, path: str, request: Request) -> Response:
+        arrival = time.perf_counter()
         content, body = await read_json(request)
         route = route_request(kind, body, request.headers.get("x-session-id"))
         if tokenizer is not None:
             route = await with_token_ids(kind, body, route)
         if pd is not None:
             return await pd.forward(path, body, route, bool(body.get("stream", False)), request)
-        return await proxy.forward(path, content, route, bool(body.get("stream", False)), request, body)
+        return await proxy.forward(path, content, route, bool(body.get("stream", False)), request, body, arrival)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:

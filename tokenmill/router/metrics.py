@@ -7,9 +7,14 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.router.policy import Decision
+
+
+# Seconds: fine steps below 5 ms, where the router's overhead should sit.
+OVERHEAD_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025,
+                    0.05, 0.1, 0.25, 1.0)
 
 
 class RouterMetrics:
@@ -46,6 +51,14 @@ class RouterMetrics:
         self.mean_load = gauge("mean_outstanding_tokens", "Mean outstanding tokens over the healthy workers.")
         self.imbalance = gauge("load_imbalance",
                                "Max over mean outstanding tokens of the healthy workers (1: balanced or idle).")
+        # The router's own time per request, in seconds, by stage: "dispatch" runs from the handler getting
+        # the request to the upstream send (JSON parse, tokenization for kv_aware, the policy's choice);
+        # "first_token_relay" from the worker's first token event read to its bytes handed to the client
+        # (streams). Their sum is what the router adds to TTFT besides one loopback hop.
+        self.overhead = Histogram("tokenmill_router:request_overhead_seconds",
+                                  "Router time per request by stage (dispatch: arrival to upstream send; "
+                                  "first_token_relay: first token read from the worker to sent to the client).",
+                                  ["stage"], registry=self.registry, buckets=OVERHEAD_BUCKETS)
 
     def count_decision(self, policy: str, decision: Decision) -> None:
         self.decisions.labels(policy, decision.reason).inc()

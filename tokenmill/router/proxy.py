@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -326,15 +327,17 @@ class Proxy:
         return headers
 
     async def forward(self, path: str, content: bytes, route: RouteRequest, stream: bool, request: Request,
-                      body: dict | None = None) -> Response:
+                      body: dict | None = None, arrival: float | None = None) -> Response:
         """The response to send for one request (``stream``: a ``ClientStream`` once the first token is
-        in). ``body``: the parsed request, which streams need to be resumable. Gives up with 499 if the
-        client disconnects first, which cancels the upstream request."""
+        in). ``body``: the parsed request, which streams need to be resumable. ``arrival``: the
+        ``time.perf_counter()`` at which the handler got the request; the time from it to the first
+        upstream send is observed as the ``dispatch`` stage of ``request_overhead_seconds``. Gives up with
+        499 if the client disconnects first, which cancels the upstream request."""
         headers = self.upstream_headers(request, route)
         state = None
         if stream and body is not None:
             state = StreamState("chat" if path.endswith("/chat/completions") else "completions", body)
-        attempts = asyncio.ensure_future(self._attempts(path, content, route, state, stream, headers))
+        attempts = asyncio.ensure_future(self._attempts(path, content, route, state, stream, headers, arrival))
         disconnect = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
             await asyncio.wait({attempts, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -369,7 +372,7 @@ class Proxy:
         return worker
 
     async def _attempts(self, path: str, content: bytes, route: RouteRequest, state: StreamState | None,
-                        stream: bool, headers: dict[str, str]) -> Response:
+                        stream: bool, headers: dict[str, str], arrival: float | None = None) -> Response:
         tried: set[str] = set()
         last: _Retry | None = None
         while True:
@@ -385,16 +388,20 @@ class Proxy:
             if state is not None and worker.is_tokenmill and not state.wants_token_ids:
                 payload = json.dumps({**state.body, "return_token_ids": True}).encode()
             try:
-                return await self._attempt(worker, lease, path, payload, stream, headers, route, state)
+                return await self._attempt(worker, lease, path, payload, stream, headers, route, state, arrival)
             except _Retry as retry:
+                arrival = None  # only the first attempt's dispatch is the router's overhead
                 last = retry
                 self.metrics.retries.labels(retry.reason).inc()
                 logger.warning("request %s: %s; retrying on another worker", route.request_id, retry.detail)
 
-    async def open(self, worker: Worker, path: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
+    async def open(self, worker: Worker, path: str, content: bytes, headers: dict[str, str],
+                   arrival: float | None = None) -> httpx.Response:
         """Send a request and return the response with its headers in (body unread); raises ``_Retry``
-        on a connection failure or a 5xx."""
+        on a connection failure or a 5xx. ``arrival``: see ``forward``."""
         upstream = self.client.build_request("POST", worker.url + path, content=content, headers=headers)
+        if arrival is not None:
+            self.metrics.overhead.labels("dispatch").observe(time.perf_counter() - arrival)
         try:
             response = await self.client.send(upstream, stream=True)
         except httpx.TimeoutException as exc:
@@ -433,13 +440,14 @@ class Proxy:
                 return reader, held
 
     async def _attempt(self, worker: Worker, lease: Lease, path: str, content: bytes, stream: bool,
-                       headers: dict[str, str], route: RouteRequest, state: StreamState | None) -> Response:
+                       headers: dict[str, str], route: RouteRequest, state: StreamState | None,
+                       arrival: float | None = None) -> Response:
         """One try on ``worker``; raises ``_Retry`` if it failed before anything was sent to the client."""
         response: httpx.Response | None = None
         handed_off = False
         try:
             try:
-                response = await self.open(worker, path, content, headers)
+                response = await self.open(worker, path, content, headers, arrival)
             except _Timeout:
                 return openai_error(f"worker {worker.worker_id} did not answer within the request timeout", 504,
                                     "timeout_error")
@@ -449,11 +457,13 @@ class Proxy:
                 return Response(body, response.status_code, reply_headers,
                                 media_type=response.headers.get("content-type"))
             reader, held = await self.first_token(worker, response)
+            first_token_at = time.perf_counter()
             for name in ("content-type", "content-encoding", "cache-control"):
                 if name in response.headers:
                     reply_headers[name] = response.headers[name]
             handed_off = True
-            return ClientStream(response, reader, held, lease, reply_headers, self, route, headers, state)
+            return ClientStream(response, reader, held, lease, reply_headers, self, route, headers, state,
+                                first_token_at)
         finally:
             if not handed_off:
                 lease.release()
@@ -497,8 +507,9 @@ class ClientStream(Response):
 
     def __init__(self, upstream: httpx.Response, reader: SSEReader, held: list[SSEEvent], lease: Lease,
                  headers: dict[str, str], proxy: Proxy, route: RouteRequest, upstream_headers: dict[str, str],
-                 state: StreamState | None) -> None:
+                 state: StreamState | None, first_token_at: float | None = None) -> None:
         self.upstream, self.reader, self.held, self.lease, self.proxy = upstream, reader, held, lease, proxy
+        self.first_token_at = first_token_at  # perf_counter() when the first token event was read
         self.route, self.upstream_headers, self.state = route, upstream_headers, state
         self.status_code = upstream.status_code
         self.background = None
@@ -543,6 +554,9 @@ class ClientStream(Response):
             for event in self.held:
                 await self._body(send, state.observe(event) if state else event.raw)
             self.held = []
+            if self.first_token_at is not None:
+                relay = time.perf_counter() - self.first_token_at
+                self.proxy.metrics.overhead.labels("first_token_relay").observe(relay)
             while True:
                 event = await self.reader.next()
                 if event is None:
