@@ -8,7 +8,9 @@ across the run). Router overhead: the same short requests, one at a time, sent b
 through a router in front of that worker, each path over its own persistent connection; the median of
 the per-pair TTFT differences is what the router adds end to end, and the router's
 ``request_overhead_seconds`` histogram (dispatch + first-token relay) is its own time, without the
-worker's TTFT noise.
+worker's TTFT noise. The overhead worker runs a tiny random Llama by default (``--overhead-model``), so
+its TTFT is a few ms and steady and the router's share is not lost in the noise of a real model's
+prefill (SmolLM2's TTFT varies by tens of ms from one request to the next on 2 cores).
 
 Every server is a real process on 127.0.0.1 running the embedded SmolLM2 GGUF (or ``--model``); the
 workers publish KV events so ``kv_aware`` can route. Run on a quiet machine: the two configurations
@@ -215,9 +217,12 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks per worker")
     parser.add_argument("--overhead-requests", type=int, default=100)
+    parser.add_argument("--overhead-model", default="tiny",
+                        help="the worker model of the overhead runs: 'tiny' (a random 2-layer Llama built here, whose "
+                             "few-ms TTFT leaves the router's share visible), 'default' (the SmolLM2 GGUF) or a path")
     parser.add_argument("--overhead-policies", nargs="+", choices=POLICIES, default=["cache_aware", "kv_aware"],
                         help="policies whose added TTFT is measured (kv_aware also tokenizes each prompt)")
-    parser.add_argument("--workloads", nargs="+", choices=["shared-prefix", "sharegpt"],
+    parser.add_argument("--workloads", nargs="*", choices=["shared-prefix", "sharegpt"],
                         default=["shared-prefix", "sharegpt"])
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
@@ -269,7 +274,12 @@ def main() -> int:
 
     # Router overhead: one worker (2 threads), a router in front of it per policy, requests one at a time.
     overhead = {}
-    worker = start_worker(args.model, 2, log_dir, "overhead_worker", args.kv_blocks).wait("/health")
+    overhead_model = args.model if args.overhead_model == "default" else args.overhead_model
+    if overhead_model == "tiny":
+        from tests.tiny_models import make_tiny_model
+
+        overhead_model = str(make_tiny_model("llama", log_dir / "tiny_llama"))
+    worker = start_worker(overhead_model, 2, log_dir, "overhead_worker", args.kv_blocks).wait("/health")
     try:
         for policy in args.overhead_policies:
             router = Process(["router", "--policy", policy, "--worker-urls", worker.url], log_dir,
@@ -287,7 +297,7 @@ def main() -> int:
     print()
     for policy, o in overhead.items():
         print(f"router overhead, {policy} ({args.overhead_requests} requests, 16-token prompts, 1 output token, one at "
-              f"a time): direct median TTFT {o['direct_med_ms']:.2f} ms, through the router {o['routed_med_ms']:.2f} ms;"
+              f"a time, worker model {args.overhead_model}): direct median TTFT {o['direct_med_ms']:.2f} ms, through the router {o['routed_med_ms']:.2f} ms;"
               f" paired difference median {o['added_med_ms']:+.2f} ms (mean {o['added_mean_ms']:+.2f} ms); the router's "
               f"own time (histogram medians): dispatch {o['router_dispatch_med_ms']:.3f} ms + first-token relay "
               f"{o['router_relay_med_ms']:.3f} ms = {o['router_med_ms']:.3f} ms")
