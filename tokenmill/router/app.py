@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS_ESTIMATE = 256  # chat without a budget may run to max_model_len; count this much
+# Request bodies up to this size are tokenized on the event loop (kv_aware): encoding a few thousand
+# characters takes well under a millisecond, less than the hop to a worker thread and back.
+INLINE_TOKENIZE_BYTES = 8192
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     if config.policy.name == "kv_aware" or config.pd_disaggregation:  # exact prompt lengths for sessions' rounds
         tokenizer = RequestTokenizer(config.tokenizer)
 
-    async def with_token_ids(kind: str, body: dict, route: RouteRequest) -> RouteRequest:
+    async def with_token_ids(kind: str, body: dict, route: RouteRequest, content: bytes) -> RouteRequest:
         """``route`` with the prompt's token ids and the worker's prefix-cache extra keys (cache_salt)."""
         salt = body.get("cache_salt")
         extra_keys = (salt,) if isinstance(salt, str) and salt else ()
@@ -220,7 +223,10 @@ def build_app(config: RouterConfig) -> FastAPI:
                 if worker.is_tokenmill:
                     tokenizer.offer_source(worker.model_path)
                     break
-            token_ids = await asyncio.to_thread(tokenizer.token_ids, kind, body)
+            if tokenizer.ready and len(content) <= INLINE_TOKENIZE_BYTES:
+                token_ids = tokenizer.token_ids(kind, body)  # short: a thread hop costs more than the encode
+            else:  # the first load, or a long prompt: off the event loop
+                token_ids = await asyncio.to_thread(tokenizer.token_ids, kind, body)
             ids = tuple(token_ids) if token_ids is not None else None
         return dataclasses.replace(route, prompt_token_ids=ids, extra_keys=extra_keys,
                                    num_prompt_tokens=len(ids) if ids is not None else route.num_prompt_tokens)
@@ -284,7 +290,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         content, body = await read_json(request)
         route = route_request(kind, body, request.headers.get("x-session-id"))
         if tokenizer is not None:
-            route = await with_token_ids(kind, body, route)
+            route = await with_token_ids(kind, body, route, content)
         if pd is not None:
             return await pd.forward(path, body, route, bool(body.get("stream", False)), request)
         return await proxy.forward(path, content, route, bool(body.get("stream", False)), request, body, arrival)

@@ -170,6 +170,11 @@ class RequestTokenizer:
                                type(exc).__name__, exc)
         return self._tokenizer
 
+    @property
+    def ready(self) -> bool:
+        """True once the tokenizer is loaded (or known unavailable): ``token_ids`` then never blocks on a load."""
+        return self._tokenizer is not None or self._failed
+
     def token_ids(self, kind: str, body: dict) -> list[int] | None:
         """Prompt token ids of a ``completions`` (one string prompt) or ``chat`` body, as the worker will
         compute them; None when they cannot be known here (several prompts, no tokenizer, or a body the
