@@ -33,13 +33,31 @@ def pytest_report_header(config) -> list[str]:
     ]
 
 
+# Kernel builds that pytest-xdist workers loaded (scripts/test.sh runs one per core); the controller
+# process loads none itself, so each worker sends its set when it finishes.
+_WORKER_KERNELS: set[tuple[str, str]] = set()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand the set to the controller
+        from tokenmill import csrc_build
+
+        workeroutput["tokenmill_loaded_kernels"] = sorted(csrc_build.loaded_kernels)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown without the plugin
+def pytest_testnodedown(node, error) -> None:
+    _WORKER_KERNELS.update(tuple(k) for k in getattr(node, "workeroutput", {}).get("tokenmill_loaded_kernels", ()))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     from tokenmill import csrc_build
 
     by_isa: dict[str, list[str]] = {}
-    for stem, isa in sorted(csrc_build.loaded_kernels):
+    for stem, isa in sorted(set(csrc_build.loaded_kernels) | _WORKER_KERNELS):
         by_isa.setdefault(isa, []).append(stem)
-    terminalreporter.write_sep("-", "C kernel ISA paths exercised in this process")
+    terminalreporter.write_sep("-", "C kernel ISA paths exercised in this run")
     terminalreporter.write_line(pytest_report_header(config)[0])
     for isa in csrc_build.ISAS:
         if isa in by_isa:
