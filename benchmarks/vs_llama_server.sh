@@ -19,13 +19,8 @@ DTYPES=${DTYPES:-float32 bfloat16}
 WORKLOADS=${WORKLOADS:-batch1 c32 sharegpt}
 SHAREGPT_CONCURRENCY=${SHAREGPT_CONCURRENCY:-64}
 PEER=llama-server${LLAMA_SERVER:+=$LLAMA_SERVER}
-# On CPUs with AMX, a GGML_NATIVE build routes Q4_1 products to ggml's AMX path, which crashed this
-# project's 2-core Intel Xeon VM (SIGSEGV in ggml_backend_amx_mul_mat during the warm-up run); --no-repack
-# keeps llama-server on its AVX-512 kernels there. PEER_ARGS overrides it.
-if [ -z "${PEER_ARGS+x}" ]; then
-  PEER_ARGS=""
-  grep -qw amx_tile /proc/cpuinfo 2>/dev/null && PEER_ARGS="--no-repack"
-fi
+# Extra llama-server arguments (bench compare adds --no-repack by itself on AMX CPUs; see its docs).
+PEER_ARGS=${PEER_ARGS:-}
 mkdir -p "$OUT"
 for dtype in $DTYPES; do
   base=(.venv/bin/tokenmill bench compare --peer "$PEER" --num-threads "$THREADS" --dtype "$dtype" --disable-tqdm

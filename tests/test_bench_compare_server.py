@@ -23,6 +23,7 @@ from tokenmill.bench.llama_server import (
     default_binary_path,
     llama_server_command,
     parse_peer,
+    peer_args_for_this_cpu,
     skip_reason,
     slot_context,
 )
@@ -95,6 +96,16 @@ def test_llama_server_command_sizes_slots_for_the_longest_request():
     warm = warmup_request([request])
     assert warm.prompt_token_ids == list(range(115, 99, -1))  # shares no prefix with the workload
     assert warm.expected_output_len == 4
+
+
+def test_amx_cpus_get_no_repack_unless_the_user_chose():
+    # ggml's AMX matmul crashed llama-server on the project's AMX VMs; elsewhere nothing is added.
+    amx, plain = frozenset({"avx512f", "amx_tile"}), frozenset({"avx512f", "avx2"})
+    assert peer_args_for_this_cpu((), amx) == ("--no-repack",)
+    assert peer_args_for_this_cpu(("-ub", "256"), amx) == ("-ub", "256", "--no-repack")
+    assert peer_args_for_this_cpu(("--repack",), amx) == ("--repack",)
+    assert peer_args_for_this_cpu(("-nr",), amx) == ("-nr",)
+    assert peer_args_for_this_cpu(("-ub", "256"), plain) == ("-ub", "256")
 
 
 def test_ratios_and_notes_come_from_the_measured_runs_only():

@@ -116,6 +116,23 @@ def llama_server_command(binary: Path, model_path: Path, threads: int, parallel:
             "-c", str(parallel * slot_tokens), "--host", "127.0.0.1", "--port", str(port), *extra_args]
 
 
+REPACK_FLAGS = ("--repack", "-nr", "--no-repack")
+
+
+def peer_args_for_this_cpu(peer_args: tuple[str, ...], cpu_flags: set[str] | frozenset[str]) -> tuple[str, ...]:
+    """``peer_args`` plus ``--no-repack`` on a CPU with AMX (``amx_tile`` in ``cpu_flags``), unless they already
+    say how to repack.
+
+    A GGML_NATIVE llama-server sends Q4_1/Q4_0/Q8_0 products to ggml's AMX path on such CPUs, which
+    crashed on this project's Intel Xeon VMs (SIGSEGV in ``ggml_backend_amx_mul_mat`` during the warm-up
+    run, llama.cpp 0.5.0-dev 0c1e570); without repacking it runs its AVX-512 kernels. The comparison's
+    note shows the flag.
+    """
+    if "amx_tile" in cpu_flags and not any(a.split("=", 1)[0] in REPACK_FLAGS for a in peer_args):
+        return (*peer_args, "--no-repack")
+    return tuple(peer_args)
+
+
 def binary_version(binary: Path) -> str:
     """The first line ``llama-server --version`` prints (``version: N (commit)``), or "" when it prints none."""
     try:

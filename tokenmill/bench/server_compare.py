@@ -21,12 +21,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill import csrc_build
 from tokenmill.bench.datasets import SampledRequest
 from tokenmill.bench.llama_server import (
     LlamaServerProcess,
     ServerPeer,
     binary_version,
     llama_server_command,
+    peer_args_for_this_cpu,
     skip_reason,
     slot_context,
 )
@@ -180,8 +182,9 @@ def run_llama_server(peer: ServerPeer, model_path: Any, requests: list[SampledRe
     longest = max(r.prompt_len + r.expected_output_len for r in [*requests, warmup_request(requests)])
     port = free_port()
     slot_tokens = slot_context(longest + SLOT_MARGIN)
+    peer_args = peer_args_for_this_cpu(config.peer_args, csrc_build.cpu_flags())
     command = llama_server_command(peer.binary, model_path, config.threads, config.parallel, slot_tokens, port,
-                                   config.peer_args)
+                                   peer_args)
     version = binary_version(peer.binary)
     start = time.perf_counter()
     with LlamaServerProcess(command, port) as server:
@@ -189,7 +192,7 @@ def run_llama_server(peer: ServerPeer, model_path: Any, requests: list[SampledRe
         load_s = time.perf_counter() - start
         run = run_workload(server.url, requests, config, tokenizer)
     note = (f"llama-server -t {config.threads} -np {config.parallel} -c {config.parallel * slot_tokens} "
-            f"({slot_tokens} per slot){' ' + ' '.join(config.peer_args) if config.peer_args else ''}"
+            f"({slot_tokens} per slot){' ' + ' '.join(peer_args) if peer_args else ''}"
             f"{f'; {version}' if version else ''}")
     return _served_run(peer.name, run, requests, load_s, note), command
 
