@@ -48,8 +48,16 @@ SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -f "$SRC/CMakeLists.txt" ] || { echo "error: no vendored llama.cpp in the sdist ($SRC)" >&2; exit 1; }
 NICE=${NICE:-19}
 JOBS=${JOBS:-$(nproc)}
+# No AMX code: with GGML_NATIVE on an AMX CPU ggml builds its AMX matmul, which crashed llama-server on
+# this project's Intel Xeon VMs (general protection fault in ggml_backend_amx_mul_mat), even with
+# --no-repack under load. Explicit -mno-* flags win over -march=native in GCC and Clang.
+NO_AMX=()
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+  NO_AMX=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+          "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+fi
 echo "building llama-server (Release, CPU only, -j$JOBS, nice $NICE) into $PREFIX" >&2
-nice -n "$NICE" cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release \
+nice -n "$NICE" cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release "${NO_AMX[@]}" \
   -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_OPENMP=ON \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >"$WORK/cmake.log" 2>&1 \

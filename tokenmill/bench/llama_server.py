@@ -125,8 +125,10 @@ def peer_args_for_this_cpu(peer_args: tuple[str, ...], cpu_flags: set[str] | fro
 
     A GGML_NATIVE llama-server sends Q4_1/Q4_0/Q8_0 products to ggml's AMX path on such CPUs, which
     crashed on this project's Intel Xeon VMs (SIGSEGV in ``ggml_backend_amx_mul_mat`` during the warm-up
-    run, llama.cpp 0.5.0-dev 0c1e570); without repacking it runs its AVX-512 kernels. The comparison's
-    note shows the flag.
+    run, llama.cpp 0.5.0-dev 0c1e570); without repacking it runs its AVX-512 kernels. That is only partly a
+    cure: a process under load still crashed there once, so ``scripts/build_llama_server.sh`` also builds
+    without AMX code on such CPUs; this flag covers binaries built elsewhere. The comparison's note shows
+    the flag.
     """
     if "amx_tile" in cpu_flags and not any(a.split("=", 1)[0] in REPACK_FLAGS for a in peer_args):
         return (*peer_args, "--no-repack")
