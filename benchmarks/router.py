@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -122,23 +123,27 @@ def run_workload(base_url: str, workers: list[str], workload: list, tokenizer, c
             "input_tokens": m.total_input_tokens, "hit_tokens": prefix_hits(workers) - before}
 
 
-def histogram_quantile(metrics_text: str, name: str, labels: str, q: float) -> float:
-    """The ``q`` quantile of a Prometheus histogram in ``metrics_text`` (interpolated inside its bucket,
-    as PromQL's ``histogram_quantile``), in the histogram's unit; nan when it has no observations."""
-    buckets = []
-    for line in metrics_text.splitlines():
-        m = re.match(rf'{re.escape(name)}_bucket{{(.*)le="([^"]+)"(.*)}} (\S+)', line)
-        if m and labels in m.group(1) + m.group(3):
-            buckets.append((math.inf if m.group(2) == "+Inf" else float(m.group(2)), float(m.group(4))))
-    buckets.sort()
-    if not buckets or buckets[-1][1] == 0:
+def histogram_buckets(metrics_text: str, name: str, **labels: str) -> dict[float, float]:
+    """Upper bound -> cumulative count of the Prometheus histogram ``name`` whose labels include ``labels``
+    (parsed with prometheus_client's own text parser)."""
+    buckets = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket" and all(sample.labels.get(k) == v for k, v in labels.items()):
+                buckets[float(sample.labels["le"])] = sample.value
+    return buckets
+
+
+def bucket_quantile(buckets: dict[float, float], q: float) -> float:
+    """The ``q`` quantile of cumulative ``buckets``, interpolated inside its bucket as PromQL's
+    ``histogram_quantile``; nan when there are no observations."""
+    ordered = sorted(buckets.items())
+    if not ordered or ordered[-1][1] == 0:
         return math.nan
-    rank, low, below = q * buckets[-1][1], 0.0, 0.0
-    for le, count in buckets:
+    rank, low, below = q * ordered[-1][1], 0.0, 0.0
+    for le, count in ordered:
         if count >= rank:
-            if math.isinf(le):
-                return low
-            return low + (le - low) * (rank - below) / max(count - below, 1e-12)
+            return low if math.isinf(le) else low + (le - low) * (rank - below) / max(count - below, 1e-12)
         low, below = le, count
     return low
 
@@ -180,13 +185,9 @@ def router_overhead(worker_url: str, router_url: str, tokenizer, num: int) -> di
     after = httpx.get(f"{router_url}/metrics", timeout=10).text
 
     def stage_median(stage: str) -> float:
-        # The run's own observations: the quantile of (after - before) bucket counts.
-        def counts(text: str) -> dict[str, float]:
-            return {m.group(1): float(m.group(2)) for m in re.finditer(
-                rf'^({re.escape(name)}_bucket{{[^}}]*stage="{stage}"[^}}]*}}) (\S+)$', text, re.M)}
-        b, a = counts(before), counts(after)
-        diff = "\n".join(f"{key} {a[key] - b.get(key, 0.0)}" for key in a)
-        return histogram_quantile(diff, name, f'stage="{stage}"', 0.5) * 1e3
+        """Median of this run's own observations: the bucket counts after minus before, in ms."""
+        b, a = (histogram_buckets(text, name, stage=stage) for text in (before, after))
+        return bucket_quantile({le: count - b.get(le, 0.0) for le, count in a.items()}, 0.5) * 1e3
 
     pairs = [r - d for d, r in zip(direct, routed)]
     dispatch, relay = stage_median("dispatch"), stage_median("first_token_relay")
