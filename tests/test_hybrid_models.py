@@ -298,6 +298,54 @@ def test_prefix_hit_from_the_ram_tier_resumes_from_its_checkpoint(tiny):
     llm.engine.check_integrity()
 
 
+def test_prefix_hit_from_the_disk_tier_after_a_restart_resumes_from_its_checkpoint(tiny, tmp_path):
+    path, _ = tiny
+    disk = str(tmp_path / "kv")
+    base = random_prompts(1, seed=41, lo=29, hi=30)[0]
+    tail = random_prompts(1, seed=42, lo=5, hi=6)[0]
+    settings = dict(model=path, dtype="float32", block_size=4, num_threads=1, num_kv_blocks=64,
+                    state_checkpoint_interval=2, kv_offload_disk_path=disk)
+    with LLM(**settings) as first:  # checkpoints after 8, 16, 24 (and 32) tokens; closing writes the blocks to disk
+        run_one(first, base)
+        assert len(first.engine.kv_cache_manager.state_slots.checkpoints) == 4
+    plain = engine_for(path, num_kv_blocks=256, enable_prefix_caching=False)
+    with LLM(**settings) as restarted:  # a new engine over the same directory: nothing in memory
+        assert len(restarted.engine.kv_cache_manager.state_slots.checkpoints) == 0
+        for prompt, reuse in ((base[:26] + tail, 24),  # 6 blocks on disk, the checkpoint after 24 tokens among them
+                              (base[:22] + tail, 16)):  # 5 blocks matched: cut back to the checkpoint after 16
+            tokens, logprobs, num_cached, _ = run_one(restarted, prompt)
+            ref_tokens, ref_logprobs, ref_cached, _ = run_one(plain, prompt)
+            assert num_cached == reuse and ref_cached == 0 and tokens == ref_tokens
+            assert max(abs(x - y) for x, y in zip(logprobs, ref_logprobs)) < 1e-5
+        store = restarted.engine.kv_store
+        assert store.disk.stats.hits >= 6 and restarted.engine.kv_cache_manager.state_slots.checkpoints.num_adopted >= 3
+        # prompt log-probabilities (they skip the cache) of a prompt the disk holds equal no caching's
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+        got, ref = run_one(restarted, base, params)[3], run_one(plain, base, params)[3]
+        assert max(abs(got[i][base[i]].logprob - ref[i][base[i]].logprob) for i in range(1, len(base))) < 1e-5
+        restarted.engine.check_integrity()
+
+
+def test_disk_records_without_state_are_kv_only_hits_that_recompute(tiny, tmp_path):
+    path, _ = tiny
+    if "qwen3_next" in path:
+        pytest.skip("the record path does not depend on the architecture: one of them is enough")
+    disk = str(tmp_path / "kv")
+    base = random_prompts(1, seed=43, lo=29, hi=30)[0]
+    settings = dict(model=path, dtype="float32", block_size=4, num_threads=1, num_kv_blocks=64,
+                    kv_offload_disk_path=disk)
+    # a checkpoint every 8 blocks (32 tokens): a 29-token prompt saves none, so its blocks go to disk without state
+    with LLM(**settings, state_checkpoint_interval=8) as first:
+        run_one(first, base)
+    plain = engine_for(path, num_kv_blocks=256, enable_prefix_caching=False)
+    with LLM(**settings, state_checkpoint_interval=2) as restarted:
+        tokens, logprobs, num_cached, _ = run_one(restarted, base[:26] + [7, 8, 9])
+        ref_tokens, ref_logprobs, _, _ = run_one(plain, base[:26] + [7, 8, 9])
+        assert restarted.engine.kv_store.disk.stats.hits >= 6  # the KV blocks were read back ...
+        assert num_cached == 0 and tokens == ref_tokens  # ... but without a checkpoint the prompt is recomputed
+        assert max(abs(x - y) for x, y in zip(logprobs, ref_logprobs)) < 1e-5
+
+
 def test_deterministic_mode_is_bit_identical_across_batches_chunks_and_prefix_hits(tiny):
     path, hf = tiny
     # 7-token chunks shared by the batch: the target's prompt is cut differently alone and among others

@@ -17,7 +17,7 @@ import torch
 from tokenmill.config import CacheConfig, ConfigError
 from tokenmill.kv_cache.offload_planner import DISK_TIER, RAM_TIER
 from tokenmill.kv_offload import DiskTier, RamTier, TieredKVStore
-from tokenmill.kv_offload.disk_format import HEADER_SIZE
+from tokenmill.kv_offload.disk_format import HEADER_SIZE, VERSION_STATE, decode_header
 from tokenmill.kv_offload.fingerprint import model_fingerprint
 from tokenmill.kv_offload.stats import drive_writes_per_day
 
@@ -88,6 +88,34 @@ def test_disk_records_round_trip_and_survive_a_restart(tmp_path):
     assert len(restarted) == 10 and 7 in restarted
     assert load_sync(restarted, [7, 0]) == {7: payload(7), 0: payload(0)}
     restarted.close()
+
+
+def test_records_with_state_checkpoints_round_trip_and_say_so_in_their_header(tmp_path):
+    state = 96  # bytes of one linear-attention state checkpoint
+    old = DiskTier(tmp_path, FP, BLOCK_BYTES, capacity_bytes=1 << 20)  # an engine that knew no state
+    write_segments(old, [[1, 2]])
+    old.close()
+    tier = DiskTier(tmp_path, FP, BLOCK_BYTES, capacity_bytes=1 << 20, state_bytes=state)
+    assert len(tier) == 2  # the version 1 records are plain KV blocks here
+    with_state = {3: payload(3) + bytes(range(state)), 4: payload(4) + bytes(range(5, 5 + state))}
+    for h, data in with_state.items():
+        assert tier.put(h, data)
+    tier.flush()
+    assert load_sync(tier, [1, 3, 4]) == {1: payload(1), **with_state}
+    tier.close()
+    segment = sorted(tier.directory.glob("segment-*.kvseg"))[-1]
+    headers = [decode_header(segment.read_bytes()[i * (RECORD + state):][:HEADER_SIZE]) for i in range(2)]
+    assert [(h.block_hash, h.payload_len, h.state_len) for h in headers] == [(3, BLOCK_BYTES + state, state),
+                                                                             (4, BLOCK_BYTES + state, state)]
+    assert segment.read_bytes()[4:6] == VERSION_STATE.to_bytes(2, "little") == b"\x02\x00"
+    restarted = DiskTier(tmp_path, FP, BLOCK_BYTES, capacity_bytes=1 << 20, state_bytes=state)
+    assert load_sync(restarted, [4, 2]) == {4: with_state[4], 2: payload(2)}
+    restarted.close()
+    # A reader expecting another state size, or none, never takes a record with state for a plain block.
+    for other in (0, state + 4):
+        reader = DiskTier(tmp_path, FP, BLOCK_BYTES, capacity_bytes=1 << 20, state_bytes=other)
+        assert sorted(reader.hashes()) == [1, 2] and load_sync(reader, [3]) == {3: None}
+        reader.close()
 
 
 def test_a_different_model_never_finds_the_blocks(tmp_path):

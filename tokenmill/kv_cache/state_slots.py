@@ -51,6 +51,7 @@ class StateCheckpoints:
         self._deferred: list[int] = []  # slots dropped while busy: free once the step has run
         self.num_saved = 0  # checkpoints written (counters for logs and tests)
         self.num_restored = 0
+        self.num_adopted = 0  # checkpoints read back from a lower KV tier (the disk) or a saved session
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -85,6 +86,24 @@ class StateCheckpoints:
         self._busy.add(slot)
         self._pending.add(block_hash)
         self.num_saved += 1
+        return slot
+
+    def adopt(self, block_hash: int) -> int | None:
+        """A slot for a checkpoint of ``block_hash`` that the caller writes at once, outside any step's forward
+        (read back from the disk tier or a saved session), ready from now on; None when ``block_hash`` is
+        already held or every slot is in use by the step being planned. Takes a free slot, else the least
+        recently used one; the adopted checkpoint becomes the most recently used."""
+        if block_hash in self._lru:
+            return None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = next((h for h, s in self._lru.items() if s not in self._busy), None)
+            if victim is None:
+                return None
+            slot = self._lru.pop(victim)
+        self._lru[block_hash] = slot
+        self.num_adopted += 1
         return slot
 
     def drop(self, block_hash: int) -> None:

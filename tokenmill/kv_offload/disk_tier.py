@@ -4,7 +4,8 @@
   (records appended to the current segment, a new segment once it is full); ``put`` never
   blocks on I/O. A block still in the buffer is served from it.
 - Reads run on one loader thread; every read verifies the record's checksum, fingerprint and
-  hash. A bad record is dropped from the index with a warning and reported as a miss.
+  hash. A hybrid model's block may carry its linear-attention state checkpoint after the KV bytes
+  (``state_bytes``; a version 2 record, ``disk_format``); the payload handed back then includes it. A bad record is dropped from the index with a warning and reported as a miss.
 - The index (block_hash -> segment, offset) lives in memory and is rebuilt at startup from the
   segment headers; a torn or truncated tail is detected there and ignored.
 - Capacity is enforced by deleting whole segments, least recently used first; a segment's
@@ -60,6 +61,8 @@ class DiskTier:
         batch_bytes: the writer writes once this much is buffered (or after ``max_delay_s``).
         max_pending_bytes: buffer bound; blocks offered while it is full are dropped (counted),
             so a slow disk never stalls the engine.
+        state_bytes: bytes of one linear-attention state checkpoint a block may carry after its KV bytes
+            (hybrid models; 0: none). Records with state of another size are ignored at startup.
     """
 
     name = "disk"
@@ -74,16 +77,18 @@ class DiskTier:
         batch_bytes: int = 8 * MIB,
         max_pending_bytes: int = 256 * MIB,
         max_delay_s: float = 0.5,
+        state_bytes: int = 0,
     ) -> None:
         self.root = Path(root)
         self.fingerprint = bytes.fromhex(fingerprint)
         self.directory = self.root / fingerprint[:16]
         self.block_bytes = block_bytes
-        self.record_bytes = HEADER_SIZE + block_bytes
+        self.state_bytes = state_bytes
+        self.record_bytes = HEADER_SIZE + block_bytes  # without state
         self.capacity_bytes = capacity_bytes
         self.segment_bytes = segment_bytes or max(self.record_bytes, min(DEFAULT_SEGMENT_BYTES, capacity_bytes // 8))
         self.batch_bytes = batch_bytes
-        self.max_pending_bytes = max(max_pending_bytes, self.record_bytes)
+        self.max_pending_bytes = max(max_pending_bytes, self.record_bytes + state_bytes)
         self.max_delay_s = max_delay_s
         self.stats = TierStats(capacity_blocks=capacity_bytes // self.record_bytes)
         self.dropped_blocks = 0  # offered while the write buffer was full
@@ -91,7 +96,7 @@ class DiskTier:
         self.enabled = False
         self.error: str | None = None
         self._cond = threading.Condition()  # guards everything below
-        self._index: dict[int, tuple[_Segment, int]] = {}  # block_hash -> (segment, record offset)
+        self._index: dict[int, tuple[_Segment, int, int]] = {}  # block_hash -> (segment, record offset, state length)
         self._segments: dict[int, _Segment] = {}
         self._pending: OrderedDict[int, bytes] = OrderedDict()  # written by the writer, oldest first
         self._pending_bytes = 0
@@ -141,13 +146,13 @@ class DiskTier:
             seg_id = _segment_id(path)
             if seg_id is None:
                 continue
-            records, _, problem = scan_segment(path, self.fingerprint, self.block_bytes)
+            records, _, problem = scan_segment(path, self.fingerprint, self.block_bytes, self.state_bytes)
             if problem is not None:
                 logger.warning("KV offload disk tier: %s: %s; ignoring the rest of the segment", path, problem)
             self._clock += 1
             seg = _Segment(seg_id, path, size=path.stat().st_size, recency=self._clock)
             for record in records:
-                self._index[record.block_hash] = (seg, record.offset)
+                self._index[record.block_hash] = (seg, record.offset, record.state_len)
                 seg.hashes.append(record.block_hash)
             num_blocks += len(records)
             self._segments[seg_id] = seg
@@ -172,9 +177,12 @@ class DiskTier:
             return list(self._index) + [h for h in self._pending if h not in self._index]
 
     def put(self, block_hash: int, payload: bytes, wait: bool = False) -> bool:
-        """Queue one block for writing. Returns False if it is already stored, the tier is off, or
-        the buffer is full (``wait=False``; the block is dropped) — never blocks unless ``wait``."""
-        assert len(payload) == self.block_bytes
+        """Queue one block for writing: ``payload`` is its ``block_bytes`` of KV, or those followed by
+        ``state_bytes`` of its linear-attention state checkpoint. Returns False if it is already stored, the
+        tier is off, or the buffer is full (``wait=False``; the block is dropped) — never blocks unless
+        ``wait``."""
+        assert len(payload) == self.block_bytes or (self.state_bytes and len(payload) == self.block_bytes
+                                                    + self.state_bytes)
         with self._cond:
             if not self.enabled or block_hash in self._index or block_hash in self._pending:
                 return False
@@ -198,7 +206,8 @@ class DiskTier:
 
     def load(self, block_hashes: list[int], on_done: Callable[[int, memoryview | bytes | None], None]) -> None:
         """Read blocks on the loader thread; ``on_done(block_hash, payload or None)`` for each, from
-        that thread. None means a miss (gone, or bad and now dropped)."""
+        that thread. None means a miss (gone, or bad and now dropped); a payload longer than ``block_bytes``
+        carries the block's state checkpoint after its KV bytes."""
         self._loads.put((list(block_hashes), on_done))
 
     def flush(self) -> None:
@@ -292,7 +301,8 @@ class DiskTier:
                 self._cond.notify_all()
 
     def _write_batch(self, batch: list[tuple[int, bytes]]) -> None:
-        records = [(h, encode_record(self.fingerprint, h, payload)) for h, payload in batch]
+        records = [(h, encode_record(self.fingerprint, h, payload, len(payload) - self.block_bytes))
+                   for h, payload in batch]
         i = 0
         while i < len(records):
             current = self._current
@@ -320,7 +330,7 @@ class DiskTier:
                 offset = seg.size
                 for h, record in records[i:j]:
                     if not seg.dropped:
-                        self._index[h] = (seg, offset)
+                        self._index[h] = (seg, offset, len(record) - self.record_bytes)
                         seg.hashes.append(h)
                     offset += len(record)
                 seg.size = offset
@@ -414,13 +424,14 @@ class DiskTier:
             entry = self._index.get(block_hash)
             if entry is None:
                 return None
-            seg, offset = entry
-        record = bytearray(self.record_bytes)
+            seg, offset, state_len = entry
+        record = bytearray(self.record_bytes + state_len)
         try:
             with open(seg.path, "rb") as f:
                 f.seek(offset)
                 num_read = f.readinto(record)
-            problem = check_record(memoryview(record)[:num_read], self.fingerprint, block_hash, self.block_bytes)
+            problem = check_record(memoryview(record)[:num_read], self.fingerprint, block_hash,
+                                   self.block_bytes + state_len, state_len)
         except OSError as exc:
             problem = f"cannot read the segment: {exc}"
         if problem is None:
@@ -434,7 +445,7 @@ class DiskTier:
                 return None
             if not seg.path.exists():
                 self._drop_segment(seg, delete_file=False)
-            elif self._index.get(block_hash) == (seg, offset):
+            elif self._index.get(block_hash) == entry:
                 del self._index[block_hash]
                 self.stats.blocks_stored = len(self._index)
                 if self.kv_events is not None and block_hash not in self._pending:

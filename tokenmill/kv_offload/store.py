@@ -8,6 +8,10 @@ Flow (write-back): a cached block evicted from the primary pool is copied to RAM
 forward can overwrite it; RAM evicts least recently used blocks to the disk writer (unless the
 disk already holds them). A prefix hit in RAM is copied back into the pool before the forward; a
 hit on disk is first read by the disk loader into a staging area while the request waits.
+
+Hybrid models (``linear_state``, set by the engine hook): a block written to disk carries its linear-attention
+state checkpoint when one is held for its hash, and a checkpoint read back with its block is installed among the
+prefix cache's checkpoints as soon as it arrives, so the hit resumes from it as from a RAM-tier hit.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import math
 import queue
 import time
 from collections import OrderedDict
+from typing import Protocol
 
 import torch
 
@@ -29,6 +34,19 @@ from tokenmill.kv_offload.stats import drive_writes_per_day
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
+
+
+class LinearStateCheckpoints(Protocol):
+    """What the store asks of a hybrid model's state checkpoints (``LinearStateCache``)."""
+
+    def checkpoint_payload(self, block_hash: int) -> bytes | None:
+        """The bytes of the checkpoint held for ``block_hash`` (``bytes_per_sequence`` of them), or None."""
+        ...
+
+    def install_checkpoint(self, block_hash: int, payload: memoryview | bytes) -> bool:
+        """Make ``payload`` (as ``checkpoint_payload`` gave it) the checkpoint of ``block_hash``; False when
+        it is already held or no checkpoint slot can be taken now."""
+        ...
 
 
 class TieredKVStore:
@@ -61,6 +79,7 @@ class TieredKVStore:
         self._closed = False
         # Blocks made with weights no longer served (an update without a flush): never written below the pool.
         self.stale_hashes: set[int] = set()
+        self.linear_state: LinearStateCheckpoints | None = None  # hybrid models: checkpoints travel with blocks
         self.transfer_seconds = 0.0  # engine-thread time spent in per-step copies
         self.load_wait_seconds = 0.0  # engine-thread time spent waiting for disk reads (nothing else to run)
 
@@ -129,6 +148,10 @@ class TieredKVStore:
         self._loading.discard(block_hash)
         if payload is None:  # gone or bad: later lookups stop before it and the block is recomputed
             return
+        if len(payload) > self.block_bytes:  # a hybrid model's block with its state checkpoint after the KV bytes
+            if self.linear_state is not None:
+                self.linear_state.install_checkpoint(block_hash, memoryview(payload)[self.block_bytes:])
+            payload = memoryview(payload)[: self.block_bytes]
         buf = payload if isinstance(payload, memoryview) and not payload.readonly else bytearray(payload)
         block = torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_cache.dtype).view(self.block_shape)
         self._staged[block_hash] = block
@@ -197,7 +220,7 @@ class TieredKVStore:
             if h in self.stale_hashes:
                 self.stale_hashes.discard(h)
             elif self._disk_on and h not in self.disk:
-                self.disk.put(h, _block_bytes(block))
+                self.disk.put(h, self._disk_payload(h, block))
 
     # ---- weight updates (tokenmill/rl): flush, or keep old blocks out of reach ---------------------
     def mark_stale(self, pool_hashes: list[int]) -> None:
@@ -243,7 +266,7 @@ class TieredKVStore:
         if collector is not None:
             collector.all_cleared(old.name)
         self.disk = DiskTier(old.root, fingerprint, old.block_bytes, old.capacity_bytes, old.segment_bytes,
-                             old.batch_bytes, old.max_pending_bytes, old.max_delay_s)
+                             old.batch_bytes, old.max_pending_bytes, old.max_delay_s, old.state_bytes)
         self.disk.kv_events = collector
         if collector is not None and self._disk_on:
             collector.hashes_stored(self.disk.hashes(), self.disk.name)
@@ -290,17 +313,26 @@ class TieredKVStore:
             if self.ram is not None:
                 for h in self.ram.hashes():
                     if h not in self.disk and h not in self.stale_hashes:
-                        num_saved += self.disk.put(h, _block_bytes(self.ram.block(h)), wait=True)
+                        num_saved += self.disk.put(h, self._disk_payload(h, self.ram.block(h)), wait=True)
             todo = [(b, h) for b, h in cached_blocks if h not in self.disk and h not in self.stale_hashes]
             for start in range(0, len(todo), 64):
                 chunk = todo[start : start + 64]
                 ids = torch.tensor([b for b, _ in chunk], dtype=torch.int64, device=self.kv_cache.device)
                 data = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5)
                 for (_, h), block in zip(chunk, data):
-                    num_saved += self.disk.put(h, _block_bytes(block), wait=True)
+                    num_saved += self.disk.put(h, self._disk_payload(h, block), wait=True)
             self.disk.flush()
             logger.info("KV offload: saved %d blocks to disk at shutdown in %.2fs", num_saved, time.perf_counter() - t0)
         self.disk.close()
+
+    def _disk_payload(self, block_hash: int, block: torch.Tensor) -> bytes:
+        """A block's disk payload: its KV bytes, then its state checkpoint's when one is held (hybrid models)."""
+        data = _block_bytes(block)
+        if self.linear_state is not None:
+            state = self.linear_state.checkpoint_payload(block_hash)
+            if state is not None:
+                data += state
+        return data
 
 
 def _block_bytes(block: torch.Tensor) -> bytes:
@@ -309,7 +341,9 @@ def _block_bytes(block: torch.Tensor) -> bytes:
 
 
 def build_kv_store(cache, kv_cache: torch.Tensor, loaded, max_model_len: int) -> TieredKVStore | None:
-    """The store for a ``CacheConfig`` (None when no lower tier is configured).
+    """The store for a ``CacheConfig`` (None when no lower tier is configured). For a hybrid model the disk
+    tier's records may carry one state checkpoint each (its size from the model's linear layers); the engine
+    hook connects the checkpoints (``TieredKVStore.linear_state``).
 
     Raises:
         ValueError: ``kv_offload_memory`` too small for one block.
@@ -335,7 +369,8 @@ def build_kv_store(cache, kv_cache: torch.Tensor, loaded, max_model_len: int) ->
         t0 = time.perf_counter()
         fingerprint = model_fingerprint(loaded.model, loaded.hf_config, loaded.dtype, block_size, kv_cache.dtype)
         logger.info("KV offload: model fingerprint %s (%.2fs)", fingerprint[:16], time.perf_counter() - t0)
-        disk = DiskTier(cache.kv_offload_disk_path, fingerprint, block_bytes, int(cache.disk_tier_size_gib * GIB))
+        disk = DiskTier(cache.kv_offload_disk_path, fingerprint, block_bytes, int(cache.disk_tier_size_gib * GIB),
+                        state_bytes=_checkpoint_bytes(loaded) if cache.enable_prefix_caching else 0)
     drive_gib = cache.kv_offload_disk_drive_size_gib or cache.disk_tier_size_gib
     max_staged = min(num_blocks, 4 * -(-max_model_len // block_size))
     store = TieredKVStore(kv_cache, ram_blocks, disk, max_staged, int(drive_gib * GIB))
@@ -344,3 +379,12 @@ def build_kv_store(cache, kv_cache: torch.Tensor, loaded, max_model_len: int) ->
                 else f"{cache.disk_tier_size_gib} GiB at {cache.kv_offload_disk_path}" if disk.enabled
                 else f"DISABLED ({disk.error})")
     return store
+
+
+def _checkpoint_bytes(loaded) -> int:
+    """Bytes of one linear-attention state checkpoint of a hybrid model (0 for other models)."""
+    if not getattr(loaded.model, "is_hybrid", False):
+        return 0
+    from tokenmill.kv_cache.state_slots import state_bytes_per_sequence
+
+    return state_bytes_per_sequence(*loaded.model.linear_state_shapes(), loaded.dtype.itemsize)

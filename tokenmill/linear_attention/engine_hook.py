@@ -45,6 +45,8 @@ def attach_state_pool(engine) -> None:
         if kv.offload is None:  # a checkpoint leaves with its KV block; with lower tiers the block lives on there
             pool.on_evict = lambda block_id, block_hash: checkpoints.drop(block_hash)
         pool.on_reset = checkpoints.clear
+        if engine.kv_store is not None:  # the disk tier writes a block's checkpoint with it and reads it back
+            engine.kv_store.linear_state = cache
     if config.deterministic:
         from tokenmill.linear_attention import invariant_ops
 

@@ -93,6 +93,39 @@ class LinearStateCache:
         return (self.checkpoint_conv.numel() * self.checkpoint_conv.element_size()
                 + self.checkpoint_recurrent.numel() * self.checkpoint_recurrent.element_size())
 
+    def checkpoint_payload(self, block_hash: int) -> bytes | None:
+        """The prefix-cache checkpoint held for ``block_hash`` as bytes (``bytes_per_sequence`` of them: the conv
+        state ``[linear layers, conv_dim, kernel - 1]`` in the activation dtype, then the recurrent state
+        ``[linear layers, value heads, head_k_dim, head_v_dim]`` float32), or None when none is ready. The disk
+        KV tier stores it after the block's KV bytes."""
+        checkpoints = self.slots.checkpoints
+        slot = checkpoints.ready_slot(block_hash) if checkpoints is not None else None
+        if slot is None:
+            return None
+        return _tensor_bytes(self.checkpoint_conv[:, slot]) + _tensor_bytes(self.checkpoint_recurrent[:, slot])
+
+    def install_checkpoint(self, block_hash: int, payload: memoryview | bytes) -> bool:
+        """Make ``payload`` (``checkpoint_payload``'s layout) the checkpoint of ``block_hash``, resumable from the
+        next plan on. Call between planning and the forward or between steps (the disk tier does so when a
+        block arrives). Returns False when it is already held or no checkpoint slot is free of this step.
+
+        Raises:
+            ValueError: a payload of another size than ``bytes_per_sequence``.
+        """
+        if len(payload) != self.bytes_per_sequence:
+            raise ValueError(f"a state checkpoint holds {self.bytes_per_sequence} bytes, got {len(payload)}")
+        checkpoints = self.slots.checkpoints
+        slot = checkpoints.adopt(block_hash) if checkpoints is not None else None
+        if slot is None:
+            return False
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        num_conv = self.checkpoint_conv[:, slot].numel() * self.checkpoint_conv.element_size()
+        conv = data[:num_conv].view(self.checkpoint_conv.dtype).view(self.checkpoint_conv[:, slot].shape)
+        recurrent = data[num_conv:].view(torch.float32).view(self.checkpoint_recurrent[:, slot].shape)
+        self.checkpoint_conv[:, slot] = conv.to(self.device)
+        self.checkpoint_recurrent[:, slot] = recurrent.to(self.device)
+        return True
+
     def step_metadata(self, metadata, requests, query_lens: np.ndarray, num_computed: np.ndarray):
         """``metadata`` (an AttentionMetadata) with ``linear_state`` set for this step's requests.
 
@@ -137,3 +170,8 @@ class LinearStateCache:
             batch_invariant=self.batch_invariant,
         )
         return replace(metadata, linear_state=linear)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's raw bytes in C order (copied to the host)."""
+    return tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
