@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import PolicyConfig, make_policy
 from tokenmill.router.policy import RouteRequest
-from tokenmill.router.proxy import Proxy, openai_error
+from tokenmill.router.proxy import Proxy, openai_error, upstream_session
 from tokenmill.router.tokenize import RequestTokenizer
 from tokenmill.router.workers import HEALTH_TIMEOUT_S, DuplicateWorker, WorkerRegistry
 
@@ -169,6 +169,24 @@ def route_request(kind: str, body: dict, session_header: str | None) -> RouteReq
 
 
 # ---- the app --------------------------------------------------------------------------------------
+_GENERATE_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+class _RouterApp(FastAPI):
+    """FastAPI, with the two generation routes served straight from ``__call__`` (``generate``, set by
+    ``build_app``): each request then skips FastAPI's middleware stack, routing and dependency
+    solving, which cost the router a third of a millisecond per request here."""
+
+    generate = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (self.generate is not None and scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"] in _GENERATE_PATHS):
+            await self.generate(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
 def _api_key_check(api_key: str | None) -> list:
     if not api_key:
         return []
@@ -241,6 +259,7 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        proxy.session = upstream_session(config.request_timeout)
         await registry.check_all()
         tasks = [asyncio.ensure_future(registry.health_loop(config.health_check_interval)),
                  asyncio.ensure_future(housekeeping_loop())]
@@ -256,8 +275,9 @@ def build_app(config: RouterConfig) -> FastAPI:
             if pd is not None:
                 pd.prefill_policy.close()
             await client.aclose()
+            await proxy.session.close()
 
-    app = FastAPI(title="tokenmill router", lifespan=lifespan)
+    app = _RouterApp(title="tokenmill router", lifespan=lifespan)
     app.state.registry, app.state.policy, app.state.metrics = registry, policy, metrics
     auth = _api_key_check(config.api_key)
 
@@ -294,6 +314,22 @@ def build_app(config: RouterConfig) -> FastAPI:
         if pd is not None:
             return await pd.forward(path, body, route, bool(body.get("stream", False)), request)
         return await proxy.forward(path, content, route, bool(body.get("stream", False)), request, body, arrival)
+
+    async def generate(scope, receive, send) -> None:
+        """``/v1/completions`` and ``/v1/chat/completions`` without FastAPI's routing and middleware
+        (what the routes below do, with the same errors, in about half the time)."""
+        request = Request(scope, receive)
+        try:
+            if auth:
+                auth[0].dependency(request)
+            response = await forward(_GENERATE_PATHS[scope["path"]], scope["path"], request)
+        except RouterError as exc:
+            response = openai_error(exc.message, exc.status_code, exc.type, exc.param)
+        except Exception as exc:
+            response = await _unexpected_error(request, exc)
+        await response(scope, receive, send)
+
+    app.generate = generate
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:

@@ -27,7 +27,7 @@ from starlette.responses import Response
 
 from tokenmill.router.policies import request_tokens
 from tokenmill.router.policy import Policy, RouteRequest
-from tokenmill.router.proxy import Proxy
+from tokenmill.router.proxy import UPSTREAM_ERRORS, Proxy
 from tokenmill.router.workers import Lease, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -107,22 +107,24 @@ class PDRouter:
             self.prefill_policy.on_dispatched(route, decision)
             lease = Lease(worker, route, request_tokens(route), self.prefill_policy)
             try:
-                response = await self.client.post(worker.url + path, json=prefill_body, headers=headers)
-            except httpx.HTTPError as exc:
+                async with self.decode.session.post(worker.url + path, data=json.dumps(prefill_body).encode(),
+                                                    headers=headers) as response:
+                    status, content = response.status, await response.read()
+            except UPSTREAM_ERRORS as exc:
                 self.prefill.mark_unhealthy(worker, f"prefill request failed: {type(exc).__name__}: {exc}")
                 self.metrics.retries.labels("prefill_connect").inc()
                 continue
             finally:
                 lease.release()
-            if response.status_code != 200:
-                if response.status_code >= 500:
+            if status != 200:
+                if status >= 500:
                     self.metrics.retries.labels("prefill_5xx").inc()
                     continue
                 logger.info("request %s: prefill worker answered %d; the decode worker will answer the client",
-                            route.request_id, response.status_code)
+                            route.request_id, status)
                 return None  # the request itself is at fault: the decode worker gives the client its error
             try:
-                params = response.json().get("kv_transfer_params")
+                params = json.loads(content).get("kv_transfer_params")
             except (ValueError, AttributeError):
                 params = None
             if not isinstance(params, dict) or not params.get("do_remote_prefill"):

@@ -1,6 +1,8 @@
 """Forwarding one request to a worker: pick, send, retry before the first token, resume after it.
 
-One shared ``httpx.AsyncClient`` for every worker. ``Proxy.forward`` runs attempts until one worker
+Requests and streams travel over one shared ``aiohttp.ClientSession`` (the data plane: its C HTTP
+parser costs about a third of httpx's per request, which is most of what the router adds to TTFT);
+health checks and other control calls keep the ``httpx`` client. ``Proxy.forward`` runs attempts until one worker
 gives a usable answer: the policy picks among the healthy workers not tried yet, a ``Lease`` holds the
 request's tokens on the worker, and a connection error, a 5xx, or a stream that breaks before its first
 token (a chat stream's role chunk is held back until then) sends the request to the next worker: the
@@ -20,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-import anyio
+import aiohttp
 import httpx2 as httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -63,10 +65,30 @@ class _Retry(Exception):
         self.reason, self.detail, self.response = reason, detail, response
 
 
-async def _close_shielded(response: httpx.Response) -> None:
-    """Close an upstream response even while our task is being cancelled (the worker then aborts)."""
-    with anyio.CancelScope(shield=True):
-        await response.aclose()
+# What a broken worker connection raises on the data plane (connect, send, or read).
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+# Idle upstream connections are dropped after this long, before a worker's own keep-alive timeout
+# (uvicorn's default: 5 s) closes them under a request that was just sent on one.
+UPSTREAM_KEEPALIVE_S = 4.0
+
+
+def upstream_session(request_timeout: float, connect_timeout: float = 10.0) -> aiohttp.ClientSession:
+    """The data-plane client: no connection limit, bytes passed through undecoded, ``request_timeout``
+    (seconds) as the longest wait for a worker's headers or next chunk. Create it inside the event
+    loop that uses it."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=request_timeout),
+        auto_decompress=False, skip_auto_headers=("User-Agent",))
+
+
+def _close(response: aiohttp.ClientResponse) -> None:
+    """Done with an upstream response: its connection goes back to the pool when the body was read to
+    the end, else it is closed (the worker sees the disconnect and aborts the request)."""
+    if response.content.at_eof():
+        response.release()
+    else:
+        response.close()
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -101,18 +123,18 @@ class SSEEvent:
 class SSEReader:
     """Splits a worker's raw bytes into events (blank-line separated); ``next`` is None at the end."""
 
-    def __init__(self, response: httpx.Response) -> None:
-        self.chunks = response.aiter_raw()
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.content = response.content
         self.buffer = b""
         self.ended = False
 
     async def next(self) -> SSEEvent | None:
+        """The next event, None at the end of the stream; raises ``UPSTREAM_ERRORS`` if it broke."""
         while b"\n\n" not in self.buffer:
             if self.ended:
                 return None
-            try:
-                chunk = await self.chunks.__anext__()
-            except StopAsyncIteration:
+            chunk = await self.content.readany()
+            if not chunk:
                 self.ended = True
                 return None  # a trailing partial event is the mark of a broken stream: dropped
             self.buffer = (self.buffer + chunk).replace(b"\r\n", b"\n")
@@ -312,9 +334,12 @@ class Proxy:
     """Sends requests to workers chosen by ``policy`` and turns their answers into client responses."""
 
     def __init__(self, client: httpx.AsyncClient, registry: WorkerRegistry, policy: Policy, metrics: RouterMetrics,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, session: aiohttp.ClientSession | None = None) -> None:
+        """``client``: control calls (``/detokenize``); ``session``: the data plane (``upstream_session``),
+        which may be set later, once the event loop runs (the app's lifespan does)."""
         self.client, self.registry, self.policy, self.metrics = client, registry, policy, metrics
         self.api_key = api_key
+        self.session = session
 
     def upstream_headers(self, request: Request, route: RouteRequest) -> dict[str, str]:
         """Content type, the request id, and authorization: the router's key when it has one, else the
@@ -350,7 +375,7 @@ class Proxy:
             except asyncio.CancelledError:
                 response = None
             if isinstance(response, ClientStream):  # finished just as we cancelled
-                await response.abandon()
+                response.abandon()
             logger.info("client disconnected before the first token of %s", route.request_id)
             self.metrics.errors.labels("client_disconnected").inc()
             return Response(status_code=499)
@@ -396,34 +421,33 @@ class Proxy:
                 logger.warning("request %s: %s; retrying on another worker", route.request_id, retry.detail)
 
     async def open(self, worker: Worker, path: str, content: bytes, headers: dict[str, str],
-                   arrival: float | None = None) -> httpx.Response:
+                   arrival: float | None = None) -> aiohttp.ClientResponse:
         """Send a request and return the response with its headers in (body unread); raises ``_Retry``
-        on a connection failure or a 5xx. ``arrival``: see ``forward``."""
-        upstream = self.client.build_request("POST", worker.url + path, content=content, headers=headers)
+        on a connection failure or a 5xx, ``_Timeout`` when the worker sends no headers within the
+        request timeout. ``arrival``: see ``forward``."""
         if arrival is not None:
             self.metrics.overhead.labels("dispatch").observe(time.perf_counter() - arrival)
         try:
-            response = await self.client.send(upstream, stream=True)
-        except httpx.TimeoutException as exc:
-            if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
-                self._fail(worker, f"connect: {type(exc).__name__}", "connect_error")
+            response = await self.session.post(worker.url + path, data=content, headers=headers)
+        except aiohttp.ConnectionTimeoutError as exc:
+            self._fail(worker, f"connect: {type(exc).__name__}", "connect_error")
+        except asyncio.TimeoutError as exc:
             raise _Timeout() from exc
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             self._fail(worker, f"{type(exc).__name__}: {exc}", "connect_error")
-        if response.status_code >= 500:
+        if response.status >= 500:
             try:
                 body = await self._read_or_fail(worker, response)
             finally:
-                await _close_shielded(response)
-            failed = Response(body, response.status_code, {WORKER_HEADER: worker.worker_id},
+                _close(response)
+            failed = Response(body, response.status, {WORKER_HEADER: worker.worker_id},
                               media_type=response.headers.get("content-type"))
-            if response.status_code in UNHEALTHY_STATUSES:
-                self.registry.mark_unhealthy(worker, f"answered {response.status_code}")
-            raise _Retry(f"http_{response.status_code}", f"worker {worker.worker_id} answered {response.status_code}",
-                         failed)
+            if response.status in UNHEALTHY_STATUSES:
+                self.registry.mark_unhealthy(worker, f"answered {response.status}")
+            raise _Retry(f"http_{response.status}", f"worker {worker.worker_id} answered {response.status}", failed)
         return response
 
-    async def first_token(self, worker: Worker, response: httpx.Response) -> tuple[SSEReader, list[SSEEvent]]:
+    async def first_token(self, worker: Worker, response: aiohttp.ClientResponse) -> tuple[SSEReader, list[SSEEvent]]:
         """Read a stream up to and including its first event that carries a token; raises ``_Retry`` if it
         breaks or ends before."""
         reader = SSEReader(response)
@@ -431,7 +455,7 @@ class Proxy:
         while True:
             try:
                 event = await reader.next()
-            except httpx.TransportError as exc:
+            except UPSTREAM_ERRORS as exc:
                 self._fail(worker, f"stream broke before its first token: {type(exc).__name__}", "stream_error")
             if event is None:
                 self._fail(worker, "stream ended before its first token", "stream_error")
@@ -443,7 +467,7 @@ class Proxy:
                        headers: dict[str, str], route: RouteRequest, state: StreamState | None,
                        arrival: float | None = None) -> Response:
         """One try on ``worker``; raises ``_Retry`` if it failed before anything was sent to the client."""
-        response: httpx.Response | None = None
+        response: aiohttp.ClientResponse | None = None
         handed_off = False
         try:
             try:
@@ -452,9 +476,9 @@ class Proxy:
                 return openai_error(f"worker {worker.worker_id} did not answer within the request timeout", 504,
                                     "timeout_error")
             reply_headers = {WORKER_HEADER: worker.worker_id}
-            if not stream or response.status_code != 200:
+            if not stream or response.status != 200:
                 body = await self._read_or_fail(worker, response)
-                return Response(body, response.status_code, reply_headers,
+                return Response(body, response.status, reply_headers,
                                 media_type=response.headers.get("content-type"))
             reader, held = await self.first_token(worker, response)
             first_token_at = time.perf_counter()
@@ -468,12 +492,12 @@ class Proxy:
             if not handed_off:
                 lease.release()
                 if response is not None:
-                    await _close_shielded(response)
+                    _close(response)
 
-    async def _read_or_fail(self, worker: Worker, response: httpx.Response) -> bytes:
+    async def _read_or_fail(self, worker: Worker, response: aiohttp.ClientResponse) -> bytes:
         try:
-            return await response.aread()
-        except httpx.TransportError as exc:
+            return await response.read()
+        except UPSTREAM_ERRORS as exc:
             self._fail(worker, f"response broke: {type(exc).__name__}", "read_error")
 
     def _fail(self, worker: Worker, detail: str, reason: str) -> NoReturn:
@@ -505,38 +529,40 @@ class ClientStream(Response):
     client gone, no worker left), the current upstream response is closed and its lease released.
     """
 
-    def __init__(self, upstream: httpx.Response, reader: SSEReader, held: list[SSEEvent], lease: Lease,
+    def __init__(self, upstream: aiohttp.ClientResponse, reader: SSEReader, held: list[SSEEvent], lease: Lease,
                  headers: dict[str, str], proxy: Proxy, route: RouteRequest, upstream_headers: dict[str, str],
                  state: StreamState | None, first_token_at: float | None = None) -> None:
         self.upstream, self.reader, self.held, self.lease, self.proxy = upstream, reader, held, lease, proxy
         self.first_token_at = first_token_at  # perf_counter() when the first token event was read
         self.route, self.upstream_headers, self.state = route, upstream_headers, state
-        self.status_code = upstream.status_code
+        self.status_code = upstream.status
         self.background = None
         self.init_headers(headers)
         self.finished = False  # the last byte was handed to the server (its disconnect event then means nothing)
         self.client_gone = False
 
-    async def abandon(self) -> None:
+    def abandon(self) -> None:
         """Close the current upstream and release its lease (idempotent)."""
         try:
-            await _close_shielded(self.upstream)
+            _close(self.upstream)
         finally:
             self.lease.release()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        copy = asyncio.ensure_future(self._copy(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            async with anyio.create_task_group() as group:
-                async def watch() -> None:
-                    await _wait_disconnect(receive)
-                    self.client_gone = not self.finished
-                    group.cancel_scope.cancel()
-
-                group.start_soon(watch)
-                await self._copy(send)
-                group.cancel_scope.cancel()
+            await asyncio.wait((copy, watch), return_when=asyncio.FIRST_COMPLETED)
+            if not copy.done():  # the client went away first
+                self.client_gone = not self.finished
+                copy.cancel()
+                await asyncio.gather(copy, return_exceptions=True)
+            else:
+                copy.result()  # raises what the copy raised
         finally:
-            await self.abandon()
+            copy.cancel()
+            watch.cancel()
+            self.abandon()
             if self.client_gone:
                 logger.info("client disconnected mid-stream; closed the stream of %s on %s",
                             self.route.request_id, self.lease.worker.worker_id)
@@ -564,7 +590,7 @@ class ClientStream(Response):
                 await self._body(send, state.observe(event) if state else event.raw)
             if state is not None and not state.done:
                 raise _Broken("stream ended without [DONE]")
-        except (httpx.TransportError, _Broken) as exc:
+        except (*UPSTREAM_ERRORS, _Broken) as exc:
             await self._on_upstream_broken(send, exc)
         self.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -574,7 +600,7 @@ class ClientStream(Response):
         choice elsewhere (tokenmill workers) or end the stream with an SSE error event."""
         worker, state = self.lease.worker, self.state
         self.proxy.registry.mark_unhealthy(worker, f"stream broke: {type(exc).__name__}: {exc}")
-        await self.abandon()
+        self.abandon()
         if state is None or not state.has_token_ids:
             self.proxy.metrics.errors.labels("stream_broken").inc()
             await self._body(send, sse_error(f"worker {worker.worker_id} failed mid-stream ({type(exc).__name__}); "
@@ -615,10 +641,10 @@ class ClientStream(Response):
                 logger.warning("request %s: resuming choice %d on %s after %d tokens (cut at %d)",
                                self.route.request_id, choice.index, worker.worker_id, len(choice.token_ids), cut)
                 self.upstream = await proxy.open(worker, "/v1/completions", json.dumps(body).encode(), headers)
-                if self.upstream.status_code != 200:
+                if self.upstream.status != 200:
                     detail = (await proxy._read_or_fail(worker, self.upstream))[:500].decode(errors="replace")
                     await self._body(send, sse_error(f"resuming on {worker.worker_id} failed: "
-                                                     f"{self.upstream.status_code} {detail}"))
+                                                     f"{self.upstream.status} {detail}"))
                     return False
                 reader = SSEReader(self.upstream)
                 ended = False
@@ -633,10 +659,10 @@ class ClientStream(Response):
                     raise _Broken("resumed stream ended without [DONE]")
             except (_Retry, _Timeout) as exc:
                 proxy.metrics.retries.labels(getattr(exc, "reason", "timeout")).inc()
-            except (httpx.HTTPError, _Broken, ValueError, KeyError) as exc:
+            except (*UPSTREAM_ERRORS, httpx.HTTPError, _Broken, ValueError, KeyError) as exc:
                 proxy.registry.mark_unhealthy(worker, f"resumed stream broke: {type(exc).__name__}: {exc}")
             finally:
-                await self.abandon()
+                self.abandon()
         return True
 
     async def _cut(self, send: Send, worker: Worker, choice: ChoiceState, prompt: list[int] | str) -> tuple[int, list[int]]:
