@@ -27,6 +27,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.kv_cache_manager import KVCacheManager
 from tokenmill.kv_cache.state_slots import StateCheckpoints, StateSlotAllocator
+from tokenmill.kv_transfer.blocks import KVBlocksError, export_blocks, import_blocks
+from tokenmill.kv_transfer.session import read_session, write_session
 from tokenmill.linear_attention import chunk_gated_delta_rule, decode_step, invariant_ops, recurrent_gated_delta_rule
 from tokenmill.memory_plan import PlanConfig, plan_memory, read_model_shape
 from tokenmill.runner.kv_cache_sizing import GIB
@@ -344,6 +346,53 @@ def test_disk_records_without_state_are_kv_only_hits_that_recompute(tiny, tmp_pa
         assert restarted.engine.kv_store.disk.stats.hits >= 6  # the KV blocks were read back ...
         assert num_cached == 0 and tokens == ref_tokens  # ... but without a checkpoint the prompt is recomputed
         assert max(abs(x - y) for x, y in zip(logprobs, ref_logprobs)) < 1e-5
+
+
+def test_session_save_restore_carries_state_checkpoints(tiny, tmp_path):
+    path, _ = tiny
+    base = random_prompts(1, seed=51, lo=29, hi=30)[0]
+    tail = random_prompts(1, seed=52, lo=5, hi=6)[0]
+    settings = dict(model=path, dtype="float32", block_size=4, num_threads=1, num_kv_blocks=64,
+                    state_checkpoint_interval=2)
+    with LLM(**settings) as source:  # checkpoints after 8, 16 and 24 tokens: blocks 1, 3 and 5
+        run_one(source, base, SamplingParams(temperature=0, max_tokens=1))
+        meta, blocks, state = export_blocks(source.engine, base[:28])
+    assert meta.format_version == 2 and meta.state_blocks == [1, 3, 5] and len(meta.block_hashes) == 7
+    assert state["state_conv"].shape[:2] == state["state_recurrent"].shape[:2] == (3, 3)  # 3 checkpoints x 3 layers
+    write_session(tmp_path / "sessions", "hybrid", meta, blocks, state)
+    meta, blocks, state = read_session(tmp_path / "sessions", "hybrid")
+    plain = engine_for(path, num_kv_blocks=256, enable_prefix_caching=False)
+    prompt = base[:28] + tail
+    ref_tokens, ref_logprobs, _, _ = run_one(plain, prompt)
+    with LLM(**settings) as target:  # another engine: restored blocks hit with their checkpoints
+        result = import_blocks(target.engine, meta, blocks, state)
+        assert result["num_imported"] == 7 and result["num_state_checkpoints"] == 3
+        tokens, logprobs, num_cached, _ = run_one(target, prompt)
+        assert num_cached == 24 and tokens == ref_tokens  # resumed at the checkpoint after 24 tokens
+        assert max(abs(x - y) for x, y in zip(logprobs, ref_logprobs)) < 1e-5
+        target.engine.check_integrity()
+    kv_only = type(meta)(**{**json.loads(meta.to_json()), "format_version": 1, "state_blocks": [],
+                            "state_sha256": None})
+    with LLM(**settings) as target:  # a session without state (format 1): KV hits, linear layers recompute
+        assert import_blocks(target.engine, kv_only, blocks)["num_state_checkpoints"] == 0
+        tokens, _, num_cached, _ = run_one(target, prompt)
+        assert num_cached == 0 and tokens == ref_tokens
+        corrupt = {**state, "state_recurrent": state["state_recurrent"].clone()}
+        corrupt["state_recurrent"].view(-1)[5] += 1.0
+        for bad, param in ((corrupt, "state_sha256"), ({}, "state_blocks")):
+            with pytest.raises(KVBlocksError) as info:
+                import_blocks(target.engine, meta, blocks, bad)
+            assert info.value.param == param and info.value.status_code == 400
+    with LLM(**{**settings, "enable_prefix_caching": False}) as no_cache, pytest.raises(KVBlocksError) as info:
+        import_blocks(no_cache.engine, meta, blocks, state)
+    assert info.value.param == "state_blocks"
+
+
+def test_kv_transfer_is_refused_naming_the_setting(tiny):
+    path, _ = tiny
+    with pytest.raises(ValueError, match="kv_transfer_config.*linear-layer state"):
+        LLM(model=path, dtype="float32", num_kv_blocks=64, num_threads=1,
+            kv_transfer_config={"kv_connector": "TokenmillConnector", "kv_role": "kv_both"})
 
 
 def test_deterministic_mode_is_bit_identical_across_batches_chunks_and_prefix_hits(tiny):

@@ -51,15 +51,18 @@ def test_offline_export_import_between_engines_and_refusals(tiny, tmp_path):
     prompt = list(range(100, 150))  # 3 full blocks of 16 and 2 tokens
     with make_llm(tiny) as source:
         want = source.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0))[0]
-        meta, blocks = export_blocks(source.engine, prompt)
+        meta, blocks, state = export_blocks(source.engine, prompt)
+    assert state == {} and meta.format_version == 1 and meta.state_blocks == []
     assert meta.token_ids == prompt[:48] and len(meta.block_hashes) == 3
     write_session(tmp_path / "sessions", "s1", meta, blocks)
-    meta, blocks = read_session(tmp_path / "sessions", "s1")
+    meta, blocks, state = read_session(tmp_path / "sessions", "s1")
+    assert state == {}
 
     with make_llm(tiny) as target:
         before = cached_hashes(target)
         result = import_blocks(target.engine, meta, blocks)
-        assert result == {"num_blocks": 3, "num_imported": 3, "num_already_cached": 0, "num_tokens": 48}
+        assert result == {"num_blocks": 3, "num_imported": 3, "num_already_cached": 0, "num_tokens": 48,
+                          "num_state_checkpoints": 0}
         assert import_blocks(target.engine, meta, blocks)["num_already_cached"] == 3  # idempotent
         assert len(cached_hashes(target) - before) == 3
         target.engine.check_integrity()
@@ -97,7 +100,7 @@ def test_offline_export_import_between_engines_and_refusals(tiny, tmp_path):
     long_prompt = list(range(500, 581))
     with make_llm(tiny) as source:
         source.generate({"prompt_token_ids": long_prompt}, SamplingParams(max_tokens=1))
-        meta5, blocks5 = export_blocks(source.engine, long_prompt)
+        meta5, blocks5, _ = export_blocks(source.engine, long_prompt)
     with make_llm(tiny, num_kv_blocks=4) as small:  # 5 blocks do not fit in 4: refused, nothing changes
         with pytest.raises(KVBlocksError) as info:
             import_blocks(small.engine, meta5, blocks5)
@@ -171,7 +174,7 @@ def test_blocks_tensor_layout_matches_the_pool(tiny):
     with make_llm(tiny) as llm:
         prompt = list(range(200, 233))
         llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
-        meta, blocks = export_blocks(llm.engine, prompt)
+        meta, blocks, _ = export_blocks(llm.engine, prompt)
         kv = llm.engine.runner.kv_cache  # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
         ids = llm.engine.kv_cache_manager.cached_prefix_block_ids([int(h, 16) for h in meta.block_hashes])
         assert blocks.shape == (2, kv.shape[0], 2, BLOCK_SIZE, kv.shape[4], kv.shape[5])

@@ -5,18 +5,23 @@ Used by session save/restore (``session.py``); the KV transfer connectors use th
 import. A block is the pool's unit: ``(layers, 2, block_size, kv_heads, head_dim)`` of K and V.
 Only full blocks travel, indexed by the prefix cache's chained hashes, so an imported block is an
 ordinary prefix-cache entry: a later request whose prompt starts with those tokens hits it.
+
+Hybrid (linear-attention) models: the prefix cache's state checkpoints held for the exported blocks travel with
+them (``state``: ``state_conv`` / ``state_recurrent`` tensors, ``KVBlockMeta.state_blocks`` says which blocks they
+belong to) and are installed as checkpoints on import, so a hit on restored blocks resumes from them.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from tokenmill.kv_cache.block_hash import extend_block_hashes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # KV blocks only
+FORMAT_VERSION_STATE = 2  # KV blocks and linear-attention state checkpoints (hybrid models)
 
 
 class KVBlocksError(ValueError):
@@ -39,6 +44,9 @@ class KVBlockMeta:
         sha256 of weights, config, compute dtype, block size and KV dtype. tokenizer_fingerprint: sha256
         of the tokenizer's serialised vocabulary and rules. block_shape: one block's
         ``(layers, 2, block_size, kv_heads, head_dim)``. sha256: of the blocks' bytes in order.
+        state_blocks: (format version 2, hybrid models) indices of the blocks whose state checkpoint (the
+        linear layers' state after that block) travels with them, ascending; state_sha256: of the
+        ``state_conv`` then ``state_recurrent`` tensors' bytes.
     """
 
     format_version: int
@@ -52,6 +60,8 @@ class KVBlockMeta:
     block_size: int
     block_shape: list[int]
     sha256: str
+    state_blocks: list[int] = field(default_factory=list)
+    state_sha256: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -61,10 +71,15 @@ class KVBlockMeta:
         """Raises KVBlocksError: not this format (or another version of it)."""
         try:
             raw = json.loads(text)
-            if raw.get("format_version") != FORMAT_VERSION:
-                raise KVBlocksError(f"format_version {raw.get('format_version')!r} is not {FORMAT_VERSION}",
+            version = raw.get("format_version")
+            if version not in (FORMAT_VERSION, FORMAT_VERSION_STATE):
+                raise KVBlocksError(f"format_version {version!r} is not {FORMAT_VERSION} or {FORMAT_VERSION_STATE}",
                                     "format_version")
-            return cls(**raw)
+            meta = cls(**raw)
+            if (version == FORMAT_VERSION_STATE) != bool(meta.state_blocks and meta.state_sha256):
+                raise KVBlocksError(f"format_version {version} with state_blocks {meta.state_blocks!r}: version "
+                                    f"{FORMAT_VERSION_STATE} is the one that carries state", "format_version")
+            return meta
         except (ValueError, TypeError, AttributeError) as exc:
             if isinstance(exc, KVBlocksError):
                 raise
@@ -100,10 +115,14 @@ def extra_keys_of(engine, cache_salt: str | None, lora_request=None) -> tuple:
 
 
 def export_blocks(engine, token_ids: list[int], extra_keys: tuple = (), lora_name: str | None = None
-                  ) -> tuple[KVBlockMeta, torch.Tensor]:
-    """The pool's blocks for the full blocks of ``token_ids``, copied out.
+                  ) -> tuple[KVBlockMeta, torch.Tensor, dict[str, torch.Tensor]]:
+    """The pool's blocks for the full blocks of ``token_ids``, copied out, with a hybrid model's state
+    checkpoints held for them.
 
-    Returns (metadata, blocks ``(num_blocks, layers, 2, block_size, kv_heads, head_dim)`` on the CPU).
+    Returns (metadata, blocks ``(num_blocks, layers, 2, block_size, kv_heads, head_dim)`` on the CPU, state):
+    state is empty, or for a hybrid model with k of the blocks holding a checkpoint ``state_conv``
+    ``(k, linear layers, conv_dim, kernel - 1)`` and ``state_recurrent`` ``(k, linear layers, value heads,
+    head_k_dim, head_v_dim)`` float32 (``meta.state_blocks`` names the k blocks).
 
     Raises:
         KVBlocksError: fewer than one full block, or some of them are not in the pool (409: compute
@@ -123,10 +142,41 @@ def export_blocks(engine, token_ids: list[int], extra_keys: tuple = (), lora_nam
     index = torch.tensor(block_ids, device=kv_cache.device)
     blocks = kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
     model_fp, tokenizer_fp = engine_fingerprints(engine)
-    meta = KVBlockMeta(FORMAT_VERSION, list(token_ids[: len(hashes) * block_size]), [f"{h:016x}" for h in hashes],
+    state_blocks, state = _export_state(engine, hashes)
+    meta = KVBlockMeta(FORMAT_VERSION_STATE if state_blocks else FORMAT_VERSION,
+                       list(token_ids[: len(hashes) * block_size]), [f"{h:016x}" for h in hashes],
                        list(extra_keys), lora_name, model_fp, tokenizer_fp, str(kv_cache.dtype).removeprefix("torch."),
-                       block_size, list(blocks.shape[1:]), blocks_sha256(blocks))
-    return meta, blocks
+                       block_size, list(blocks.shape[1:]), blocks_sha256(blocks), state_blocks,
+                       _state_sha256(state) if state_blocks else None)
+    return meta, blocks, state
+
+
+def _state_cache(engine):
+    """A hybrid model's LinearStateCache with prefix-cache checkpoints, or None."""
+    cache = getattr(engine.runner, "state_cache", None)
+    return cache if cache is not None and cache.checkpoint_conv is not None else None
+
+
+def _export_state(engine, hashes: list[int]) -> tuple[list[int], dict[str, torch.Tensor]]:
+    cache = _state_cache(engine)
+    if cache is None:
+        return [], {}
+    slots = [(i, cache.slots.checkpoints.ready_slot(h)) for i, h in enumerate(hashes)]
+    slots = [(i, slot) for i, slot in slots if slot is not None]
+    if not slots:
+        return [], {}
+    index = torch.tensor([slot for _, slot in slots], device=cache.device)
+    # (layers, slots, ...) -> (k, layers, ...)
+    conv = cache.checkpoint_conv.index_select(1, index).transpose(0, 1).contiguous().cpu()
+    recurrent = cache.checkpoint_recurrent.index_select(1, index).transpose(0, 1).contiguous().cpu()
+    return [i for i, _ in slots], {"state_conv": conv, "state_recurrent": recurrent}
+
+
+def _state_sha256(state: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in ("state_conv", "state_recurrent"):
+        digest.update(memoryview(state[name].contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return digest.hexdigest()
 
 
 def _check_unquantized(engine) -> None:
@@ -140,14 +190,17 @@ def blocks_sha256(blocks: torch.Tensor) -> str:
     return hashlib.sha256(memoryview(blocks.reshape(-1).view(torch.uint8).numpy())).hexdigest()
 
 
-def check_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor) -> tuple[int, ...]:
+def check_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor,
+                 state: dict[str, torch.Tensor] | None = None) -> tuple[int, ...]:
     """Refuse blocks that do not belong in this engine, before anything changes.
 
     Returns the extra keys to hash with.
 
     Raises:
         KVBlocksError: another model or tokenizer, KV dtype, block size or block shape; hashes that do
-            not follow from the tokens; bytes that do not match the checksum.
+            not follow from the tokens; bytes that do not match the checksum; state checkpoints
+            (``state_blocks``) that are missing, shaped otherwise than this model's, for an engine without
+            them (prefix caching off), or whose bytes do not match ``state_sha256``.
     """
     _check_unquantized(engine)
     kv_cache = engine.runner.kv_cache
@@ -176,18 +229,43 @@ def check_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor) -> tuple[int, 
         raise KVBlocksError("block_hashes do not follow from token_ids and extra_keys", "block_hashes")
     if blocks_sha256(blocks.contiguous()) != meta.sha256:
         raise KVBlocksError("the blocks' checksum does not match (corrupt data)", "sha256")
+    if meta.state_blocks:
+        _check_state(engine, meta, state or {}, len(hashes))
     return extra_keys
 
 
-def import_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor) -> dict:
-    """Make the blocks prefix-cache entries of this engine, all or nothing (checked first).
+def _check_state(engine, meta: KVBlockMeta, state: dict[str, torch.Tensor], num_blocks: int) -> None:
+    cache = _state_cache(engine)
+    if cache is None:
+        raise KVBlocksError("the blocks carry linear-attention state checkpoints but this engine keeps none "
+                            "(not a hybrid model, or prefix caching off)", "state_blocks")
+    k = len(meta.state_blocks)
+    if sorted(set(meta.state_blocks)) != list(meta.state_blocks) or not all(0 <= i < num_blocks
+                                                                           for i in meta.state_blocks):
+        raise KVBlocksError(f"state_blocks {meta.state_blocks} are not ascending block indices below {num_blocks}",
+                            "state_blocks")
+    for name, like in (("state_conv", cache.checkpoint_conv), ("state_recurrent", cache.checkpoint_recurrent)):
+        want = [k, like.shape[0], *like.shape[2:]]
+        got = state.get(name)
+        if got is None or list(got.shape) != want or got.dtype != like.dtype:
+            raise KVBlocksError(f"{name} must be {like.dtype} {want} for this model, got "
+                                f"{None if got is None else (got.dtype, list(got.shape))}", "state_blocks")
+    if _state_sha256(state) != meta.state_sha256:
+        raise KVBlocksError("the state checkpoints' checksum does not match (corrupt data)", "state_sha256")
 
-    Returns ``{"num_blocks", "num_imported", "num_already_cached", "num_tokens"}``.
+
+def import_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor, state: dict[str, torch.Tensor] | None = None
+                  ) -> dict:
+    """Make the blocks prefix-cache entries of this engine, all or nothing (checked first), and their state
+    checkpoints (``state`` as ``export_blocks`` gave it; hybrid models) the prefix cache's checkpoints.
+
+    Returns ``{"num_blocks", "num_imported", "num_already_cached", "num_tokens", "num_state_checkpoints"}``
+    (the last: checkpoints installed; one already held is kept).
 
     Raises:
         KVBlocksError: as ``check_blocks``; or 507 when the pool has too few free blocks (nothing changed).
     """
-    extra_keys = check_blocks(engine, meta, blocks)
+    extra_keys = check_blocks(engine, meta, blocks, state)
     manager = engine.kv_cache_manager
     lora = None
     taken = manager.import_prefix(list(meta.token_ids), extra_keys, lora)
@@ -203,5 +281,16 @@ def import_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor) -> dict:
         kv_cache = engine.runner.kv_cache
         source = blocks[torch.tensor(indices)].to(kv_cache.device)  # (n, layers, 2, block_size, heads, dim)
         kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)] = source.permute(1, 2, 0, 3, 4, 5)
+    num_states = 0
+    if meta.state_blocks:
+        cache = _state_cache(engine)
+        for j, i in enumerate(meta.state_blocks):
+            payload = _tensor_bytes(state["state_conv"][j]) + _tensor_bytes(state["state_recurrent"][j])
+            num_states += cache.install_checkpoint(int(meta.block_hashes[i], 16), payload)
     return {"num_blocks": len(meta.block_hashes), "num_imported": len(block_ids),
-            "num_already_cached": len(meta.block_hashes) - len(block_ids), "num_tokens": len(meta.token_ids)}
+            "num_already_cached": len(meta.block_hashes) - len(block_ids), "num_tokens": len(meta.token_ids),
+            "num_state_checkpoints": num_states}
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -3,8 +3,9 @@ prefix cache later, by this server or another with the same model (llama.cpp's s
 with the checks that make it safe: model and tokenizer fingerprints, KV dtype, block size, checksum).
 
 A session ``ID`` under ``--session-save-path DIR`` is the directory ``DIR/ID/`` holding
-``kv.safetensors`` (one tensor ``kv``: ``(num_blocks, layers, 2, block_size, kv_heads, head_dim)``)
-and ``session.json`` (``KVBlockMeta`` plus the session id and time). It is written to a temporary
+``kv.safetensors`` (tensor ``kv``: ``(num_blocks, layers, 2, block_size, kv_heads, head_dim)``, and for a
+hybrid model the state checkpoints of some of the blocks, ``state_conv`` and ``state_recurrent``, see
+``blocks.export_blocks``) and ``session.json`` (``KVBlockMeta`` plus the session id and time). It is written to a temporary
 directory and renamed, so a reader never sees half a session. File I/O only; the engine-side copies
 are ``blocks.py``'s.
 """
@@ -41,13 +42,16 @@ def session_dir(root: str | Path, session_id: str) -> Path:
     return Path(root) / session_id
 
 
-def write_session(root: str | Path, session_id: str, meta: KVBlockMeta, blocks: torch.Tensor) -> dict:
-    """Write (or replace) a session atomically. Returns ``{"id", "path", "bytes"}``."""
+def write_session(root: str | Path, session_id: str, meta: KVBlockMeta, blocks: torch.Tensor,
+                  state: dict[str, torch.Tensor] | None = None) -> dict:
+    """Write (or replace) a session atomically: ``blocks`` and ``state`` as ``export_blocks`` returns them.
+    Returns ``{"id", "path", "bytes"}``."""
     target = session_dir(root, session_id)
     Path(root).mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{session_id}.", dir=root))
     try:
-        save_file({"kv": blocks.contiguous()}, str(staging / KV_FILE), metadata={"format": "tokenmill-kv-session"})
+        tensors = {"kv": blocks.contiguous(), **{name: t.contiguous() for name, t in (state or {}).items()}}
+        save_file(tensors, str(staging / KV_FILE), metadata={"format": "tokenmill-kv-session"})
         record = {**dataclasses.asdict(meta), "session_id": session_id, "saved_at": round(time.time(), 3)}
         (staging / META_FILE).write_text(json.dumps(record, indent=1))
         for name in (KV_FILE, META_FILE):
@@ -67,8 +71,9 @@ def write_session(root: str | Path, session_id: str, meta: KVBlockMeta, blocks: 
             "bytes": sum(p.stat().st_size for p in target.iterdir())}
 
 
-def read_session(root: str | Path, session_id: str) -> tuple[KVBlockMeta, torch.Tensor]:
-    """(metadata, blocks) of a saved session.
+def read_session(root: str | Path, session_id: str) -> tuple[KVBlockMeta, torch.Tensor, dict[str, torch.Tensor]]:
+    """(metadata, blocks, state) of a saved session (state: its linear-attention state checkpoints, empty for a
+    model without them).
 
     Raises:
         KVBlocksError: 404 when there is no such session; 400 when its files are unreadable.
@@ -86,10 +91,11 @@ def read_session(root: str | Path, session_id: str) -> tuple[KVBlockMeta, torch.
     raw.pop("saved_at", None)
     meta = KVBlockMeta.from_json(json.dumps(raw))
     try:
-        blocks = load_file(str(path / KV_FILE))["kv"]
+        tensors = load_file(str(path / KV_FILE))
+        blocks = tensors.pop("kv")
     except Exception as exc:  # noqa: BLE001 — any unreadable file is the client's 400, not a crash
         raise KVBlocksError(f"session {session_id!r}: unreadable {KV_FILE}: {exc}", "session_id") from None
-    return meta, blocks
+    return meta, blocks, tensors
 
 
 def delete_session(root: str | Path, session_id: str) -> bool:

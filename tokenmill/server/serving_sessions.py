@@ -107,12 +107,13 @@ def sessions_router(state, save_path: str | None) -> APIRouter:
             finally:
                 stream.close()
             try:
-                meta, blocks = await on_engine(lambda engine: export_blocks(engine, token_ids, extra_keys, lora_name))
+                meta, blocks, state_ckpts = await on_engine(
+                    lambda engine: export_blocks(engine, token_ids, extra_keys, lora_name))
                 break
             except APIError as exc:
                 if exc.status_code != 409 or attempt == SAVE_ATTEMPTS - 1:
                     raise
-        written = await asyncio.to_thread(write_session, save_root, session_id, meta, blocks)
+        written = await asyncio.to_thread(write_session, save_root, session_id, meta, blocks, state_ckpts)
         return {**written, "num_tokens": len(meta.token_ids), "num_blocks": len(meta.block_hashes),
                 "num_prompt_tokens": len(token_ids)}
 
@@ -121,10 +122,10 @@ def sessions_router(state, save_path: str | None) -> APIRouter:
         """Load a saved session into the prefix cache (all or nothing)."""
         save_root = root(session_id)
         try:
-            meta, blocks = await asyncio.to_thread(read_session, save_root, session_id)
+            meta, blocks, state_ckpts = await asyncio.to_thread(read_session, save_root, session_id)
         except KVBlocksError as exc:
             raise _api_error(exc) from None
-        result = await on_engine(lambda engine: import_blocks(engine, meta, blocks))
+        result = await on_engine(lambda engine: import_blocks(engine, meta, blocks, state_ckpts))
         return {"id": session_id, **result}
 
     @router.delete("/sessions/{session_id}")
