@@ -26,7 +26,7 @@ from tests.tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, smollm2_to
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.kv_cache_manager import KVCacheManager
-from tokenmill.kv_cache.state_slots import StateCheckpoints, StateSlotAllocator
+from tokenmill.kv_cache.state_slots import StateCheckpoints, StateSlotAllocator, state_pool_sizes
 from tokenmill.kv_transfer.blocks import KVBlocksError, export_blocks, import_blocks
 from tokenmill.kv_transfer.session import read_session, write_session
 from tokenmill.linear_attention import chunk_gated_delta_rule, decode_step, invariant_ops, recurrent_gated_delta_rule
@@ -511,6 +511,57 @@ def test_plan_counts_full_attention_kv_and_state_bytes_like_the_engine(tiny, cap
     assert "KV bytes per token: 2 x 1 full-attention layers x 2 kv heads" in text
     assert "state bytes per sequence: 3 linear layers x" in text and "= 9,600 B" in text
     assert "8 live slots (max_num_seqs) + 8 prefix-cache checkpoints" in text
+
+
+def test_state_pool_sized_from_memory_like_the_kv_pool(tiny):
+    path, _ = tiny
+    per_seq = 3 * (96 * 3 * 4 + 4 * 16 * 8 * 4)  # 9,600 B: see the plan test above
+    budget = 0.0001  # GiB = 107,374 B: 11 sequences' state
+    assert int(budget * GIB) // per_seq == 11
+    assert state_pool_sizes(None, per_seq, 8, True) == (8, 8)  # no budget: max_num_seqs of each, as before
+    assert state_pool_sizes(None, per_seq, 8, False) == (8, 0)
+    assert state_pool_sizes(int(budget * GIB), per_seq, 8, True) == (8, 3)  # live slots first, the rest checkpoints
+    assert state_pool_sizes(int(budget * GIB), per_seq, 8, False) == (8, 0)
+    assert state_pool_sizes(2 * per_seq + 100, per_seq, 8, True) == (2, 0)  # fewer live slots than max_num_seqs
+    with pytest.raises(ValueError, match="state_cache_memory"):
+        state_pool_sizes(per_seq - 1, per_seq, 8, True)
+    shape = read_model_shape(path)
+    default = plan_memory(shape, PlanConfig(memory=1.0, block_size=4, max_num_seqs=8))
+    sized = plan_memory(shape, PlanConfig(memory=1.0, block_size=4, max_num_seqs=8, state_cache_memory=budget))
+    assert (sized.num_state_slots, sized.num_state_checkpoints, sized.state_pool_bytes) == (8, 3, 11 * per_seq)
+    assert sized.kv_budget_bytes - default.kv_budget_bytes == (16 - 11) * per_seq  # the KV pool gets the rest
+    llm = engine_for(path, num_kv_blocks=256, max_num_seqs=8, state_cache_memory=budget)
+    cache = llm.engine.runner.state_cache
+    assert cache.slots.num_slots == 8 and cache.slots.checkpoints.num_slots == 3
+    assert cache.bytes_per_sequence == per_seq and cache.checkpoint_bytes == 3 * per_seq
+    with pytest.raises(ValueError, match="state_cache_memory"):
+        LLM(model=path, dtype="float32", block_size=4, num_threads=1, num_kv_blocks=64,
+            state_cache_memory=(per_seq - 1) / GIB)
+
+
+def test_admission_waits_when_the_memory_sized_state_pool_is_full(tiny):
+    path, hf = tiny
+    per_seq = 3 * (96 * 3 * 4 + 4 * 16 * 8 * 4)
+    llm = engine_for(path, num_kv_blocks=256, max_num_seqs=8, enable_prefix_caching=False,
+                     state_cache_memory=(2 * per_seq + 100) / GIB)  # two sequences' state
+    engine = llm.engine
+    assert engine.runner.state_cache.slots.num_slots == 2
+    prompts = random_prompts(5, seed=61, lo=5, hi=20)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"s{i}", {"prompt_token_ids": prompt}, params)
+    engine.step()  # two admitted; three wait for a state slot while the KV pool has room
+    assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 3
+    assert engine.kv_cache_manager.block_pool.num_free_blocks > 200
+    outputs, most_running = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        most_running = max(most_running, engine.scheduler.num_running)
+    assert most_running == 2 and len(outputs) == 5  # each waiting request ran once a slot was freed
+    assert hf_greedy_agrees(hf, prompts, [outputs[f"s{i}"] for i in range(len(prompts))])
+    engine.check_integrity()
 
 
 @pytest.mark.parametrize("num_checkpoints", [0, 3])

@@ -98,6 +98,9 @@ class CacheConfig:
         state_checkpoint_interval: hybrid (linear-attention) models with prefix caching: keep the linear
             layers' state every this many blocks, so a prefix hit resumes from the latest one at or
             below the matched length (docs/hybrid_models.md).
+        state_cache_memory_gib: hybrid models: memory budget in GiB for the linear-attention state pool
+            (live state slots, at most ``max_num_seqs``, then prefix-cache state checkpoints); None:
+            ``max_num_seqs`` of each (``kv_cache.state_slots.state_pool_sizes``).
 
     Raises:
         ConfigError: a setting out of range, or a disk-tier size without a disk-tier path.
@@ -113,6 +116,7 @@ class CacheConfig:
     kv_offload_disk_drive_size_gib: float | None = None
     kv_cache_dtype: str = "auto"
     state_checkpoint_interval: int = 8
+    state_cache_memory_gib: float | None = None
 
     @property
     def disk_tier_size_gib(self) -> float:
@@ -136,6 +140,7 @@ class CacheConfig:
         check_int("state_checkpoint_interval", self.state_checkpoint_interval)
         check_int("num_kv_blocks", self.num_kv_blocks, optional=True)
         check_number("kv_cache_memory", self.kv_cache_memory_gib, 0, inclusive=False)
+        check_number("state_cache_memory", self.state_cache_memory_gib, 0, inclusive=False, optional=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_number("kv_offload_memory", self.kv_offload_memory_gib, 0, inclusive=True)
         if self.kv_offload_disk_path is not None and not isinstance(self.kv_offload_disk_path, str):

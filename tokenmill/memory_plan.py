@@ -22,7 +22,9 @@ floor(kv budget / (block_size × kv_bytes_per_token)) blocks: the engine's own f
 Hybrid (linear-attention) models (docs/hybrid_models.md): only the full-attention layers count in
 kv_bytes_per_token; each linear layer keeps a fixed state per sequence instead
 (``kv_cache.state_slots.state_bytes_per_sequence``). The engine allocates max_num_seqs live state slots
-and, with prefix caching, max_num_seqs state checkpoints beside the KV pool, so the kv budget from
+and, with prefix caching, max_num_seqs state checkpoints beside the KV pool, or with ``state_cache_memory``
+as many sequences' state as that budget holds (live slots first, at most max_num_seqs, the rest
+checkpoints; ``kv_cache.state_slots.state_pool_sizes``, the engine's own formula), so the kv budget from
 ``memory`` is usable − weights − reserve − state pools; activations add
 T × (2·qk + 2·v) × 4 (the linear layers' float32 q, k, v and output, qk = value heads × head_k_dim).
 """
@@ -37,7 +39,7 @@ from pathlib import Path
 
 from tokenmill.config import ConfigError, check_int, check_number
 from tokenmill.csrc_build import cpu_has_native_bf16
-from tokenmill.kv_cache.state_slots import state_bytes_per_sequence
+from tokenmill.kv_cache.state_slots import state_bytes_per_sequence, state_pool_sizes
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
 
 MIB = 1024**2
@@ -199,6 +201,7 @@ class PlanConfig:
     kv_cache_memory: float | None = None
     quantization: str | None = None
     enable_prefix_caching: bool = True  # hybrid models: prefix caching adds max_num_seqs state checkpoints
+    state_cache_memory: float | None = None  # hybrid models: GiB for the state pool (None: max_num_seqs of each)
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "gguf", "int8", "none"):
@@ -212,6 +215,7 @@ class PlanConfig:
         for name in ("max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             check_int(name, getattr(self, name), optional=name == "max_model_len")
         check_number("kv_cache_memory", self.kv_cache_memory, 0, inclusive=False, optional=True)
+        check_number("state_cache_memory", self.state_cache_memory, 0, inclusive=False, optional=True)
 
 
 @dataclass(frozen=True)
@@ -232,8 +236,8 @@ class MemoryPlan:
     num_kv_blocks: int
     kv_cache_memory_flag: float  # a short --kv-cache-memory value giving exactly num_kv_blocks
     state_bytes_per_sequence: int = 0  # hybrid models: linear-layer state of one sequence
-    num_state_slots: int = 0  # live state slots (max_num_seqs) for hybrid models
-    num_state_checkpoints: int = 0  # prefix-cache state checkpoints (max_num_seqs) for hybrid models
+    num_state_slots: int = 0  # live state slots (max_num_seqs, or what state_cache_memory holds) for hybrid models
+    num_state_checkpoints: int = 0  # prefix-cache state checkpoints (likewise) for hybrid models
 
     @property
     def reserve_bytes(self) -> int:
@@ -356,8 +360,11 @@ def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
     if kv_dtype in QUANTIZED_KV_DTYPES:  # the runner's scales: float16 per token, KV head, K and V, layer
         per_token += 2 * shape.num_kv_layers * shape.num_kv_heads * 2
     state_per_seq = shape.state_bytes_per_sequence(DTYPE_BYTES[dtype])
-    state_slots = config.max_num_seqs if shape.num_linear_layers else 0
-    checkpoints = state_slots if config.enable_prefix_caching else 0
+    state_slots = checkpoints = 0
+    if shape.num_linear_layers:
+        state_budget = None if config.state_cache_memory is None else int(config.state_cache_memory * GIB)
+        state_slots, checkpoints = state_pool_sizes(state_budget, state_per_seq, config.max_num_seqs,
+                                                    config.enable_prefix_caching)
     state_pool = (state_slots + checkpoints) * state_per_seq
     if config.kv_cache_memory is not None:
         budget = int(config.kv_cache_memory * GIB)

@@ -45,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-checkpoint-interval", type=int, default=8, metavar="BLOCKS",
                         help="hybrid linear-attention models: keep the linear layers' state every BLOCKS blocks for "
                              "prefix caching (docs/hybrid_models.md)")
+    parser.add_argument("--state-cache-memory", type=float, default=None, metavar="GIB",
+                        help="hybrid linear-attention models: GiB for the state pool (up to --max-num-seqs live "
+                             "slots, the rest prefix-cache checkpoints; default: --max-num-seqs of each)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="CUDA: fraction of device memory for weights + activations + KV cache")
@@ -90,6 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_offload_memory=args.kv_offload_memory, kv_offload_disk_path=args.kv_offload_disk_path,
         kv_offload_disk_size=args.kv_offload_disk_size, kv_offload_disk_drive_size=args.kv_offload_disk_drive_size,
         kv_cache_dtype=args.kv_cache_dtype, state_checkpoint_interval=args.state_checkpoint_interval,
+        state_cache_memory=args.state_cache_memory,
         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         cpu_kernels=args.cpu_kernels, structured_outputs_config=args.structured_outputs_config,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,

@@ -41,6 +41,9 @@ def register(subparsers) -> None:
                    help="plan this KV budget in GiB instead of what --memory leaves")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="hybrid models: prefix caching keeps max_num_seqs state checkpoints beside the live state")
+    p.add_argument("--state-cache-memory", type=float, default=None, metavar="GIB",
+                   help="hybrid models: plan this state pool budget in GiB (up to --max-num-seqs live slots, the "
+                        "rest prefix-cache checkpoints) instead of --max-num-seqs of each")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -86,8 +89,9 @@ def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
         *([f"state bytes per sequence: {m.num_linear_layers} linear layers x (conv {m.linear_conv_dim} x "
            f"{m.linear_conv_kernel - 1} x {DTYPE_BYTES[plan.dtype]} B + recurrent {m.linear_num_value_heads} heads x "
            f"{m.linear_key_head_dim} x {m.linear_value_head_dim} x 4 B) = {plan.state_bytes_per_sequence:,} B; "
-           f"state pool: {plan.num_state_slots} live slots (max_num_seqs) + {plan.num_state_checkpoints} prefix-cache "
-           f"checkpoints = {_gib(plan.state_pool_bytes)}"] if m.num_linear_layers else []),
+           f"state pool: {plan.num_state_slots} live slots ({'max_num_seqs' if c.state_cache_memory is None else 'state_cache_memory'}) + "
+           f"{plan.num_state_checkpoints} prefix-cache checkpoints = {_gib(plan.state_pool_bytes)}"]
+          if m.num_linear_layers else []),
         f"memory: {c.memory:g} GiB x {c.memory_utilization:g} = {_gib(plan.usable_bytes)} usable",
         f"reserve: {_gib(plan.reserve_bytes)} = runtime overhead {_gib(plan.runtime_overhead_bytes)} + activations "
         f"{_gib(plan.activation_bytes)} (one step of {c.max_num_batched_tokens} tokens, {sampled_rows} sampled rows, "
@@ -107,7 +111,8 @@ def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
         + f"--dtype {plan.dtype} --block-size {c.block_size} --max-model-len {plan.max_model_len} "
         f"--max-num-seqs {c.max_num_seqs} --max-num-batched-tokens {c.max_num_batched_tokens} "
         f"--kv-cache-memory {plan.kv_cache_memory_flag:.12g}   (or --num-kv-blocks {plan.num_kv_blocks})"
-        + (f" --kv-cache-dtype {plan.kv_cache_dtype}" if plan.kv_cache_dtype in QUANTIZED_KV_DTYPES else ""),
+        + (f" --kv-cache-dtype {plan.kv_cache_dtype}" if plan.kv_cache_dtype in QUANTIZED_KV_DTYPES else "")
+        + (f" --state-cache-memory {c.state_cache_memory:g}" if c.state_cache_memory is not None else ""),
     ]
     if plan.total_bytes > plan.usable_bytes:
         lines.append("warning: weights + reserve + KV pool exceed the usable memory")
@@ -125,7 +130,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, state_cache_memory=args.state_cache_memory,
     )
     plan = plan_memory(read_model_shape(args.model), config)
     print(json.dumps(plan_record(plan), indent=2) if args.json else format_plan(plan, args.model))

@@ -45,6 +45,8 @@ class LLM:
             docs/kv_cache_dtype.md).
         state_checkpoint_interval: hybrid linear-attention models with prefix caching: a state
             checkpoint every this many blocks; a prefix hit resumes from the latest one (docs/hybrid_models.md).
+        state_cache_memory: hybrid linear-attention models: GiB for the state pool (live slots, at most
+            max_num_seqs, then prefix-cache checkpoints); None: max_num_seqs of each.
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         gpu_memory_utilization: on CUDA, the fraction of device memory for weights, activations
             and KV cache; the KV pool gets what a profiling forward pass leaves.
@@ -106,6 +108,7 @@ class LLM:
         quantization: str | None = None,
         kv_transfer_config: dict | str | None = None,
         state_checkpoint_interval: int = 8,
+        state_cache_memory: float | None = None,
     ) -> None:
         config = build_engine_config(
             model=model, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -120,7 +123,7 @@ class LLM:
             structured_outputs_config=structured_outputs_config, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, kv_events_config=kv_events_config,
             speculative_config=speculative_config, quantization=quantization, kv_transfer_config=kv_transfer_config,
-            state_checkpoint_interval=state_checkpoint_interval,
+            state_checkpoint_interval=state_checkpoint_interval, state_cache_memory=state_cache_memory,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -301,6 +304,7 @@ def build_engine_config(
     quantization: str | None = None,
     kv_transfer_config: dict | str | None = None,
     state_checkpoint_interval: int = 8,
+    state_cache_memory: float | None = None,
 ) -> EngineConfig:
     """The EngineConfig for ``LLM(**kwargs)`` (same keyword names), without loading anything.
 
@@ -338,6 +342,7 @@ def build_engine_config(
             kv_offload_disk_drive_size_gib=kv_offload_disk_drive_size,
             kv_cache_dtype=kv_cache_dtype,
             state_checkpoint_interval=state_checkpoint_interval,
+            state_cache_memory_gib=state_cache_memory,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,

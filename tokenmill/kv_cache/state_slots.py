@@ -13,6 +13,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from tokenmill.config import ConfigError
+
+GIB = 1024**3
+
 
 def state_bytes_per_sequence(num_linear_layers: int, conv_dim: int, conv_kernel: int, num_v_heads: int,
                              head_k_dim: int, head_v_dim: int, conv_dtype_bytes: int) -> int:
@@ -21,6 +25,30 @@ def state_bytes_per_sequence(num_linear_layers: int, conv_dim: int, conv_kernel:
     ``head_k_dim`` x ``head_v_dim`` float32). Shared by the runner's pool and `tokenmill plan`."""
     conv = conv_dim * (conv_kernel - 1) * conv_dtype_bytes
     return num_linear_layers * (conv + num_v_heads * head_k_dim * head_v_dim * 4)
+
+
+def state_pool_sizes(budget_bytes: int | None, bytes_per_sequence: int, max_num_seqs: int,
+                     enable_prefix_caching: bool) -> tuple[int, int]:
+    """(live slots, prefix-cache checkpoint slots) of a hybrid model's state pool. Shared by the engine and
+    `tokenmill plan`.
+
+    ``budget_bytes`` None (no ``state_cache_memory``): ``max_num_seqs`` live slots and, with prefix caching,
+    ``max_num_seqs`` checkpoints. Otherwise the pool holds n = floor(budget / bytes_per_sequence) sequences'
+    state: min(max_num_seqs, n) live slots (fewer than ``max_num_seqs`` caps how many sequences run at once:
+    the scheduler admits a request only when a slot is free) and, with prefix caching, the n - live others as
+    checkpoints.
+
+    Raises:
+        ConfigError: the budget holds no sequence's state (naming ``state_cache_memory``).
+    """
+    if budget_bytes is None:
+        return max_num_seqs, max_num_seqs if enable_prefix_caching else 0
+    n = budget_bytes // bytes_per_sequence
+    if n < 1:
+        raise ConfigError(f"`state_cache_memory` of {budget_bytes / GIB:.3g} GiB holds no sequence's linear-attention "
+                          f"state of {bytes_per_sequence} bytes: raise `state_cache_memory`")
+    live = min(max_num_seqs, n)
+    return live, n - live if enable_prefix_caching else 0
 
 
 class StateCheckpoints:

@@ -6,20 +6,22 @@ from __future__ import annotations
 import logging
 
 from tokenmill.config import ConfigError
-from tokenmill.kv_cache.state_slots import StateCheckpoints
+from tokenmill.kv_cache.state_slots import GIB, StateCheckpoints, state_bytes_per_sequence, state_pool_sizes
 
 logger = logging.getLogger(__name__)
 
 
 def attach_state_pool(engine) -> None:
-    """Give ``engine`` (an LLMEngine whose runner and KV cache manager exist) one linear-state slot per
-    ``max_num_seqs`` sequence and, with prefix caching, ``max_num_seqs`` state checkpoints taken every
+    """Give ``engine`` (an LLMEngine whose runner and KV cache manager exist) its linear-state pool, sized by
+    ``state_pool_sizes``: without ``state_cache_memory`` one slot per ``max_num_seqs`` sequence and, with prefix
+    caching, ``max_num_seqs`` state checkpoints; with it, as many sequences' state as the budget holds (live
+    slots first, at most ``max_num_seqs``, then checkpoints). Checkpoints are taken every
     ``state_checkpoint_interval`` blocks (dropped with their KV block, or, with KV offload tiers, kept while the
     block lives on below the pool until the LRU reuses them; all dropped by a prefix-cache reset).
 
     Raises:
         ConfigError: a setting whose feature does not carry linear-layer state yet (CUDA backend,
-            `speculative_config`, `kv_transfer_config`).
+            `speculative_config`, `kv_transfer_config`); a `state_cache_memory` that holds no sequence's state.
     """
     config = engine.config
     for name, on, why in (
@@ -33,8 +35,14 @@ def attach_state_pool(engine) -> None:
     if engine.device.type != "cpu":
         raise ConfigError(f"hybrid linear-attention models run on the CPU backend for now, not {engine.device.type}")
     kv = engine.kv_cache_manager
-    num_seqs = engine.scheduler_config.max_num_seqs
-    num_checkpoints = num_seqs if kv.enable_caching else 0
+    model = engine.runner.model
+    per_seq = state_bytes_per_sequence(*model.linear_state_shapes(), engine.loaded.dtype.itemsize)
+    budget = config.cache.state_cache_memory_gib
+    num_seqs, num_checkpoints = state_pool_sizes(None if budget is None else int(budget * GIB), per_seq,
+                                                 engine.scheduler_config.max_num_seqs, kv.enable_caching)
+    if kv.enable_caching and not num_checkpoints:
+        logger.warning("`state_cache_memory` leaves no room for prefix-cache state checkpoints beside %d live slots: "
+                       "prefix hits on this hybrid model recompute the prompt", num_seqs)
     kv.state_slots = engine.runner.allocate_state_cache(num_seqs)
     cache = engine.runner.state_cache
     if num_checkpoints:
