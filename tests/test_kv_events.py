@@ -548,6 +548,8 @@ def test_router_tokenization_equals_the_workers(workers, tiny_llama):
     for messages in conversations:
         want = workers[0].post("/tokenize", {"messages": messages}).json()["tokens"]
         assert tokenizer.render_chat(messages) == want
+    for prompt in ["Hello world", "  spaces and <|im_start|> inside"]:  # rendering chats leaves encoding as it was
+        assert tokenizer.encode_prompt(prompt) == workers[0].post("/tokenize", {"prompt": prompt}).json()["tokens"]
 
 
 def tenant_messages(tenant: int, question: str) -> list[dict]:

@@ -305,15 +305,16 @@ def build_app(config: RouterConfig) -> FastAPI:
             raise RouterError(f"request body must be a JSON object, got {type(body).__name__}")
         return content, body
 
-    async def forward(kind: str, path: str, request: Request) -> Response:
+    async def forward(kind: str, path: str, request: Request, send=None) -> Response:
         arrival = time.perf_counter()
         content, body = await read_json(request)
         route = route_request(kind, body, request.headers.get("x-session-id"))
         if tokenizer is not None:
             route = await with_token_ids(kind, body, route, content)
         if pd is not None:
-            return await pd.forward(path, body, route, bool(body.get("stream", False)), request)
-        return await proxy.forward(path, content, route, bool(body.get("stream", False)), request, body, arrival)
+            return await pd.forward(path, body, route, bool(body.get("stream", False)), request, send)
+        return await proxy.forward(path, content, route, bool(body.get("stream", False)), request, body, arrival,
+                                   send)
 
     async def generate(scope, receive, send) -> None:
         """``/v1/completions`` and ``/v1/chat/completions`` without FastAPI's routing and middleware
@@ -322,7 +323,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         try:
             if auth:
                 auth[0].dependency(request)
-            response = await forward(_GENERATE_PATHS[scope["path"]], scope["path"], request)
+            response = await forward(_GENERATE_PATHS[scope["path"]], scope["path"], request, send)
         except RouterError as exc:
             response = openai_error(exc.message, exc.status_code, exc.type, exc.param)
         except Exception as exc:

@@ -75,7 +75,8 @@ class PDRouter:
             self.sessions.popitem(last=False)
         return previous is not None and route.num_prompt_tokens - previous <= self.local_prefill_threshold
 
-    async def forward(self, path: str, body: dict, route: RouteRequest, stream: bool, request: Request) -> Response:
+    async def forward(self, path: str, body: dict, route: RouteRequest, stream: bool, request: Request,
+                      send=None) -> Response:
         """Prefill step (unless the round stays local), then the decode request through the decode proxy."""
         params = None
         if self._local_round(route):
@@ -84,7 +85,8 @@ class PDRouter:
             params = await self._prefill(path, body, route, request)
             self.pd_requests.labels("remote" if params is not None else "prefill_failed").inc()
         decode_body = {**body, "kv_transfer_params": params} if params is not None else body
-        return await self.decode.forward(path, json.dumps(decode_body).encode(), route, stream, request, decode_body)
+        return await self.decode.forward(path, json.dumps(decode_body).encode(), route, stream, request, decode_body,
+                                         send=send)
 
     async def _prefill(self, path: str, body: dict, route: RouteRequest, request: Request) -> dict | None:
         """The prefill worker's ``kv_transfer_params`` for the decode worker, or None when no prefill

@@ -352,17 +352,19 @@ class Proxy:
         return headers
 
     async def forward(self, path: str, content: bytes, route: RouteRequest, stream: bool, request: Request,
-                      body: dict | None = None, arrival: float | None = None) -> Response:
+                      body: dict | None = None, arrival: float | None = None, send: Send | None = None) -> Response:
         """The response to send for one request (``stream``: a ``ClientStream`` once the first token is
         in). ``body``: the parsed request, which streams need to be resumable. ``arrival``: the
         ``time.perf_counter()`` at which the handler got the request; the time from it to the first
-        upstream send is observed as the ``dispatch`` stage of ``request_overhead_seconds``. Gives up with
-        499 if the client disconnects first, which cancels the upstream request."""
+        upstream send is observed as the ``dispatch`` stage of ``request_overhead_seconds``. ``send``: the
+        ASGI send of the client's connection; given, a stream's start and first token go out the moment
+        the token is read, not after the response has been handed back up. Gives up with 499 if the
+        client disconnects first, which cancels the upstream request."""
         headers = self.upstream_headers(request, route)
         state = None
         if stream and body is not None:
             state = StreamState("chat" if path.endswith("/chat/completions") else "completions", body)
-        attempts = asyncio.ensure_future(self._attempts(path, content, route, state, stream, headers, arrival))
+        attempts = asyncio.ensure_future(self._attempts(path, content, route, state, stream, headers, arrival, send))
         disconnect = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
             await asyncio.wait({attempts, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -397,7 +399,8 @@ class Proxy:
         return worker
 
     async def _attempts(self, path: str, content: bytes, route: RouteRequest, state: StreamState | None,
-                        stream: bool, headers: dict[str, str], arrival: float | None = None) -> Response:
+                        stream: bool, headers: dict[str, str], arrival: float | None = None,
+                        send: Send | None = None) -> Response:
         tried: set[str] = set()
         last: _Retry | None = None
         while True:
@@ -413,7 +416,7 @@ class Proxy:
             if state is not None and worker.is_tokenmill and not state.wants_token_ids:
                 payload = json.dumps({**state.body, "return_token_ids": True}).encode()
             try:
-                return await self._attempt(worker, lease, path, payload, stream, headers, route, state, arrival)
+                return await self._attempt(worker, lease, path, payload, stream, headers, route, state, arrival, send)
             except _Retry as retry:
                 arrival = None  # only the first attempt's dispatch is the router's overhead
                 last = retry
@@ -465,8 +468,9 @@ class Proxy:
 
     async def _attempt(self, worker: Worker, lease: Lease, path: str, content: bytes, stream: bool,
                        headers: dict[str, str], route: RouteRequest, state: StreamState | None,
-                       arrival: float | None = None) -> Response:
-        """One try on ``worker``; raises ``_Retry`` if it failed before anything was sent to the client."""
+                       arrival: float | None = None, send: Send | None = None) -> Response:
+        """One try on ``worker``; raises ``_Retry`` if it failed before anything was sent to the client.
+        ``send`` given, a stream is started on it before it is returned."""
         response: aiohttp.ClientResponse | None = None
         handed_off = False
         try:
@@ -485,9 +489,16 @@ class Proxy:
             for name in ("content-type", "content-encoding", "cache-control"):
                 if name in response.headers:
                     reply_headers[name] = response.headers[name]
+            client_stream = ClientStream(response, reader, held, lease, reply_headers, self, route, headers, state,
+                                         first_token_at)
             handed_off = True
-            return ClientStream(response, reader, held, lease, reply_headers, self, route, headers, state,
-                                first_token_at)
+            if send is not None:
+                try:
+                    await client_stream.start(send)
+                except BaseException:
+                    client_stream.abandon()
+                    raise
+            return client_stream
         finally:
             if not handed_off:
                 lease.release()
@@ -538,6 +549,7 @@ class ClientStream(Response):
         self.status_code = upstream.status
         self.background = None
         self.init_headers(headers)
+        self.started = False  # the response start and the first token were sent
         self.finished = False  # the last byte was handed to the server (its disconnect event then means nothing)
         self.client_gone = False
 
@@ -549,6 +561,12 @@ class ClientStream(Response):
             self.lease.release()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.started:
+            try:  # the first token goes out at once, before the copy and its disconnect watcher start
+                await self.start(send)
+            except BaseException:
+                self.abandon()
+                raise
         copy = asyncio.ensure_future(self._copy(send))
         watch = asyncio.ensure_future(_wait_disconnect(receive))
         try:
@@ -573,16 +591,21 @@ class ClientStream(Response):
             return
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
-    async def _copy(self, send: Send) -> None:
+    async def start(self, send: Send) -> None:
+        """Send the response start and the events read up to the first token."""
+        self.started = True
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         state = self.state
+        for event in self.held:
+            await self._body(send, state.observe(event) if state else event.raw)
+        self.held = []
+        if self.first_token_at is not None:
+            relay = time.perf_counter() - self.first_token_at
+            self.proxy.metrics.overhead.labels("first_token_relay").observe(relay)
+
+    async def _copy(self, send: Send) -> None:
+        state = self.state
         try:
-            for event in self.held:
-                await self._body(send, state.observe(event) if state else event.raw)
-            self.held = []
-            if self.first_token_at is not None:
-                relay = time.perf_counter() - self.first_token_at
-                self.proxy.metrics.overhead.labels("first_token_relay").observe(relay)
             while True:
                 event = await self.reader.next()
                 if event is None:
