@@ -99,17 +99,23 @@ def cluster(logs, request):
     routers get through ``POST /workers`` and admit as soon as they finish loading (health checks
     every 0.5 s). Router ids follow registration order: worker-0, worker-1."""
     flaky = FlakyWorker(["503", "drop"])
+    headless = FlakyWorker(["head"] * 1000)  # answers every POST 200 with SSE headers, then hangs up
     fast = ["--health-check-interval", "0.5"]
     routers = {p: RouterProcess([], ["--policy", p, "--seed", "0", *fast], logs / f"router_{p}.log") for p in POLICIES}
     routers["api_key"] = RouterProcess([], ["--policy", "round_robin", *fast], logs / "router_key.log", api_key="sekret")
     routers["dynamic"] = RouterProcess([], ["--policy", "round_robin", *fast], logs / "router_dynamic.log")
     routers["flaky"] = RouterProcess([flaky.url], ["--policy", "round_robin", "--health-check-interval", "0.3"],
                                      logs / "router_flaky.log")
+    routers["headless"] = RouterProcess([headless.url], ["--policy", "round_robin", "--health-check-interval", "0.3"],
+                                        logs / "router_headless.log")
+    routers["headless_only"] = RouterProcess([headless.url], ["--policy", "round_robin", "--health-check-interval",
+                                                              "0.3"], logs / "router_headless_only.log")
     workers: list[ServerProcess] = []
     try:
         tiny_path = request.getfixturevalue("tiny_path")
         workers.extend(ServerProcess(tiny_path, WORKER_ARGS, logs / f"worker{i}.log") for i in range(2))
         members = {name: [w.url for w in workers] if name in POLICIES else [workers[0].url] for name in routers}
+        members["headless_only"] = []
         for name, router in routers.items():
             router.wait_up()
             for url in members[name]:
@@ -122,6 +128,7 @@ def cluster(logs, request):
         yield workers, routers, flaky
     finally:
         flaky.close()
+        headless.close()
         stop_all([*routers.values(), *workers])
 
 
@@ -361,7 +368,8 @@ def test_workers_join_and_leave_at_run_time(workers, routers, tiny_path):
 
 
 class FlakyWorker:
-    """A fake worker: /health answers 200; POSTs fail as scripted ("503", then "drop": close without answering)."""
+    """A fake worker: /health answers 200; POSTs fail as scripted ("503"; "drop": close without answering;
+    "head": answer 200 with a stream's headers, then close before any event)."""
 
     def __init__(self, failures: list[str]) -> None:
         failures_left = list(failures)
@@ -380,6 +388,14 @@ class FlakyWorker:
                 self.rfile.read(int(self.headers.get("content-length", 0)))
                 mode = failures_left.pop(0) if failures_left else "503"
                 if mode == "drop":
+                    self.close_connection = True
+                    return
+                if mode == "head":
+                    self.send_response(200)
+                    self.send_header("content-type", "text/event-stream")
+                    self.end_headers()
+                    self.wfile.flush()
+                    time.sleep(0.05)  # the router has sent the client its head by now
                     self.close_connection = True
                     return
                 payload = json.dumps({"error": {"message": "engine down", "type": "service_unavailable_error",
@@ -424,6 +440,51 @@ def test_failing_worker_is_marked_unhealthy_and_requests_are_retried(cluster, ti
         time.sleep(0.05)
     assert router.metrics()[f"tokenmill_router:worker_healthy{{url={flaky.url},worker_id=worker-0}}"] == 0
     assert router.post("/v1/completions", body).status_code == 200
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The ``data:`` payloads of a streamed response: parsed JSON objects, and "[DONE]"."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            events.append("[DONE]" if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return events
+
+
+def test_a_stream_whose_worker_hangs_up_after_its_head_is_retried_as_one_stream(cluster, tiny_path):
+    """The router sends a stream's head when a worker answers 200 (writing it overlaps the prefill); a
+    worker that then hangs up before its first token is retried on another, and the client still gets
+    one whole stream, equal to a direct one."""
+    workers, routers, _ = cluster
+    router = routers["headless"]
+    body = {"model": tiny_path, "prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": True}
+    expected = workers[0].post("/v1/completions", {**body, "stream": False}).json()["choices"][0]["text"]
+    key = "tokenmill_router:retries_total{reason=stream_error}"
+    deadline = time.monotonic() + 20
+    while router.metrics().get(key, 0) < 2:  # round robin: the headless worker gets every other request
+        assert time.monotonic() < deadline, router.metrics()
+        while not all(w["state"] == "healthy" for w in router.workers().values()):  # re-admitted by health checks
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            events = sse_events(response)
+        assert events[-1] == "[DONE]", events
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == expected
+
+
+def test_a_stream_whose_only_worker_hangs_up_after_its_head_ends_with_an_error_event(cluster, tiny_path):
+    router = cluster[1]["headless_only"]
+    body = {"model": tiny_path, "prompt": "Hello", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200  # the head went out before the worker failed
+        events = sse_events(response)
+    assert len(events) == 1 and events[0]["error"]["code"] == 503, events
+    assert events[0]["error"]["type"] == "service_unavailable_error"
+    assert "no healthy worker" in events[0]["error"]["message"]
+    metrics = router.metrics()
+    assert metrics["tokenmill_router:retries_total{reason=stream_error}"] == 1
+    assert metrics["tokenmill_router:request_errors_total{reason=no_worker}"] == 1
 
 
 # ---- bad input ------------------------------------------------------------------------------------

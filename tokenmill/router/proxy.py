@@ -57,6 +57,43 @@ def sse_error(message: str) -> bytes:
     return f"data: {json.dumps(error)}\n\n".encode()
 
 
+class _Reply:
+    """The client's connection while a streamed request is attempted: its ASGI ``send``, and whether
+    the response start (status 200 and headers) already went out on it."""
+
+    __slots__ = ("send", "head_sent")
+
+    def __init__(self, send: Send) -> None:
+        self.send, self.head_sent = send, False
+
+    async def send_head(self, headers: dict[str, str]) -> None:
+        self.head_sent = True
+        await self.send({"type": "http.response.start", "status": 200,
+                         "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]})
+
+
+class _ErrorAfterHead:
+    """The end of a stream whose head went out before every worker failed: the error response's
+    OpenAI error body as one SSE event, as for a stream that breaks mid-way."""
+
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            error = json.loads(self.response.body).get("error")
+        except (ValueError, AttributeError):
+            error = None
+        if not isinstance(error, dict):
+            error = {"message": f"the request failed with status {self.response.status_code}",
+                     "type": "service_unavailable_error", "param": None}
+        if error.get("code") is None:  # the status the client would have got, as mid-stream errors carry it
+            error = {**error, "code": self.response.status_code}
+        await send({"type": "http.response.body", "body": f"data: {json.dumps({'error': error})}\n\n".encode(),
+                    "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 class _Retry(Exception):
     """This attempt failed before anything reached the client; try another worker."""
 
@@ -357,14 +394,17 @@ class Proxy:
         in). ``body``: the parsed request, which streams need to be resumable. ``arrival``: the
         ``time.perf_counter()`` at which the handler got the request; the time from it to the first
         upstream send is observed as the ``dispatch`` stage of ``request_overhead_seconds``. ``send``: the
-        ASGI send of the client's connection; given, a stream's start and first token go out the moment
-        the token is read, not after the response has been handed back up. Gives up with 499 if the
-        client disconnects first, which cancels the upstream request."""
+        ASGI send of the client's connection. Given, a stream's head (200 and headers) goes out as soon as
+        a worker answers 200, so writing it overlaps the worker's prefill instead of delaying the first
+        token, and the first token goes out the moment it is read; a worker that then fails before its
+        first token is still retried on another, and if none is left the client gets the error as an SSE
+        event. Gives up with 499 if the client disconnects first, which cancels the upstream request."""
         headers = self.upstream_headers(request, route)
         state = None
         if stream and body is not None:
             state = StreamState("chat" if path.endswith("/chat/completions") else "completions", body)
-        attempts = asyncio.ensure_future(self._attempts(path, content, route, state, stream, headers, arrival, send))
+        reply = _Reply(send) if send is not None and stream else None
+        attempts = asyncio.ensure_future(self._attempts(path, content, route, state, stream, headers, arrival, reply))
         disconnect = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
             await asyncio.wait({attempts, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -381,7 +421,10 @@ class Proxy:
             logger.info("client disconnected before the first token of %s", route.request_id)
             self.metrics.errors.labels("client_disconnected").inc()
             return Response(status_code=499)
-        return attempts.result()
+        response = attempts.result()
+        if reply is not None and reply.head_sent and not isinstance(response, ClientStream):
+            return _ErrorAfterHead(response)
+        return response
 
     def pick(self, route: RouteRequest, tried: set[str], tokenmill_only: bool = False) -> Worker | None:
         """The policy's choice among the healthy workers not in ``tried`` (counted), or None."""
@@ -400,7 +443,7 @@ class Proxy:
 
     async def _attempts(self, path: str, content: bytes, route: RouteRequest, state: StreamState | None,
                         stream: bool, headers: dict[str, str], arrival: float | None = None,
-                        send: Send | None = None) -> Response:
+                        reply: _Reply | None = None) -> Response:
         tried: set[str] = set()
         last: _Retry | None = None
         while True:
@@ -416,7 +459,7 @@ class Proxy:
             if state is not None and worker.is_tokenmill and not state.wants_token_ids:
                 payload = json.dumps({**state.body, "return_token_ids": True}).encode()
             try:
-                return await self._attempt(worker, lease, path, payload, stream, headers, route, state, arrival, send)
+                return await self._attempt(worker, lease, path, payload, stream, headers, route, state, arrival, reply)
             except _Retry as retry:
                 arrival = None  # only the first attempt's dispatch is the router's overhead
                 last = retry
@@ -468,9 +511,10 @@ class Proxy:
 
     async def _attempt(self, worker: Worker, lease: Lease, path: str, content: bytes, stream: bool,
                        headers: dict[str, str], route: RouteRequest, state: StreamState | None,
-                       arrival: float | None = None, send: Send | None = None) -> Response:
-        """One try on ``worker``; raises ``_Retry`` if it failed before anything was sent to the client.
-        ``send`` given, a stream is started on it before it is returned."""
+                       arrival: float | None = None, reply: _Reply | None = None) -> Response:
+        """One try on ``worker``; raises ``_Retry`` if it failed before any token was sent to the client.
+        ``reply`` given, a stream's head is sent when the worker answers 200 (unless an earlier attempt
+        sent it) and its first token before it is returned."""
         response: aiohttp.ClientResponse | None = None
         handed_off = False
         try:
@@ -484,17 +528,20 @@ class Proxy:
                 body = await self._read_or_fail(worker, response)
                 return Response(body, response.status, reply_headers,
                                 media_type=response.headers.get("content-type"))
-            reader, held = await self.first_token(worker, response)
-            first_token_at = time.perf_counter()
             for name in ("content-type", "content-encoding", "cache-control"):
                 if name in response.headers:
                     reply_headers[name] = response.headers[name]
+            if reply is not None and not reply.head_sent:
+                await reply.send_head(reply_headers)
+            reader, held = await self.first_token(worker, response)
+            first_token_at = time.perf_counter()
             client_stream = ClientStream(response, reader, held, lease, reply_headers, self, route, headers, state,
                                          first_token_at)
+            client_stream.head_sent = reply is not None
             handed_off = True
-            if send is not None:
+            if reply is not None:
                 try:
-                    await client_stream.start(send)
+                    await client_stream.start(reply.send)
                 except BaseException:
                     client_stream.abandon()
                     raise
@@ -549,6 +596,7 @@ class ClientStream(Response):
         self.status_code = upstream.status
         self.background = None
         self.init_headers(headers)
+        self.head_sent = False  # the response start (status, headers) was sent
         self.started = False  # the response start and the first token were sent
         self.finished = False  # the last byte was handed to the server (its disconnect event then means nothing)
         self.client_gone = False
@@ -592,9 +640,11 @@ class ClientStream(Response):
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def start(self, send: Send) -> None:
-        """Send the response start and the events read up to the first token."""
+        """Send the response start (unless sent) and the events read up to the first token."""
         self.started = True
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        if not self.head_sent:
+            self.head_sent = True
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         state = self.state
         for event in self.held:
             await self._body(send, state.observe(event) if state else event.raw)
