@@ -14,7 +14,6 @@ import os
 import platform
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,25 +164,23 @@ class LlamaServerProcess:
             RuntimeError: the process exited first, or was not healthy within ``timeout_s`` (it is
                 stopped then); the message carries the end of its log.
         """
-        import httpx2 as httpx
-
-        from tokenmill.router.replicas import _die_with_parent
+        from tokenmill.procs import die_with_parent, wait_healthy
 
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+                                         preexec_fn=die_with_parent)
+
+        def alive() -> str | None:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2, trust_env=False).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"llama-server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+                return f"llama-server exited with {self.proc.returncode}:\n{self.log_tail()}"
+            return None
+
+        try:
+            wait_healthy([self.url], alive, timeout_s=timeout_s, name=None)
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"llama-server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}") from None
+        return self
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM, wait up to ``timeout_s``, then SIGKILL; returns the exit code (None if never started)."""

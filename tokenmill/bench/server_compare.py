@@ -139,7 +139,8 @@ def run_tokenmill_server(engine_kwargs: dict, requests: list[SampledRequest], co
         RuntimeError: the server exited or was not healthy within ``config.load_timeout_s``.
     """
     from tokenmill.cli.serve import default_served_model_name
-    from tokenmill.router.replicas import free_port, start_replica, stop_processes, wait_healthy
+    from tokenmill.procs import free_port, stop_processes, wait_healthy
+    from tokenmill.router.replicas import start_replica
     from tokenmill.server.state import ServerConfig
 
     kwargs = {**engine_kwargs, "num_threads": config.threads}
@@ -149,16 +150,14 @@ def run_tokenmill_server(engine_kwargs: dict, requests: list[SampledRequest], co
     start = time.perf_counter()
     process = start_replica(server, log_args)
     try:
-        deadline = time.monotonic() + config.load_timeout_s
-
         def alive() -> str | None:
-            if not process.is_alive():
-                return f"tokenmill serve exited with {process.exitcode} while loading"
-            return f"tokenmill serve not healthy after {config.load_timeout_s:.0f} s" if time.monotonic() > deadline \
-                else None
+            return None if process.is_alive() else f"tokenmill serve exited with {process.exitcode} while loading"
 
         url = f"http://127.0.0.1:{server.port}"
-        wait_healthy([url], alive)
+        try:
+            wait_healthy([url], alive, timeout_s=config.load_timeout_s)
+        except TimeoutError:
+            raise RuntimeError(f"tokenmill serve not healthy after {config.load_timeout_s:.0f} s") from None
         load_s = time.perf_counter() - start
         run = run_workload(url, requests, config, tokenizer)
     finally:
@@ -177,7 +176,7 @@ def run_llama_server(peer: ServerPeer, model_path: Any, requests: list[SampledRe
     Raises:
         RuntimeError: the server exited or was not healthy in time (the message carries its log).
     """
-    from tokenmill.router.replicas import free_port
+    from tokenmill.procs import free_port
 
     longest = max(r.prompt_len + r.expected_output_len for r in [*requests, warmup_request(requests)])
     port = free_port()

@@ -11,29 +11,19 @@ routing and no engine code here.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import logging
 import multiprocessing
 import os
 import signal
-import socket
-import time
-from typing import Any, Callable
+from typing import Any
+
+from tokenmill.procs import STOP_TIMEOUT_S, die_with_parent, free_port, stop_processes, wait_healthy
 
 logger = logging.getLogger(__name__)
 
-STOP_TIMEOUT_S = 30.0  # a replica's graceful shutdown, then SIGKILL
 RAY_OBJECT_STORE_BYTES = 100 * 1024**2  # a local Ray instance's object store: small, to fit a laptop
 RAY_MISSING = "--distributed-executor-backend ray needs Ray: pip install tokenmill[ray]"
-PR_SET_PDEATHSIG = 1
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def split_threads(total: int | None, replicas: int) -> int:
@@ -48,17 +38,9 @@ def replica_config(config: Any, port: int, num_threads: int, host: str = "127.0.
                                engine_kwargs={**config.engine_kwargs, "num_threads": num_threads})
 
 
-def _die_with_parent() -> None:
-    """Linux: ask for SIGTERM when the process that started us dies (a killed router leaves no replica)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def _replica_main(config: Any, args: argparse.Namespace) -> None:
     """A spawned replica process: logging as the parent has it, then ``run_server`` until SIGTERM."""
-    _die_with_parent()
+    die_with_parent()
     from tokenmill.cli.logging_setup import configure_logging
     from tokenmill.server.api_server import run_server
 
@@ -72,41 +54,6 @@ def start_replica(config: Any, args: argparse.Namespace) -> multiprocessing.Proc
                                                            name=f"tokenmill-replica-{config.port}")
     process.start()
     return process
-
-
-def stop_processes(processes: list[multiprocessing.Process], timeout: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM every live process, wait up to ``timeout`` for all, then SIGKILL the rest."""
-    for process in processes:
-        if process.is_alive():
-            os.kill(process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
-def wait_healthy(urls: list[str], alive: Callable[[], str | None], api_key: str | None = None) -> None:
-    """Poll each replica's ``/health`` until all answer 200.
-
-    Raises:
-        RuntimeError: a replica exited first (``alive`` returns why, or None while all run).
-    """
-    import httpx2 as httpx
-
-    pending = list(urls)
-    while pending:
-        why = alive()
-        if why is not None:
-            raise RuntimeError(why)
-        try:
-            if httpx.get(f"{pending[0]}/health", timeout=2, trust_env=False).status_code == 200:
-                logger.info("replica %s is up", pending.pop(0))
-                continue
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
 
 
 class RayReplica:
