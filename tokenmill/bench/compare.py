@@ -13,6 +13,7 @@ from typing import Any
 from tokenmill.bench.datasets import SampledRequest
 from tokenmill.bench.offline import run_offline
 from tokenmill.bench.peers import EngineRun, run_llama_cpp, run_transformers, skip_reason
+from tokenmill.bench.table import Column, comparison_lines, format_rows
 from tokenmill.bench.workload import Conversation
 
 
@@ -75,20 +76,24 @@ def ratios(runs: list[EngineRun]) -> dict[str, float]:
     return out
 
 
+COMPARE_COLUMNS = (
+    Column("engine", 14, lambda r: r.engine, align="<"),
+    Column("requests", 9, lambda r: r.num_requests),
+    Column("input tok", 11, lambda r: r.input_tokens),
+    Column("output tok", 12, lambda r: r.output_tokens),
+    Column("raw out", 10, lambda r: r.raw_output_tokens),
+    Column("wall s", 9, lambda r: r.wall_s, ".2f"),
+    Column("req/s", 8, lambda r: r.request_throughput, ".2f"),
+    Column("out tok/s", 11, lambda r: r.output_throughput, ".1f"),
+    Column("tot tok/s", 11, lambda r: r.total_token_throughput, ".1f"),
+    Column("load s", 8, lambda r: r.load_s, ".1f"),
+    Column("note", 0, lambda r: r.note, align="<", gap=2),
+)
+
+
 def format_compare_table(runs: list[EngineRun], skipped: dict[str, str], notes: list[str]) -> str:
     """Side-by-side table, the tokenmill/peer ratios, then one line per skipped peer and note."""
-    lines = [f"{'engine':<14}{'requests':>9}{'input tok':>11}{'output tok':>12}{'raw out':>10}{'wall s':>9}"
-             f"{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'load s':>8}  note"]
-    for r in runs:
-        lines.append(f"{r.engine:<14}{r.num_requests:>9}{r.input_tokens:>11}{r.output_tokens:>12}"
-                     f"{r.raw_output_tokens:>10}{r.wall_s:>9.2f}{r.request_throughput:>8.2f}"
-                     f"{r.output_throughput:>11.1f}{r.total_token_throughput:>11.1f}{r.load_s:>8.1f}  {r.note}")
-    for name, value in ratios(runs).items():
-        lines.append(f"{name}: {value:.2f}x")
-    for peer, reason in skipped.items():
-        lines.append(f"skipped {peer}: {reason}")
-    lines += [f"note: {n}" for n in notes]
-    return "\n".join(lines)
+    return "\n".join(format_rows(COMPARE_COLUMNS, runs) + comparison_lines(ratios(runs), skipped, notes))
 
 
 def compare_record(runs: list[EngineRun], skipped: dict[str, str], notes: list[str]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from tokenmill.bench.metrics import BenchmarkMetrics
 from tokenmill.bench.serve_bench import LoadConfig, ServeRun, run_serve_benchmark
 from tokenmill.bench.serve_client import ClientConfig, make_client
 from tokenmill.bench.serve_report import error_summary, resolve_model
+from tokenmill.bench.table import Column, comparison_lines, format_rows
 from tokenmill.bench.workload import Conversation
 
 WARMUP_PROMPT_TOKENS = 16
@@ -261,27 +262,27 @@ def server_ratios(runs: list[ServedRun]) -> dict[str, float]:
     return out
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
+SERVER_COLUMNS = (
+    Column("engine", 14, lambda r: r.engine, align="<"),
+    Column("requests", 9, lambda r: r.metrics.completed),
+    Column("failed", 7, lambda r: r.metrics.failed),
+    Column("input tok", 11, lambda r: r.metrics.total_input_tokens),
+    Column("output tok", 12, lambda r: r.metrics.total_output_tokens),
+    Column("wall s", 9, lambda r: r.metrics.duration_s, ".2f"),
+    Column("req/s", 8, lambda r: r.metrics.request_throughput, ".2f"),
+    Column("out tok/s", 11, lambda r: r.metrics.output_throughput, ".1f"),
+    Column("tot tok/s", 11, lambda r: r.metrics.total_token_throughput, ".1f"),
+    Column("TTFT ms", 9, lambda r: r.metrics.ttft.mean_ms, ".0f"),
+    Column("TPOT ms", 9, lambda r: r.metrics.tpot.mean_ms, ".1f"),
+    Column("decode tok/s", 14, lambda r: r.decode_throughput, ".1f"),
+    Column("load s", 8, lambda r: r.load_s, ".1f"),
+)
 
 
 def format_server_table(runs: list[ServedRun], skipped: dict[str, str], notes: list[str]) -> str:
     """Side-by-side table (throughputs, mean TTFT/TPOT, per-request decode tok/s), the tokenmill/peer
     ratios, then one line per skipped peer and per note, then each engine's settings."""
-    lines = [f"{'engine':<14}{'requests':>9}{'failed':>7}{'input tok':>11}{'output tok':>12}{'wall s':>9}"
-             f"{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'TTFT ms':>9}{'TPOT ms':>9}{'decode tok/s':>14}"
-             f"{'load s':>8}"]
-    for r in runs:
-        m = r.metrics
-        lines.append(f"{r.engine:<14}{m.completed:>9}{m.failed:>7}{m.total_input_tokens:>11}{m.total_output_tokens:>12}"
-                     f"{m.duration_s:>9.2f}{m.request_throughput:>8.2f}{m.output_throughput:>11.1f}"
-                     f"{m.total_token_throughput:>11.1f}{_fmt(m.ttft.mean_ms, '.0f'):>9}{_fmt(m.tpot.mean_ms, '.1f'):>9}"
-                     f"{_fmt(r.decode_throughput, '.1f'):>14}{r.load_s:>8.1f}")
-    for name, value in server_ratios(runs).items():
-        lines.append(f"{name}: {value:.2f}x")
-    for peer, reason in skipped.items():
-        lines.append(f"skipped {peer}: {reason}")
-    lines += [f"note: {n}" for n in notes]
+    lines = format_rows(SERVER_COLUMNS, runs) + comparison_lines(server_ratios(runs), skipped, notes)
     lines += [f"{r.engine}: {r.note}" for r in runs]
     return "\n".join(lines)
 
