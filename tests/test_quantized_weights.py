@@ -4,8 +4,11 @@ float64 reference, and the embedded Q4_1 model against its dequantized float32 t
 Proves: every format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) dequantizes to exactly the `gguf` package's
 values; products at 1, 7, 33 and 300 rows (odd block counts, an odd number of output rows, float32 and
 bf16 activations) stay within the stated bound of the float64 product of the dequantized weights, on
-the portable and AVX2 builds and on the AVX-512 (BW and VNNI) builds emulated through SIMDe; each row's
-bits do not depend on the other rows; the embedded model's greedy tokens with native Q4_1 execution
+the portable and AVX2 builds, the native AVX-512 (BW and VNNI) builds where the CPU has them, and the
+AVX-512 builds emulated through SIMDe; each row's bits do not depend on the other rows nor on the
+thread count; the tiled layout of Q4_0/Q4_1/Q8_0 (``qgemm.repack``; 16-row tiles and a tail of rows
+as stored, at N = 37, 48 and 5) does the same, dequantizes to the same values, and gives the same bits
+on every ISA path in its tiled rows; the embedded model's greedy tokens with native Q4_1 execution
 equal the dequantized path wherever the top-2 log-probability gap exceeds MARGIN (6 chats x 32
 tokens, mean |logprob difference| printed); deterministic mode keeps each request's bits whatever it is
 batched with; the weights stay quantized in memory and a second load comes from the cache.
@@ -28,7 +31,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill import LLM, SamplingParams, csrc_build
-from tokenmill.quantization import GGUF_QUANT_TYPES, qgemm
+from tokenmill.quantization import GGUF_QUANT_TYPES, QuantizedTensor, qgemm
+from tokenmill.quantization.formats import TILE_ROWS, TILED_FORMATS
 
 QTYPES = sorted(GGUF_QUANT_TYPES)
 ROWS = (1, 7, 33, 300)
@@ -37,6 +41,7 @@ N = 37  # output rows: off every tile of the kernels
 KS = {2: (96, 544), 3: (96, 544), 8: (96, 544), 12: (768,), 14: (768,)}
 # float16 fields of each block (byte offsets): scales and mins that must stay finite and small
 HALF_OFFSETS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 14: (208,)}
+TILED_NS = (37, 48, 5)  # tiled layout: 2 tiles + 5 tail rows, 3 whole tiles, only tail rows
 MARGIN = 0.5  # nats: a top-2 gap above this must not flip under Q4_1 execution
 
 SIMDE_INCLUDE = Path("/usr/include/simde")
@@ -70,43 +75,98 @@ def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 0.5 * groups @ w_abs.T + 1e-5 * (x.double().abs() @ w.abs().T) + 1e-30
 
 
-def check_library(lib: ctypes.CDLL) -> None:
-    """Every format, shape and row count of the grid on one build of the kernels."""
+def check_products(lib: ctypes.CDLL, data: torch.Tensor, qtype: int, n: int, k: int, w: torch.Tensor,
+                   x: torch.Tensor, label: str) -> torch.Tensor:
+    """The grid's row counts and dtypes for one weight (stored or tiled): dequantization equals ``w``,
+    every product is within the bound and batch invariant. Returns the float32-activation product of
+    all rows."""
+    assert torch.equal(qgemm._dequantize(lib, data, qtype, k, None, torch.float32).double(), w)
+    ids = torch.tensor([min(5, n - 1), 0, n - 1, min(5, n - 1)])
+    assert torch.equal(qgemm._dequantize(lib, data, qtype, k, ids, torch.float32).double(), w[ids])
+    result = None
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        full = qgemm._linear(lib, xd, data, qtype, n, k, out_dtype=torch.float32)
+        bound = error_bound(xd.float(), w)
+        for rows in ROWS:
+            got = qgemm._linear(lib, xd[:rows], data, qtype, n, k, out_dtype=torch.float32)
+            err = (got.double() - xd[:rows].double() @ w.T).abs()
+            worst = (err / bound[:rows]).max().item()
+            assert worst <= 1.0, f"{label} rows={rows} {dtype}: {worst:.3f} x bound"
+            assert torch.equal(got, full[:rows]), f"{label}: a row's result depends on the other rows"
+        single = qgemm._linear(lib, xd[16:17], data, qtype, n, k, out_dtype=torch.float32)
+        assert torch.equal(single, full[16:17]), f"{label}: a row's result depends on its position"
+        out = qgemm._linear(lib, xd[:7], data, qtype, n, k)  # output in x's dtype
+        assert out.dtype == dtype and torch.equal(out, full[:7].to(dtype))
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1 if threads > 1 else 2)
+            assert torch.equal(qgemm._linear(lib, xd, data, qtype, n, k, out_dtype=torch.float32), full), \
+                f"{label}: the result depends on the thread count"
+        finally:
+            torch.set_num_threads(threads)
+        if dtype == torch.float32:
+            result = full
+    return result
+
+
+def check_library(lib: ctypes.CDLL) -> dict[tuple[int, int, int], torch.Tensor]:
+    """Every format, shape and row count of the grid on one build of the kernels, the stored layout and the
+    tiled one. Returns the tiled products (float32 activations) by (qtype, N, K)."""
     g = torch.Generator().manual_seed(0)
+    tiled = {}
     for qtype in QTYPES:
+        name = GGUF_QUANT_TYPES[qtype][0]
         for k in KS[qtype]:
             data = random_blocks(qtype, N, k, seed=qtype * 1000 + k)
             w = reference_weights(data, qtype, k)
-            assert torch.equal(qgemm._dequantize(lib, data, qtype, k, None, torch.float32).double(), w)
-            ids = torch.tensor([5, 0, 36, 5])
-            assert torch.equal(qgemm._dequantize(lib, data, qtype, k, ids, torch.float32).double(), w[ids])
             x = torch.randn(max(ROWS), k, generator=g) * torch.logspace(-2, 1, max(ROWS)).unsqueeze(1)
-            for dtype in (torch.float32, torch.bfloat16):
-                xd = x.to(dtype)
-                full = qgemm._linear(lib, xd, data, qtype, N, k, out_dtype=torch.float32)
-                bound = error_bound(xd.float(), w)
-                for rows in ROWS:
-                    got = qgemm._linear(lib, xd[:rows], data, qtype, N, k, out_dtype=torch.float32)
-                    err = (got.double() - xd[:rows].double() @ w.T).abs()
-                    worst = (err / bound[:rows]).max().item()
-                    assert worst <= 1.0, f"{GGUF_QUANT_TYPES[qtype][0]} K={k} rows={rows} {dtype}: {worst:.3f} x bound"
-                    assert torch.equal(got, full[:rows]), "a row's result depends on the other rows"
-                out = qgemm._linear(lib, xd[:7], data, qtype, N, k)  # output in x's dtype
-                assert out.dtype == dtype and torch.equal(out, full[:7].to(dtype))
+            check_products(lib, data, qtype, N, k, w, x, f"{name} K={k}")
+            if qtype not in TILED_FORMATS:
+                continue
+            for n in TILED_NS:
+                stored = random_blocks(qtype, n, k, seed=qtype * 1000 + k + n)
+                t = qgemm._repack(lib, QuantizedTensor(qtype, (n, k), stored))
+                assert t.qtype == qtype + 256 and t.data.shape == stored.shape
+                w = reference_weights(stored, qtype, k)
+                tiled[qtype, n, k] = check_products(lib, t.data, t.qtype, n, k, w, x, f"tiled {name} N={n} K={k}")
+    return tiled
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2"])
-def test_native_builds_stay_within_the_bound_of_the_dequantized_product(isa):
-    if not csrc_build.isa_supported(isa):
-        pytest.skip(f"this CPU lacks {', '.join(csrc_build.missing_cpu_flags(isa))}")
-    lib = qgemm._load(isa)
-    assert lib is not None and lib.qg_isa().decode() == isa
-    check_library(lib)
+def assert_tiled_rows_match(got: dict, want: dict, label: str) -> None:
+    """The tiled rows (all but the tail) of every tiled product are the same bits as ``want``'s."""
+    assert got.keys() == want.keys()
+    for (qtype, n, k), y in got.items():
+        rows = n // TILE_ROWS * TILE_ROWS
+        assert torch.equal(y[:, :rows], want[qtype, n, k][:, :rows]), \
+            f"{label}: tiled {GGUF_QUANT_TYPES[qtype][0]} N={n} K={k} differs from the portable build"
+
+
+@pytest.fixture(scope="module")
+def portable_tiled() -> dict:
+    """The portable build's tiled products: every other path must give their bits."""
+    return check_library(qgemm._load("portable"))
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512+vnni"])
+def test_native_builds_stay_within_the_bound_of_the_dequantized_product(isa, portable_tiled):
+    base = isa.split("+")[0]
+    if not csrc_build.isa_supported(base):
+        pytest.skip(f"this CPU lacks {', '.join(csrc_build.missing_cpu_flags(base))}")
+    if isa == "avx512+vnni":
+        if "avx512_vnni" not in csrc_build.cpu_flags():
+            pytest.skip("this CPU lacks avx512_vnni")
+        lib = csrc_build.load_c_library(qgemm._SOURCE, "qgemm", qgemm._setup, (*qgemm._FLAGS, *qgemm._VNNI_FLAGS), base)
+    else:  # the AVX-512BW path without VNNI too, even on a CPU that has it
+        lib = csrc_build.load_c_library(qgemm._SOURCE, "qgemm", qgemm._setup, qgemm._FLAGS, base)
+    assert lib is not None and lib.qg_isa().decode() == base and lib.qg_vnni() == int(isa.endswith("vnni"))
+    assert lib.qg_tiled_preferred() == int(base != "portable")
+    assert_tiled_rows_match(check_library(lib), portable_tiled, isa)
 
 
 @pytest.mark.skipif(not SIMDE_INCLUDE.is_dir() or COMPILER is None or not csrc_build.isa_supported("avx2"),
                     reason="needs SIMDe (apt-get install libsimde-dev), a C compiler and an AVX2 CPU")
-def test_emulated_avx512_builds_stay_within_the_bound(tmp_path):
+def test_emulated_avx512_builds_stay_within_the_bound(tmp_path, portable_tiled):
     """The AVX-512BW and AVX-512 VNNI branches, their intrinsics served by SIMDe (as tests/test_avx512_emulated.py)."""
     builds = {
         "avx512": ["-D__AVX512F__", "-D__AVX512BW__", "-D__AVX512VL__", "-D__AVX512DQ__"],
@@ -125,7 +185,7 @@ def test_emulated_avx512_builds_stay_within_the_bound(tmp_path):
         lib = ctypes.CDLL(str(target))
         qgemm._setup(lib)
         assert lib.qg_isa().decode() == isa and lib.qg_vnni() == int(isa == "avx512_bf16")
-        check_library(lib)
+        assert_tiled_rows_match(check_library(lib), portable_tiled, f"{isa} (SIMDe)")
         csrc_build.loaded_kernels.add(("qgemm (SIMDe)", isa))
 
 
@@ -135,6 +195,10 @@ def test_shapes_the_formats_cannot_take_are_refused():
         qgemm.quantized_linear(torch.zeros(2, 63), data, 3, 4, 64)
     with pytest.raises(ValueError, match="not a supported quantized format"):
         qgemm.quantized_linear(torch.zeros(2, 64), data, 1, 4, 64)
+    with pytest.raises(ValueError, match="no tiled layout"):
+        qgemm.repack(QuantizedTensor(12, (2, 256), random_blocks(12, 2, 256, seed=1)))
+    with pytest.raises(ValueError, match="no tiled layout"):
+        qgemm.repack(qgemm.repack(QuantizedTensor(3, (4, 64), data)))
 
 
 # ---------------------------------------------------------------- the embedded Q4_1 model

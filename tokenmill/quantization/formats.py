@@ -1,7 +1,9 @@
 """The GGUF block formats tokenmill runs without dequantizing, and the tensor that carries them.
 
 Block layouts follow the GGUF file format (ggml type ids, block sizes and bytes per block below);
-``csrc/qgemm.c`` reads them. Pure metadata: no kernels here.
+``csrc/qgemm.c`` reads them. Q4_0, Q4_1 and Q8_0 also have a tiled layout (type id + ``TILED``): the
+same bytes regrouped at load by ``qgemm.repack`` into tiles of ``TILE_ROWS`` rows for the SIMD
+kernels (described in qgemm.c). Pure metadata: no kernels here.
 """
 from __future__ import annotations
 
@@ -20,10 +22,24 @@ GGUF_QUANT_TYPES: dict[int, tuple[str, int, int]] = {
 # --quantization values: "gguf" (a GGUF file's own blocks, the default for GGUF models), "int8"
 # (weight-only int8 with per-output-channel scales, for HF checkpoints), "none" (dense weights).
 QUANTIZATION_METHODS: tuple[str, ...] = ("gguf", "int8", "none")
+TILED = 256  # added to a format's type id: its tiled layout (qgemm.c's QG_TILED)
+TILE_ROWS = 16  # weight rows per tile of the tiled layout (qgemm.c's TP)
+TILED_FORMATS: tuple[int, ...] = (2, 3, 8)  # the formats with a tiled layout: Q4_0, Q4_1, Q8_0
+
+
+def base_qtype(qtype: int) -> int:
+    """The GGUF format of a type id: ``qtype`` itself, or the format a tiled id (format + TILED) lays out."""
+    return qtype - TILED if qtype - TILED in TILED_FORMATS else qtype
+
+
+def is_tiled(qtype: int) -> bool:
+    """True for the type id of a tiled layout."""
+    return qtype - TILED in TILED_FORMATS
 
 
 def qtype_name(qtype: int) -> str:
-    """"Q4_1" for 3, etc.; ValueError for a type tokenmill does not run quantized."""
+    """"Q4_1" for 3 (and for its tiled id), etc.; ValueError for a type tokenmill does not run quantized."""
+    qtype = base_qtype(qtype)
     if qtype not in GGUF_QUANT_TYPES:
         raise ValueError(f"GGUF type {qtype} is not a supported quantized format "
                          f"({', '.join(n for n, _, _ in GGUF_QUANT_TYPES.values())})")
@@ -33,19 +49,20 @@ def qtype_name(qtype: int) -> str:
 def block_size(qtype: int) -> int:
     """Weights per block (32, or 256 for the K-quants)."""
     qtype_name(qtype)
-    return GGUF_QUANT_TYPES[qtype][1]
+    return GGUF_QUANT_TYPES[base_qtype(qtype)][1]
 
 
 def block_bytes(qtype: int) -> int:
     """Bytes per block."""
     qtype_name(qtype)
-    return GGUF_QUANT_TYPES[qtype][2]
+    return GGUF_QUANT_TYPES[base_qtype(qtype)][2]
 
 
 @dataclass
 class QuantizedTensor:
     """A 2-D weight in a GGUF block format: logical ``shape`` (N, K) = (out_features, in_features), and
-    ``data`` [N, K // block_size * block_bytes] uint8, each row the blocks of one output row.
+    ``data`` [N, K // block_size * block_bytes] uint8, each row the blocks of one output row (for a tiled
+    ``qtype``, the same bytes in the tiled layout: rows of the data are then not weight rows).
 
     Raises (on construction):
         ValueError: an unsupported type, K not a whole number of blocks, or data of the wrong size.

@@ -3,20 +3,22 @@
 ``quantized_linear`` computes ``x @ W.T`` reading W's blocks as stored (activations quantized per group
 of 32 to int8, integer dot products; see the C file for the error bound); ``dequantize`` expands rows
 to float32/bf16 (embedding lookups, and the prefill path that hands a dequantized tile to torch's GEMM).
+``repack`` rewrites a Q4_0/Q4_1/Q8_0 weight into the tiled layout (same bytes, 16 rows interleaved per
+group of 32), which both take as well and which the SIMD builds multiply several times faster
+(``tiled_preferred``).
 Built on first use for the ISA path of ``tokenmill.csrc_build`` (plus AVX-512 VNNI where the CPU
 reports it).
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
 from tokenmill import csrc_build
-from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
-from tokenmill.quantization.formats import block_size, qtype_name
+from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
+from tokenmill.quantization.formats import TILED, TILED_FORMATS, QuantizedTensor, block_size, is_tiled, qtype_name
 
 _SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
 _FLAGS = DEFAULT_FLAGS
@@ -29,6 +31,12 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.qg_linear.restype = i32
     lib.qg_dequantize.argtypes = [i32, p, i64, p, i64, p, i32, i32]
     lib.qg_dequantize.restype = None
+    lib.qg_dequantize_rows.argtypes = [i32, p, i64, i64, p, i64, p, i32, i32]
+    lib.qg_dequantize_rows.restype = None
+    lib.qg_repack.argtypes = [i32, p, i64, i64, p]
+    lib.qg_repack.restype = i32
+    lib.qg_tiled_preferred.argtypes = []
+    lib.qg_tiled_preferred.restype = ctypes.c_int
     lib.qg_isa.argtypes = []
     lib.qg_isa.restype = ctypes.c_char_p
     lib.qg_vnni.argtypes = []
@@ -42,38 +50,21 @@ def flags_for(isa: str) -> tuple[str, ...]:
     return _FLAGS
 
 
-def _load(isa: str | None = None) -> ctypes.CDLL | None:
-    """Build (or reuse) the kernels for ``isa`` (default: csrc_build.selected_isa()); None if unavailable."""
-    isa = csrc_build.selected_isa() if isa is None else isa
-    return load_c_library(_SOURCE, "qgemm", _setup, flags_for(isa), isa)
-
-
-@functools.cache
-def _built() -> ctypes.CDLL | None:
-    return _load()
-
-
-def _get_lib() -> ctypes.CDLL:
-    lib = _built()
-    if lib is None:
-        raise RuntimeError("the quantized-weight CPU kernels are unavailable (no C compiler, build failed, or "
-                           "TOKENMILL_DISABLE_CPU_KERNELS=1); load the model with quantization='none'")
-    return lib
-
-
-def available() -> bool:
-    """True if the compiled kernels can be used in this process (builds them on the first call)."""
-    try:
-        _get_lib()
-    except RuntimeError:
-        return False
-    return True
+library = CLibrary(_SOURCE, "qgemm", _setup, flags_for, unavailable=(
+    "the quantized-weight CPU kernels are unavailable (no C compiler, build failed, or "
+    "TOKENMILL_DISABLE_CPU_KERNELS=1); load the model with quantization='none'"))
+# this process's build (None, or RuntimeError from _get_lib, when unavailable); tests pin another ISA
+# path's with monkeypatch.setattr(library, "built", ...)
+_built = library.built
+_get_lib = library.get
+_load = library.load  # any ISA path's build, not cached (tests compare the paths)
+available = library.available
 
 
 def isa() -> str:
     """The build's path: "portable", "avx2", "avx512" or "avx512_bf16", with "+vnni" where the AVX-512
     VNNI product is built in. RuntimeError when unavailable."""
-    lib = _get_lib()
+    lib = library.get()
     return lib.qg_isa().decode() + ("+vnni" if lib.qg_vnni() else "")
 
 
@@ -91,7 +82,7 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k:
         ValueError: wrong shapes, dtypes or devices, or an unsupported ``qtype``.
         RuntimeError: the kernels are unavailable.
     """
-    return _linear(_get_lib(), x, data, qtype, n, k, out, out_dtype)
+    return _linear(library.get(), x, data, qtype, n, k, out, out_dtype)
 
 
 def _linear(lib: ctypes.CDLL, x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k: int,
@@ -131,7 +122,7 @@ def dequantize(data: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None 
         ValueError: an unsupported type or dtype, ids out of range, or an ``out`` of the wrong shape.
         RuntimeError: the kernels are unavailable.
     """
-    return _dequantize(_get_lib(), data, qtype, k, ids, dtype, out)
+    return _dequantize(library.get(), data, qtype, k, ids, dtype, out)
 
 
 def _dequantize(lib: ctypes.CDLL, data: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None,
@@ -150,6 +141,36 @@ def _dequantize(lib: ctypes.CDLL, data: torch.Tensor, qtype: int, k: int, ids: t
     elif out.shape != (rows, k) or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
         raise ValueError(f"dequantize: out must be a contiguous CPU {dtype} tensor of shape [{rows}, {k}]")
     if rows:
-        lib.qg_dequantize(qtype, data.data_ptr(), k, None if ids is None else ids.data_ptr(), rows,
-                          out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
+        lib.qg_dequantize_rows(qtype, data.data_ptr(), data.shape[0], k, None if ids is None else ids.data_ptr(),
+                               rows, out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
     return out
+
+
+def tiled_preferred() -> bool:
+    """True when this process's build multiplies the tiled layout faster than the stored one (the x86
+    SIMD paths; the portable and NEON builds keep the stored layout). False when unavailable."""
+    lib = library.built()
+    return lib is not None and bool(lib.qg_tiled_preferred())
+
+
+def repack(weight: QuantizedTensor) -> QuantizedTensor:
+    """``weight`` (Q4_0, Q4_1 or Q8_0 as stored) in the tiled layout: a new tensor of the same bytes and
+    shape, type id + ``TILED``; rows past the last whole tile of 16 stay as stored.
+
+    Raises:
+        ValueError: a format without a tiled layout (or one already tiled).
+        RuntimeError: the kernels are unavailable.
+    """
+    return _repack(library.get(), weight)
+
+
+def _repack(lib: ctypes.CDLL, weight: QuantizedTensor) -> QuantizedTensor:
+    if weight.qtype not in TILED_FORMATS:
+        raise ValueError(f"repack: {qtype_name(weight.qtype)}{' (tiled)' if is_tiled(weight.qtype) else ''} "
+                         f"has no tiled layout to repack into")
+    n, k = weight.shape
+    src = weight.data.contiguous()
+    out = torch.empty_like(src)
+    rc = lib.qg_repack(weight.qtype, src.data_ptr(), n, k, out.data_ptr())
+    assert rc == 0, "QuantizedTensor checked the format and in_features"
+    return QuantizedTensor(weight.qtype + TILED, weight.shape, out)

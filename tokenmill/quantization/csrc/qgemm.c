@@ -270,25 +270,6 @@ AI void dequantize_row(int qtype, const uint8_t* row, int64_t G, float* of, uint
     }
 }
 
-/* Weights of rows ids[0..n) (all N rows when ids is NULL) as float32 or bf16, [n, K]. */
-void qg_dequantize(int qtype, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, void* out, int out_bf16,
-                   int num_threads) {
-    const int64_t rb = row_bytes(qtype, K), G = K / QK;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && n * K >= 65536)
-    for (int64_t r = 0; r < n; r++) {
-        const uint8_t* row = w + (ids ? ids[r] : r) * rb;
-        float* of = out_bf16 ? NULL : (float*)out + r * K;
-        uint16_t* ob = out_bf16 ? (uint16_t*)out + r * K : NULL;
-        switch (qtype) {
-        case Q4_0: dequantize_row(Q4_0, row, G, of, ob); break;
-        case Q4_1: dequantize_row(Q4_1, row, G, of, ob); break;
-        case Q8_0: dequantize_row(Q8_0, row, G, of, ob); break;
-        case Q4_K: dequantize_row(Q4_K, row, G, of, ob); break;
-        default: dequantize_row(Q6_K, row, G, of, ob); break;
-        }
-    }
-}
-
 /* ---------------------------------------------------------------- activations */
 
 typedef struct {
@@ -296,6 +277,7 @@ typedef struct {
     float* d;     /* [M, G] */
     float* s;     /* [M, 2G]: dx * (sum of q per half group) */
     float* t;     /* [M, G]: dx * (sum of q over the group) */
+    int32_t* i;   /* [M, G]: sum of q over the group (the tiled kernels' integer offset term) */
     int64_t K, G;
 } act_q;
 
@@ -322,6 +304,7 @@ static void quantize_row(const void* x, int x_bf16, int64_t m, act_q* a) {
         a->s[(m * a->G + g) * 2] = d * (float)s0;
         a->s[(m * a->G + g) * 2 + 1] = d * (float)s1;
         a->t[m * a->G + g] = d * (float)(s0 + s1);
+        a->i[m * a->G + g] = s0 + s1;
     }
 }
 
@@ -566,11 +549,310 @@ DEFINE_TASK(task_q8_0, Q8_0)
 DEFINE_TASK(task_q4_k, Q4_K)
 DEFINE_TASK(task_q6_k, Q6_K)
 
+/* ---------------------------------------------------------------- tiled layout (Q4_0, Q4_1, Q8_0)
+ *
+ * qg_repack rewrites a Q4_0, Q4_1 or Q8_0 weight, once at load, into the same number of bytes: rows
+ * n < N - N % TP in tiles of TP = 16 rows, the rest (the tail) as stored. Tile t (rows 16t..16t+15)
+ * is G tile-groups of 16 * block bytes, group g of all 16 rows together:
+ *   scales  16 x fp16 D, row p at 2p                                          (32 bytes)
+ *   mins    16 x fp16 m (Q4_1 only)                                           (32 bytes)
+ *   codes   4-bit: 4 chunks of 64 bytes; chunk j, bytes 4p..4p+3 hold row p's codes k = 4j..4j+3 in
+ *           their low nibbles and k = 16+4j..16+4j+3 in their high nibbles (the stored block's bytes
+ *           4j..4j+3: a plain copy);
+ *           Q8_0: 8 chunks of 64 bytes; chunk j, bytes 4p..4p+3 hold u = q + 128 (unsigned) of row p,
+ *           k = 4j..4j+3.
+ * So one 32-bit broadcast of 4 activations against a 64-byte chunk multiplies row p's 4 codes in lane
+ * p: vpdpbusd (VNNI), or vpmaddubsw + vpmaddwd, gives the 16 rows' integer dot products of a group in
+ * the lanes of one register with no horizontal sum. With w = D * (u - c) (c = 8 for Q4_0, 128 for Q8_0)
+ * or w = D * u + m (Q4_1), and xs the group's sum of xq, the exact integer part of a group is
+ *   I = sum_k u_k * xq_k - c * xs   (every path gets the same I; the maddubs paths sum q * xq for Q8_0)
+ * and every path does the same two float steps per group, lane by lane:
+ *   acc = fma((float)I, D * dx, acc)          then, Q4_1 only:   acc = fma(m, dx * xs, acc)
+ * (portable C with fmaf), so every ISA path gives the same bits, and each y[m, n] depends only on row m
+ * of x, the weight and N (which rows are tail rows). The AVX2 path reads each tile as two halves of 8
+ * rows (the first and second 32 bytes of every 64-byte chunk). The tail rows take the row kernels above.
+ */
+#define QG_TILED 256 /* added to a format's type id: the tiled layout of that format */
+#define TP 16        /* weight rows per tile */
+#define TILE_M 4     /* activation rows per pass over a tile */
+
+/* The format of a tiled type id (Q4_0, Q4_1 or Q8_0), or 0 for any other id. */
+static int tiled_base(int qtype) {
+    const int b = qtype - QG_TILED;
+    return b == Q4_0 || b == Q4_1 || b == Q8_0 ? b : 0;
+}
+
+AI int codes_offset(int base) { return base == Q4_1 ? 64 : 32; }
+
+AI int32_t load_i32(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* src: N rows of a Q4_0/Q4_1/Q8_0 weight as stored; dst: the same bytes in the tiled layout (not
+ * overlapping src). Returns 0, or -1 for another format or a K that is not a whole number of groups. */
+int qg_repack(int qtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K <= 0 || K % QK) return -1;
+    const int64_t G = K / QK, bb = qg_block_bytes(qtype), rb = G * bb, NT = N / TP;
+    const int hdr = qtype == Q4_1 ? 4 : 2, co = codes_offset(qtype);
+    for (int64_t t = 0; t < NT; t++) {
+        for (int64_t g = 0; g < G; g++) {
+            uint8_t* o = dst + (t * G + g) * TP * bb;
+            for (int p = 0; p < TP; p++) {
+                const uint8_t* blk = src + (t * TP + p) * rb + g * bb;
+                memcpy(o + 2 * p, blk, 2);
+                if (qtype == Q4_1) memcpy(o + 32 + 2 * p, blk + 2, 2);
+                const int nq = qtype == Q8_0 ? 32 : 16;
+                for (int k = 0; k < nq; k++)
+                    o[co + 64 * (k / 4) + 4 * p + k % 4] = (uint8_t)(blk[hdr + k] ^ (qtype == Q8_0 ? 0x80 : 0));
+            }
+        }
+    }
+    memcpy(dst + NT * TP * rb, src + NT * TP * rb, (size_t)((N - NT * TP) * rb));
+    return 0;
+}
+
+/* Row p of a tile's group g back as the stored block (into blk): the inverse of qg_repack. */
+AI void untile_block(int base, const uint8_t* tg, int p, uint8_t* blk) {
+    const int hdr = base == Q4_1 ? 4 : 2, co = codes_offset(base), nq = base == Q8_0 ? 32 : 16;
+    memcpy(blk, tg + 2 * p, 2);
+    if (base == Q4_1) memcpy(blk + 2, tg + 32 + 2 * p, 2);
+    for (int k = 0; k < nq; k++) blk[hdr + k] = (uint8_t)(tg[co + 64 * (k / 4) + 4 * p + k % 4] ^ (base == Q8_0 ? 0x80 : 0));
+}
+
+/* Row r of a tiled weight of N rows as float32/bf16: each block rebuilt as stored and expanded by
+ * dequantize_row, so the values are the stored format's bit for bit. */
+AI void dequantize_tiled_row(int base, const uint8_t* w, int64_t N, int64_t G, int64_t r, float* of, uint16_t* ob) {
+    const int64_t bb = qg_block_bytes(base), rb = G * bb;
+    if (r >= N / TP * TP) { dequantize_row(base, w + r * rb, G, of, ob); return; }
+    const uint8_t* tile = w + (r / TP) * TP * rb;
+    uint8_t blk[34];
+    for (int64_t g = 0; g < G; g++) {
+        untile_block(base, tile + g * TP * bb, (int)(r % TP), blk);
+        dequantize_row(base, blk, 1, of ? of + g * QK : NULL, ob ? ob + g * QK : NULL);
+    }
+}
+
+/* The integer offset c of the tiled products (see above); the maddubs paths use q for Q8_0 (c = 0). */
+AI int tiled_offset(int base, int unsigned_q8) {
+    return base == Q4_0 ? 8 : base == Q8_0 && unsigned_q8 ? 128 : 0;
+}
+
+/* acc[r][p] = y[m0 + r, 16t + p] (plain C; one tile, R <= TILE_M activation rows). */
+AI void tile_portable(int base, const uint8_t* tile, const act_q* a, int64_t m0, int R, float acc[][TP]) {
+    const int64_t tgb = TP * qg_block_bytes(base);
+    const int c = tiled_offset(base, 1), co = codes_offset(base);
+    for (int r = 0; r < R; r++) for (int p = 0; p < TP; p++) acc[r][p] = 0.0f;
+    for (int64_t g = 0; g < a->G; g++) {
+        const uint8_t* b = tile + g * tgb;
+        int u[TP][32];
+        float d[TP], mn[TP];
+        for (int p = 0; p < TP; p++) {
+            d[p] = half_to_f32((uint16_t)(b[2 * p] | (b[2 * p + 1] << 8)));
+            mn[p] = base == Q4_1 ? half_to_f32((uint16_t)(b[32 + 2 * p] | (b[33 + 2 * p] << 8))) : 0.0f;
+            for (int k = 0; k < 16; k++) {
+                if (base == Q8_0) {
+                    u[p][k] = b[co + 64 * (k / 4) + 4 * p + k % 4];
+                    u[p][k + 16] = b[co + 64 * (k / 4 + 4) + 4 * p + k % 4];
+                } else {
+                    const uint8_t byte = b[co + 64 * (k / 4) + 4 * p + k % 4];
+                    u[p][k] = byte & 15;
+                    u[p][k + 16] = byte >> 4;
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t* xq = a->q + (m0 + r) * a->K + g * QK;
+            const int64_t idx = (m0 + r) * a->G + g;
+            const float dx = a->d[idx], tx = a->t[idx];
+            for (int p = 0; p < TP; p++) {
+                int32_t I = -c * a->i[idx];
+                for (int k = 0; k < 32; k++) I += u[p][k] * xq[k];
+                acc[r][p] = fmaf((float)I, d[p] * dx, acc[r][p]);
+                if (base == Q4_1) acc[r][p] = fmaf(mn[p], tx, acc[r][p]);
+            }
+        }
+    }
+}
+
+#if defined(QG_AVX2) && !defined(QG_AVX512)
+/* acc[r] lanes = y[m0 + r, 16t + 8h + p], p < 8: half h of a tile (AVX2: vpmaddubsw + vpmaddwd). */
+AI void tile_avx2(int base, const uint8_t* tile, int h, const act_q* a, int64_t m0, int R, __m256* acc) {
+    const int64_t tgb = TP * qg_block_bytes(base);
+    const int c = tiled_offset(base, 0), co = codes_offset(base);
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(15);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < a->G; g++) {
+        const uint8_t* b = tile + g * tgb;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16 * h)));
+        const __m256 mn = base == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 32 + 16 * h)))
+                                       : _mm256_setzero_ps();
+        const uint8_t* cs = b + co + 32 * h;
+        __m256i u[8], q[8];
+        if (base == Q8_0) {
+            for (int j = 0; j < 8; j++) {
+                q[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(cs + 64 * j)), _mm256_set1_epi8((char)0x80));
+                u[j] = _mm256_abs_epi8(q[j]); /* |q| <= 128: vpmaddubsw cannot saturate */
+            }
+        } else {
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(cs + 64 * j));
+                u[j] = _mm256_and_si256(v, m4);
+                u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t* xq = a->q + (m0 + r) * a->K + g * QK;
+            const int64_t idx = (m0 + r) * a->G + g;
+            __m256i s = _mm256_set1_epi32(-c * a->i[idx]);
+            if (base == Q8_0) {
+                for (int j = 0; j < 8; j++) {
+                    const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq + 4 * j)), q[j]);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], x), ones));
+                }
+            } else { /* 16-bit sums of 8 pairs of 15 * 127 stay below 32768 */
+                __m256i s16 = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(load_i32(xq + 4 * j))));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, ones));
+            }
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(a->d[idx]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+            if (base == Q4_1) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a->t[idx]), acc[r]);
+        }
+    }
+}
+#endif
+
+#if defined(QG_AVX512)
+AI __m512 half16(const uint8_t* p) { /* 16 fp16 to float32 (two F16C conversions) */
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))), 1);
+}
+
+/* acc[r] lanes = y[m0 + r, 16t + p]: one tile (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd). */
+AI void tile_avx512(int base, const uint8_t* tile, const act_q* a, int64_t m0, int R, __m512* acc) {
+    const int64_t tgb = TP * qg_block_bytes(base);
+#if defined(QG_VNNI)
+    const int c = tiled_offset(base, 1);
+#else
+    const int c = tiled_offset(base, 0);
+    const __m512i ones = _mm512_set1_epi16(1);
+#endif
+    const int co = codes_offset(base);
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < a->G; g++) {
+        const uint8_t* b = tile + g * tgb;
+        const __m512 d = half16(b);
+        const __m512 mn = base == Q4_1 ? half16(b + 32) : _mm512_setzero_ps();
+        const uint8_t* cs = b + co;
+        __m512i u[8];
+        if (base == Q8_0) {
+            for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512((const void*)(cs + 64 * j));
+        } else {
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512((const void*)(cs + 64 * j));
+                u[j] = _mm512_and_si512(v, m4);
+                u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+        }
+#if !defined(QG_VNNI)
+        __m512i q[8];
+        if (base == Q8_0)
+            for (int j = 0; j < 8; j++) {
+                q[j] = _mm512_xor_si512(u[j], _mm512_set1_epi8((char)0x80));
+                u[j] = _mm512_abs_epi8(q[j]);
+            }
+#endif
+        for (int r = 0; r < R; r++) {
+            const int8_t* xq = a->q + (m0 + r) * a->K + g * QK;
+            const int64_t idx = (m0 + r) * a->G + g;
+            __m512i s = _mm512_set1_epi32(-c * a->i[idx]);
+#if defined(QG_VNNI)
+            for (int j = 0; j < 8; j++) s = _mm512_dpbusd_epi32(s, u[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+#else
+            if (base == Q8_0) {
+                for (int j = 0; j < 8; j++) { /* x takes q's sign (no 512-bit vpsignb) */
+                    __m512i x = _mm512_set1_epi32(load_i32(xq + 4 * j));
+                    x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(q[j]), _mm512_setzero_si512(), x);
+                    s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(u[j], x), ones));
+                }
+            } else {
+                __m512i s16 = _mm512_setzero_si512();
+                for (int j = 0; j < 8; j++)
+                    s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(u[j], _mm512_set1_epi32(load_i32(xq + 4 * j))));
+                s = _mm512_add_epi32(s, _mm512_madd_epi16(s16, ones));
+            }
+#endif
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a->d[idx]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+            if (base == Q4_1) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->t[idx]), acc[r]);
+        }
+    }
+}
+#endif
+
+/* y[m0 + r, n0 + p] for r < R, p < 16 from acc (row r at acc + r * TP). */
+static inline void store_tile(void* y, int y_bf16, int64_t ldy, int64_t m0, int64_t n0, int R, const float* acc) {
+    for (int r = 0; r < R; r++) {
+        if (y_bf16) for (int p = 0; p < TP; p++) ((uint16_t*)y)[(m0 + r) * ldy + n0 + p] = f32_to_bf16(acc[r * TP + p]);
+        else memcpy((float*)y + (m0 + r) * ldy + n0, acc + r * TP, TP * sizeof(float));
+    }
+}
+
+/* Every activation row against tile t, R (a constant at each call) rows at a time. */
+AI void tile_rows(int base, const uint8_t* tile, const act_q* a, int64_t m0, int R, float out[][TP]) {
+#if defined(QG_AVX512)
+    __m512 acc[TILE_M];
+    tile_avx512(base, tile, a, m0, R, acc);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+#elif defined(QG_AVX2)
+    __m256 acc[TILE_M];
+    for (int h = 0; h < 2; h++) {
+        tile_avx2(base, tile, h, a, m0, R, acc);
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, acc[r]);
+    }
+#else
+    tile_portable(base, tile, a, m0, R, out);
+#endif
+}
+
+AI void task_tile(int base, const uint8_t* w, const act_q* a, int64_t t, int64_t M, void* y, int y_bf16, int64_t ldy) {
+    const uint8_t* tile = w + t * a->G * TP * qg_block_bytes(base);
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
+        const int R = (int)(M - m0 < TILE_M ? M - m0 : TILE_M);
+        float out[TILE_M][TP];
+        switch (R) { /* a constant R per instance: the row loops unroll, the accumulators stay in registers */
+        case TILE_M: tile_rows(base, tile, a, m0, TILE_M, out); break;
+        case 1: tile_rows(base, tile, a, m0, 1, out); break;
+        case 2: tile_rows(base, tile, a, m0, 2, out); break;
+        default: tile_rows(base, tile, a, m0, 3, out); break;
+        }
+        store_tile(y, y_bf16, ldy, m0, t * TP, R, &out[0][0]);
+    }
+}
+
+#define DEFINE_TILE_TASK(NAME, QT) \
+    static void NAME(const uint8_t* w, const act_q* a, int64_t t, int64_t M, void* y, int y_bf16, int64_t ldy) { \
+        task_tile(QT, w, a, t, M, y, y_bf16, ldy); }
+DEFINE_TILE_TASK(tile_task_q4_0, Q4_0)
+DEFINE_TILE_TASK(tile_task_q4_1, Q4_1)
+DEFINE_TILE_TASK(tile_task_q8_0, Q8_0)
+
+/* 1 when this build's SIMD path reads the tiled layout faster than the stored one (x86 AVX2 and AVX-512;
+ * the loader repacks only then). */
+int qg_tiled_preferred(void) {
+#if defined(QG_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* y[m, n] (row stride ldy) = x[m] . W[n] for m < M, n < N. Returns 0, or -1 for an unknown type,
  * a K that is not a whole number of blocks, or a failed allocation. */
 int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, int x_bf16, int64_t M, void* y,
               int y_bf16, int64_t ldy, int num_threads) {
-    const int64_t bs = qg_block_size(qtype);
+    const int base = tiled_base(qtype);
+    const int64_t bs = qg_block_size(base ? base : qtype);
     if (bs == 0 || K % bs != 0 || K <= 0) return -1;
     if (M <= 0 || N <= 0) return 0;
     act_q a;
@@ -580,23 +862,68 @@ int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, 
     a.d = (float*)malloc(sizeof(float) * (size_t)(M * a.G));
     a.s = (float*)malloc(sizeof(float) * (size_t)(M * a.G * 2));
     a.t = (float*)malloc(sizeof(float) * (size_t)(M * a.G));
-    if (!a.q || !a.d || !a.s || !a.t) { free(a.q); free(a.d); free(a.s); free(a.t); return -1; }
+    a.i = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * a.G));
+    if (!a.q || !a.d || !a.s || !a.t || !a.i) { free(a.q); free(a.d); free(a.s); free(a.t); free(a.i); return -1; }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && M * K >= 32768)
     for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, &a);
-    const int64_t rb = row_bytes(qtype, K);
-    const int64_t NB = 8; /* weight rows per task: their bytes stay in L1 while the row tiles pass */
-    const int64_t tasks = (N + NB - 1) / NB;
+    const int fmt = base ? base : qtype;
+    const int64_t rb = row_bytes(fmt, K);
     void (*task)(const uint8_t*, int64_t, const act_q*, int64_t, int64_t, int64_t, void*, int, int64_t) =
-        qtype == Q4_0 ? task_q4_0 : qtype == Q4_1 ? task_q4_1 : qtype == Q8_0 ? task_q8_0 :
-        qtype == Q4_K ? task_q4_k : task_q6_k;
+        fmt == Q4_0 ? task_q4_0 : fmt == Q4_1 ? task_q4_1 : fmt == Q8_0 ? task_q8_0 :
+        fmt == Q4_K ? task_q4_k : task_q6_k;
     const int parallel = num_threads > 1 && N * K * (M < 8 ? M : 8) >= 65536;
+    if (base) { /* tiles of TP rows, then the tail rows (as stored) as one more task */
+        void (*tile_task)(const uint8_t*, const act_q*, int64_t, int64_t, void*, int, int64_t) =
+            base == Q4_0 ? tile_task_q4_0 : base == Q4_1 ? tile_task_q4_1 : tile_task_q8_0;
+        const int64_t NT = N / TP, tasks = NT + (N % TP != 0);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t n1 = (t + 1) * NB < N ? (t + 1) * NB : N;
-        task(w, rb, &a, t * NB, n1, M, y, y_bf16, ldy);
+        for (int64_t t = 0; t < tasks; t++) {
+            if (t < NT) tile_task(w, &a, t, M, y, y_bf16, ldy);
+            else task(w, rb, &a, NT * TP, N, M, y, y_bf16, ldy);
+        }
+    } else {
+        const int64_t NB = 8; /* weight rows per task: their bytes stay in L1 while the row tiles pass */
+        const int64_t tasks = (N + NB - 1) / NB;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t n1 = (t + 1) * NB < N ? (t + 1) * NB : N;
+            task(w, rb, &a, t * NB, n1, M, y, y_bf16, ldy);
+        }
     }
-    free(a.q); free(a.d); free(a.s); free(a.t);
+    free(a.q); free(a.d); free(a.s); free(a.t); free(a.i);
     return 0;
+}
+
+/* Weights of rows ids[0..n) (all N rows when ids is NULL) of an N-row weight as float32 or bf16, [n, K];
+ * any format, tiled ones included (N says which rows are tail rows). */
+void qg_dequantize_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t n, void* out,
+                        int out_bf16, int num_threads) {
+    const int base = tiled_base(qtype), fmt = base ? base : qtype;
+    const int64_t rb = row_bytes(fmt, K), G = K / QK;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && n * K >= 65536)
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t row_id = ids ? ids[r] : r;
+        const uint8_t* row = w + row_id * rb;
+        float* of = out_bf16 ? NULL : (float*)out + r * K;
+        uint16_t* ob = out_bf16 ? (uint16_t*)out + r * K : NULL;
+        switch (qtype) {
+        case Q4_0: dequantize_row(Q4_0, row, G, of, ob); break;
+        case Q4_1: dequantize_row(Q4_1, row, G, of, ob); break;
+        case Q8_0: dequantize_row(Q8_0, row, G, of, ob); break;
+        case Q4_K: dequantize_row(Q4_K, row, G, of, ob); break;
+        case Q6_K: dequantize_row(Q6_K, row, G, of, ob); break;
+        case QG_TILED + Q4_0: dequantize_tiled_row(Q4_0, w, N, G, row_id, of, ob); break;
+        case QG_TILED + Q4_1: dequantize_tiled_row(Q4_1, w, N, G, row_id, of, ob); break;
+        default: dequantize_tiled_row(Q8_0, w, N, G, row_id, of, ob); break;
+        }
+    }
+}
+
+/* The same for the stored formats only (a tiled type needs N: use qg_dequantize_rows). */
+void qg_dequantize(int qtype, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, void* out, int out_bf16,
+                   int num_threads) {
+    if (tiled_base(qtype)) return;
+    qg_dequantize_rows(qtype, w, 0, K, ids, n, out, out_bf16, num_threads);
 }
 
 const char* qg_isa(void) { return ISA_PATH; }
