@@ -83,3 +83,35 @@ def test_a_path_this_cpu_cannot_run_is_not_built(tmp_path, monkeypatch):
         assert load_c_library(batch_invariant._SOURCE, "batch_invariant", batch_invariant._setup,
                               batch_invariant._FLAGS, isa) is None
     assert not list((tmp_path / "kernels").glob("*.so")) if (tmp_path / "kernels").exists() else True
+
+
+def test_clibrary_builds_once_per_process_and_reports_a_missing_build(tmp_path, monkeypatch):
+    """``built`` calls ``load`` once and keeps its answer (None too); ``get`` raises the given message
+    then; ``load`` is not cached; flags given as a function get the resolved ISA path."""
+    from tokenmill import csrc_build
+    from tokenmill.csrc_build import CLibrary
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    asked = []
+
+    def flags(isa: str) -> tuple[str, ...]:
+        asked.append(isa)
+        return batch_invariant._FLAGS
+
+    library = CLibrary(batch_invariant._SOURCE, "batch_invariant", batch_invariant._setup, flags)
+    lib = library.built()
+    if lib is None:
+        pytest.skip("the C kernels cannot be built here")
+    assert library.built() is lib and library.get() is lib and library.available()
+    assert asked == [csrc_build.selected_isa()]  # built once
+    assert library.load("portable").bi_isa().decode() == "portable" and asked[-1] == "portable"
+
+    monkeypatch.setenv("TOKENMILL_DISABLE_CPU_KERNELS", "1")
+    missing = CLibrary(batch_invariant._SOURCE, "batch_invariant", batch_invariant._setup, unavailable="no kernels")
+    assert missing.built() is None and not missing.available()
+    with pytest.raises(RuntimeError, match="^no kernels$"):
+        missing.get()
+    monkeypatch.delenv("TOKENMILL_DISABLE_CPU_KERNELS")
+    assert missing.built() is None  # the first answer is kept for the process
+    assert "batch_invariant CPU kernels are unavailable" in CLibrary(batch_invariant._SOURCE, "batch_invariant",
+                                                                      batch_invariant._setup).unavailable

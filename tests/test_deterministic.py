@@ -123,9 +123,8 @@ def test_deterministic_mode_is_batch_invariant_on_the_portable_path(wide_llama, 
         pytest.skip(f"{isa} is this machine's own path, covered by test_deterministic_mode_is_batch_invariant")
     builds = {module: module._load(isa) for module in (batch_invariant, silu_and_mul_kernel, cpu_decode)}
     assert all(lib is not None for lib in builds.values())
-    monkeypatch.setattr(batch_invariant, "_built", lambda: builds[batch_invariant])
-    monkeypatch.setattr(silu_and_mul_kernel, "_get_lib", lambda: builds[silu_and_mul_kernel])
-    monkeypatch.setattr(cpu_decode, "_get_lib", lambda: builds[cpu_decode])
+    for module, lib in builds.items():
+        monkeypatch.setattr(module.library, "built", lambda lib=lib: lib)
     assert batch_invariant.isa() == isa
     # A short run (the portable path is slow): the target alone, then again beside three other requests
     # under a 16-token chunk budget and with its prompt now a prefix-cache hit.

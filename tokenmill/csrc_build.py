@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -237,3 +238,63 @@ def load_c_library(
     setup(lib)
     loaded_kernels.add((stem, isa))
     return lib
+
+
+class CLibrary:
+    """One C source's library: ``load`` builds it for any ISA path, ``built`` is this process's build
+    (made on the first call, then cached), ``get`` the same or an error, ``available`` whether it exists.
+
+    ``flags`` are the source's own compiler flags (``load_c_library`` adds the ISA path's), or a function
+    of the ISA path returning them. Tests pin another path's build in place of this process's with
+    ``monkeypatch.setattr(library, "built", lambda: other_build)``: ``get`` and ``available`` ask ``built``.
+    """
+
+    def __init__(self, source: Path, stem: str, setup: Callable[[ctypes.CDLL], None],
+                 flags: Sequence[str] | Callable[[str], Sequence[str]] = DEFAULT_FLAGS,
+                 unavailable: str = "") -> None:
+        """``unavailable``: the RuntimeError message of ``get`` when there is no build (default: one
+        naming ``stem`` and the usual causes)."""
+        self.source = source
+        self.stem = stem
+        self.setup = setup
+        self.flags = flags
+        self.unavailable = unavailable or (f"the {stem} CPU kernels are unavailable (no C compiler, build failed, "
+                                           "or TOKENMILL_DISABLE_CPU_KERNELS=1)")
+        self._lock = threading.Lock()
+        self._built: ctypes.CDLL | None = None
+        self._tried = False
+
+    def load(self, isa: str | None = None) -> ctypes.CDLL | None:
+        """Build (or reuse from the disk cache) the library for ``isa`` (default: ``selected_isa()``); None if
+        unavailable (see ``load_c_library``). Not cached in the process: tests compare the paths' builds.
+
+        Raises:
+            ValueError: ``isa`` is not one of ISAS.
+        """
+        if callable(self.flags):
+            isa = selected_isa() if isa is None else isa
+            return load_c_library(self.source, self.stem, self.setup, self.flags(isa), isa)
+        return load_c_library(self.source, self.stem, self.setup, self.flags, isa)
+
+    def built(self) -> ctypes.CDLL | None:
+        """This process's build (``load()`` on the first call, cached after, None included)."""
+        with self._lock:
+            if not self._tried:
+                self._built = self.load()
+                self._tried = True
+            return self._built
+
+    def get(self) -> ctypes.CDLL:
+        """This process's build.
+
+        Raises:
+            RuntimeError: with ``unavailable`` as the message, when there is none.
+        """
+        lib = self.built()
+        if lib is None:
+            raise RuntimeError(self.unavailable)
+        return lib
+
+    def available(self) -> bool:
+        """True if the library can be used in this process (builds it on the first call)."""
+        return self.built() is not None

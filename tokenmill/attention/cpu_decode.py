@@ -7,12 +7,11 @@ compared against the torch reference in torch_paged.py by tests. If no C compile
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
+from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 # Attention does not promise a summation order, so the compiler may reassociate. These are -ffast-math's
@@ -31,19 +30,11 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.paged_decode_isa.restype = ctypes.c_char_p
 
 
-def _load(isa: str | None = None) -> ctypes.CDLL | None:
-    """Build (or reuse) the kernel for ``isa`` (default: csrc_build.selected_isa()); None if unavailable."""
-    return load_c_library(_SOURCE, "paged_decode", _setup, _FLAGS, isa)
-
-
-@functools.cache
-def _get_lib() -> ctypes.CDLL | None:
-    return _load()
-
-
-def available() -> bool:
-    """True if the compiled kernel can be used in this process."""
-    return _get_lib() is not None
+library = CLibrary(_SOURCE, "paged_decode", _setup, _FLAGS)
+# this process's build, or None; tests pin another ISA path's with monkeypatch.setattr(library, "built", ...)
+_get_lib = library.built
+_load = library.load  # any ISA path's build, not cached (tests compare the paths)
+available = library.available
 
 
 def paged_decode_attention(
@@ -61,7 +52,7 @@ def paged_decode_attention(
     Returns [B, num_heads, head_dim] in query's dtype. dtype float32 or bfloat16, CPU only; num_heads a
     multiple of num_kv_heads. A sequence's output depends only on its own query, keys and values.
     """
-    lib = _get_lib()
+    lib = library.built()
     assert lib is not None, "CPU decode kernel is not available"
     return _paged_decode(lib, query, k_cache, v_cache, block_table, seq_lens, scale)
 

@@ -9,13 +9,12 @@ two on the model's shapes and keeps the faster. If no C compiler is present, ``a
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
+from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_prefill.c"
 # FMA contraction for the generic-vector products (C11 mode turns it off by default). No
@@ -35,19 +34,11 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.paged_prefill_vector_width.restype = i32
 
 
-def _load(isa: str | None = None) -> ctypes.CDLL | None:
-    """Build (or reuse) the kernel for ``isa`` (default: csrc_build.selected_isa()); None if unavailable."""
-    return load_c_library(_SOURCE, "paged_prefill", _setup, _FLAGS, isa)
-
-
-@functools.cache
-def _get_lib() -> ctypes.CDLL | None:
-    return _load()
-
-
-def available() -> bool:
-    """True if the compiled kernel can be used in this process."""
-    return _get_lib() is not None
+library = CLibrary(_SOURCE, "paged_prefill", _setup, _FLAGS)
+# this process's build, or None; tests pin another ISA path's with monkeypatch.setattr(library, "built", ...)
+_get_lib = library.built
+_load = library.load  # any ISA path's build, not cached (tests compare the paths)
+available = library.available
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -56,7 +47,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     if not (query.device.type == "cpu" and type(k_cache) is torch.Tensor and query.dtype == k_cache.dtype
             and query.dtype in (torch.float32, torch.bfloat16)):
         return False
-    lib = _get_lib()
+    lib = library.built()
     return lib is not None and query.shape[-1] % lib.paged_prefill_vector_width() == 0
 
 
@@ -80,7 +71,7 @@ def paged_prefill_attention(
         ValueError: shapes or dtypes the kernel does not take.
         RuntimeError: the kernel is unavailable.
     """
-    lib = _get_lib()
+    lib = library.built()
     if lib is None:
         raise RuntimeError("the CPU prefill attention kernel is unavailable")
     return _paged_prefill(lib, query, k_cache, v_cache, metadata, scale, out)

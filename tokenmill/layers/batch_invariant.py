@@ -7,12 +7,11 @@ are built on first use; without a C compiler ``available()`` is False.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
+from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 
 _SOURCE = Path(__file__).parent / "csrc" / "batch_invariant.c"
 # No -ffast-math, no FMA contraction: the summation order written in the C file is the one that runs.
@@ -32,32 +31,14 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.bi_isa.restype = ctypes.c_char_p
 
 
-def _load(isa: str | None = None) -> ctypes.CDLL | None:
-    """Build (or reuse) the kernels for ``isa`` (default: csrc_build.selected_isa()); None if unavailable."""
-    return load_c_library(_SOURCE, "batch_invariant", _setup, _FLAGS, isa)
-
-
-@functools.cache
-def _built() -> ctypes.CDLL | None:
-    return _load()
-
-
-def _get_lib() -> ctypes.CDLL:
-    lib = _built()
-    if lib is None:
-        raise RuntimeError(
-            "batch-invariant CPU kernels are unavailable (no C compiler, build failed, or TOKENMILL_DISABLE_CPU_KERNELS=1)"
-        )
-    return lib
-
-
-def available() -> bool:
-    """True if the compiled kernels can be used in this process (builds them on the first call)."""
-    try:
-        _get_lib()
-    except RuntimeError:
-        return False
-    return True
+library = CLibrary(_SOURCE, "batch_invariant", _setup, _FLAGS, unavailable=(
+    "batch-invariant CPU kernels are unavailable (no C compiler, build failed, or TOKENMILL_DISABLE_CPU_KERNELS=1)"))
+# this process's build (None, or RuntimeError from _get_lib, when unavailable); tests pin another ISA
+# path's with monkeypatch.setattr(library, "built", ...)
+_built = library.built
+_get_lib = library.get
+_load = library.load  # any ISA path's build, not cached (tests compare the paths)
+available = library.available
 
 
 def isa() -> str:
@@ -67,7 +48,7 @@ def isa() -> str:
     Raises:
         RuntimeError: the kernels are not available.
     """
-    return _get_lib().bi_isa().decode()
+    return library.get().bi_isa().decode()
 
 
 def bi_linear(
@@ -91,7 +72,7 @@ def bi_linear(
             a non-contiguous weight.
         RuntimeError: the kernels are not available (check ``available()`` first).
     """
-    return _linear(_get_lib(), x, weight, bias, out_dtype)
+    return _linear(library.get(), x, weight, bias, out_dtype)
 
 
 def _linear(
@@ -149,7 +130,7 @@ def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
             non-CPU tensor.
         RuntimeError: the kernels are not available.
     """
-    return _rms_norm(_get_lib(), x, weight, eps)
+    return _rms_norm(library.get(), x, weight, eps)
 
 
 def _rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

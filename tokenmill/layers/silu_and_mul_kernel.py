@@ -6,12 +6,11 @@ are in the batch (see the C file); this kernel cannot. Built on first use like t
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
+from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 
 _SOURCE = Path(__file__).parent / "csrc" / "silu_and_mul.c"
 # No FMA contraction: every ISA path computes the same formula in the same order.
@@ -27,19 +26,11 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.silu_and_mul_isa.restype = ctypes.c_char_p
 
 
-def _load(isa: str | None = None) -> ctypes.CDLL | None:
-    """Build (or reuse) the kernel for ``isa`` (default: csrc_build.selected_isa()); None if unavailable."""
-    return load_c_library(_SOURCE, "silu_and_mul", _setup, _FLAGS, isa)
-
-
-@functools.cache
-def _get_lib() -> ctypes.CDLL | None:
-    return _load()
-
-
-def available() -> bool:
-    """True if the compiled kernel can be used in this process."""
-    return _get_lib() is not None
+library = CLibrary(_SOURCE, "silu_and_mul", _setup, _FLAGS)
+# this process's build, or None; tests pin another ISA path's with monkeypatch.setattr(library, "built", ...)
+_get_lib = library.built
+_load = library.load  # any ISA path's build, not cached (tests compare the paths)
+available = library.available
 
 
 def bi_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +48,7 @@ def bi_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"bi_silu_and_mul needs a float32 or bfloat16 CPU tensor, got {x.dtype} on {x.device}")
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"bi_silu_and_mul needs [M, 2 * I], got {tuple(x.shape)}")
-    lib = _get_lib()
+    lib = library.built()
     if lib is None:
         raise RuntimeError("the batch-invariant SiLU kernel could not be built (is a C compiler installed?)")
     return _silu_and_mul(lib, x)

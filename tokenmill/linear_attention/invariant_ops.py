@@ -9,12 +9,11 @@ the other CPU kernels.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
+from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 
 _SOURCE = Path(__file__).parent / "csrc" / "gated_delta.c"
 _FLAGS = (*DEFAULT_FLAGS, "-ffp-contract=off")  # no FMA contraction: one rounding sequence per operation
@@ -30,22 +29,10 @@ def _setup(lib: ctypes.CDLL) -> None:
         fn.restype = None
 
 
-@functools.cache
-def _lib() -> ctypes.CDLL:
-    lib = load_c_library(_SOURCE, "gated_delta", _setup, _FLAGS)
-    if lib is None:
-        raise RuntimeError("the batch-invariant Gated DeltaNet kernel could not be built (is a C compiler installed?)")
-    return lib
-
-
-@functools.cache
-def available() -> bool:
-    """True if the compiled kernel can be used in this process."""
-    try:
-        _lib()
-    except RuntimeError:
-        return False
-    return True
+library = CLibrary(_SOURCE, "gated_delta", _setup, _FLAGS, unavailable=(
+    "the batch-invariant Gated DeltaNet kernel could not be built (is a C compiler installed?)"))
+_lib = library.get  # this process's build (RuntimeError when unavailable)
+available = library.available
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -75,9 +62,9 @@ def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         slots = slots.to(torch.int64).contiguous()
         assert num_seqs == 0 or 0 <= int(slots.min()) and int(slots.max()) < state.shape[0]
     out = torch.empty(q.shape[0], heads, dv, dtype=torch.float32)
-    _lib().gdn_recurrent_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-                             state.data_ptr(), None if slots is None else slots.data_ptr(), out.data_ptr(),
-                             num_seqs, seq_len, heads, dk, dv)
+    library.get().gdn_recurrent_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                     state.data_ptr(), None if slots is None else slots.data_ptr(), out.data_ptr(),
+                                     num_seqs, seq_len, heads, dk, dv)
     return out
 
 
@@ -87,8 +74,8 @@ def gates(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.
     neg_a = -exp(A_log), dt_bias: [H]."""
     a, b, neg_a, dt_bias = (_f32(x) for x in (a, b, neg_a, dt_bias))
     g, beta = torch.empty_like(a), torch.empty_like(a)
-    _lib().gdn_gates_f32(a.data_ptr(), b.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(), g.data_ptr(),
-                         beta.data_ptr(), a.shape[0], a.shape[1])
+    library.get().gdn_gates_f32(a.data_ptr(), b.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(), g.data_ptr(),
+                                 beta.data_ptr(), a.shape[0], a.shape[1])
     return g, beta
 
 
@@ -96,7 +83,7 @@ def sigmoid(x: torch.Tensor, silu: bool = False) -> torch.Tensor:
     """sigmoid(x), or x * sigmoid(x) with ``silu``: any shape, float32 result."""
     x = _f32(x)
     out = torch.empty_like(x)
-    _lib().gdn_sigmoid_f32(x.data_ptr(), out.data_ptr(), x.numel(), int(silu))
+    library.get().gdn_sigmoid_f32(x.data_ptr(), out.data_ptr(), x.numel(), int(silu))
     return out
 
 
@@ -105,5 +92,5 @@ def row_inv_norm(x: torch.Tensor, eps: float, mean: bool) -> torch.Tensor:
     x = _f32(x)
     dim = x.shape[-1]
     scale = torch.empty(*x.shape[:-1], 1, dtype=torch.float32)
-    _lib().gdn_row_inv_norm_f32(x.data_ptr(), scale.data_ptr(), x.numel() // dim, dim, eps, int(mean))
+    library.get().gdn_row_inv_norm_f32(x.data_ptr(), scale.data_ptr(), x.numel() // dim, dim, eps, int(mean))
     return scale

@@ -16,7 +16,6 @@ with the other C kernels (docs/lean_decode.md).
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.attention import cpu_decode
-from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
+from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 from tokenmill.layers import batch_invariant, silu_and_mul_kernel
 from tokenmill.quantization import qgemm
 
@@ -66,20 +65,11 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.ld_decode.restype = ctypes.c_int
 
 
-def _load(isa: str | None = None) -> ctypes.CDLL | None:
-    """Build (or reuse) the step's library for ``isa`` (default: csrc_build.selected_isa()); None if
-    unavailable. It holds no SIMD code of its own: the kernels it calls carry the ISA path."""
-    return load_c_library(_SOURCE, "lean_decode", _setup, DEFAULT_FLAGS, isa)
-
-
-@functools.cache
-def _built() -> ctypes.CDLL | None:
-    return _load()
-
-
-def available() -> bool:
-    """True if the library can be used in this process (builds it on the first call)."""
-    return _built() is not None
+# The step's library. It holds no SIMD code of its own: the kernels it calls carry the ISA path.
+library = CLibrary(_SOURCE, "lean_decode", _setup, DEFAULT_FLAGS)
+_built = library.built  # this process's build, or None
+_load = library.load  # any ISA path's build, not cached (tests run the step on another path)
+available = library.available
 
 
 def _address(fn) -> int:
@@ -91,9 +81,9 @@ def kernel_set(dtype: torch.dtype, isa: str | None = None) -> tuple[_Kernels, st
     ones the torch path's layers call) or builds for ``isa`` (tests run the step on another path). None when
     one of them cannot be built."""
     if isa is None:
-        libs = (qgemm._built(), batch_invariant._built(), silu_and_mul_kernel._get_lib(), cpu_decode._get_lib())
+        libs = tuple(m.library.built() for m in (qgemm, batch_invariant, silu_and_mul_kernel, cpu_decode))
     else:
-        libs = (qgemm._load(isa), batch_invariant._load(isa), silu_and_mul_kernel._load(isa), cpu_decode._load(isa))
+        libs = tuple(m.library.load(isa) for m in (qgemm, batch_invariant, silu_and_mul_kernel, cpu_decode))
     if any(lib is None for lib in libs):
         return None
     q, bi, silu, attn = libs
@@ -318,7 +308,7 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
     described = _describe(layers, dtype)
     if isinstance(described, str):
         return described
-    lib = _built() if isa is None else _load(isa)
+    lib = library.built() if isa is None else library.load(isa)
     kernels = kernel_set(dtype, isa)
     if lib is None or kernels is None:
         return "the lean decode library or a kernel it calls cannot be built here"
