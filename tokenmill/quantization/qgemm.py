@@ -12,13 +12,12 @@ reports it).
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
 from tokenmill import csrc_build
-from tokenmill.csrc_build import DEFAULT_FLAGS, load_c_library
+from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 from tokenmill.quantization.formats import TILED, TILED_FORMATS, QuantizedTensor, block_size, is_tiled, qtype_name
 
 _SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
@@ -51,38 +50,21 @@ def flags_for(isa: str) -> tuple[str, ...]:
     return _FLAGS
 
 
-def _load(isa: str | None = None) -> ctypes.CDLL | None:
-    """Build (or reuse) the kernels for ``isa`` (default: csrc_build.selected_isa()); None if unavailable."""
-    isa = csrc_build.selected_isa() if isa is None else isa
-    return load_c_library(_SOURCE, "qgemm", _setup, flags_for(isa), isa)
-
-
-@functools.cache
-def _built() -> ctypes.CDLL | None:
-    return _load()
-
-
-def _get_lib() -> ctypes.CDLL:
-    lib = _built()
-    if lib is None:
-        raise RuntimeError("the quantized-weight CPU kernels are unavailable (no C compiler, build failed, or "
-                           "TOKENMILL_DISABLE_CPU_KERNELS=1); load the model with quantization='none'")
-    return lib
-
-
-def available() -> bool:
-    """True if the compiled kernels can be used in this process (builds them on the first call)."""
-    try:
-        _get_lib()
-    except RuntimeError:
-        return False
-    return True
+library = CLibrary(_SOURCE, "qgemm", _setup, flags_for, unavailable=(
+    "the quantized-weight CPU kernels are unavailable (no C compiler, build failed, or "
+    "TOKENMILL_DISABLE_CPU_KERNELS=1); load the model with quantization='none'"))
+# this process's build (None, or RuntimeError from _get_lib, when unavailable); tests pin another ISA
+# path's with monkeypatch.setattr(library, "built", ...)
+_built = library.built
+_get_lib = library.get
+_load = library.load  # any ISA path's build, not cached (tests compare the paths)
+available = library.available
 
 
 def isa() -> str:
     """The build's path: "portable", "avx2", "avx512" or "avx512_bf16", with "+vnni" where the AVX-512
     VNNI product is built in. RuntimeError when unavailable."""
-    lib = _get_lib()
+    lib = library.get()
     return lib.qg_isa().decode() + ("+vnni" if lib.qg_vnni() else "")
 
 
@@ -100,7 +82,7 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k:
         ValueError: wrong shapes, dtypes or devices, or an unsupported ``qtype``.
         RuntimeError: the kernels are unavailable.
     """
-    return _linear(_get_lib(), x, data, qtype, n, k, out, out_dtype)
+    return _linear(library.get(), x, data, qtype, n, k, out, out_dtype)
 
 
 def _linear(lib: ctypes.CDLL, x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k: int,
@@ -140,7 +122,7 @@ def dequantize(data: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None 
         ValueError: an unsupported type or dtype, ids out of range, or an ``out`` of the wrong shape.
         RuntimeError: the kernels are unavailable.
     """
-    return _dequantize(_get_lib(), data, qtype, k, ids, dtype, out)
+    return _dequantize(library.get(), data, qtype, k, ids, dtype, out)
 
 
 def _dequantize(lib: ctypes.CDLL, data: torch.Tensor, qtype: int, k: int, ids: torch.Tensor | None,
@@ -167,7 +149,7 @@ def _dequantize(lib: ctypes.CDLL, data: torch.Tensor, qtype: int, k: int, ids: t
 def tiled_preferred() -> bool:
     """True when this process's build multiplies the tiled layout faster than the stored one (the x86
     SIMD paths; the portable and NEON builds keep the stored layout). False when unavailable."""
-    lib = _built()
+    lib = library.built()
     return lib is not None and bool(lib.qg_tiled_preferred())
 
 
@@ -179,7 +161,7 @@ def repack(weight: QuantizedTensor) -> QuantizedTensor:
         ValueError: a format without a tiled layout (or one already tiled).
         RuntimeError: the kernels are unavailable.
     """
-    return _repack(_get_lib(), weight)
+    return _repack(library.get(), weight)
 
 
 def _repack(lib: ctypes.CDLL, weight: QuantizedTensor) -> QuantizedTensor:
