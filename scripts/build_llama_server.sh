@@ -67,6 +67,8 @@ nice -n "$NICE" cmake --build "$WORK/build" --target llama-server -j "$JOBS" >"$
 mkdir -p "$PREFIX/bin"
 install -m 755 "$WORK/build/bin/llama-server" "$BIN.tmp"
 mv -f "$BIN.tmp" "$BIN"   # atomic: a half-copied binary is never at $BIN
+# What bench compare reads to know this binary has no AMX code, so it needs no --no-repack guard.
+echo "amx=$([ ${#NO_AMX[@]} -gt 0 ] && echo off || echo none-on-this-cpu)" > "$PREFIX/build-info.txt"
 rm -rf "$WORK"
 "$BIN" --version >&2 2>&1 || true
 echo "$BIN"

@@ -108,6 +108,19 @@ def test_amx_cpus_get_no_repack_unless_the_user_chose():
     assert peer_args_for_this_cpu(("-ub", "256"), plain) == ("-ub", "256")
 
 
+def test_binaries_built_without_amx_repack_as_llama_cpp_defaults(tmp_path):
+    amx = frozenset({"avx512f", "amx_tile"})
+    binary = tmp_path / "bin" / "llama-server"
+    binary.parent.mkdir()
+    binary.write_text("")
+    assert peer_args_for_this_cpu((), amx, binary) == ("--no-repack",)  # provenance unknown: guarded
+    (tmp_path / "build-info.txt").write_text("amx=none-on-this-cpu\n")
+    assert peer_args_for_this_cpu((), amx, binary) == ("--no-repack",)  # built where there was no AMX
+    (tmp_path / "build-info.txt").write_text("amx=off\n")
+    assert peer_args_for_this_cpu((), amx, binary) == ()  # the script's AMX-free build: llama.cpp's defaults
+    assert peer_args_for_this_cpu(("-nr",), amx, binary) == ("-nr",)
+
+
 def test_ratios_and_notes_come_from_the_measured_runs_only():
     def served(engine: str, outputs: list[int], wall: float, ok: bool = True, prompt: int = 10) -> ServedRun:
         results = [RequestResult(ok, prompt_len=prompt, output_len=n if ok else 0, ttft=0.1 if ok else None,

@@ -182,7 +182,7 @@ def run_llama_server(peer: ServerPeer, model_path: Any, requests: list[SampledRe
     longest = max(r.prompt_len + r.expected_output_len for r in [*requests, warmup_request(requests)])
     port = free_port()
     slot_tokens = slot_context(longest + SLOT_MARGIN)
-    peer_args = peer_args_for_this_cpu(config.peer_args, csrc_build.cpu_flags())
+    peer_args = peer_args_for_this_cpu(config.peer_args, csrc_build.cpu_flags(), peer.binary)
     command = llama_server_command(peer.binary, model_path, config.threads, config.parallel, slot_tokens, port,
                                    peer_args)
     version = binary_version(peer.binary)
