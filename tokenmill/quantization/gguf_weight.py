@@ -6,6 +6,12 @@ dequantizing the weight and handing it to torch's GEMM, per row count as the CPU
 decides (``dequantize_table``); deterministic mode always takes the quantized kernel, whose rows are
 batch invariant. Used by ``tokenmill.layers.linear.Linear`` and ``tokenmill.layers.embedding``.
 
+Q4_0 and Q4_1 segments can be repacked once, here, into qgemm's tiled layout (same bytes; 16 rows
+interleaved per group of 32) where this build multiplies that layout faster (``qgemm.tiled_preferred``:
+the x86 SIMD builds); ``_DEFAULT_TILED`` lists the formats repacked by default. Q8_0 is not: a tied GGUF embedding's raw blocks stay registered as the
+embedding's buffer (``tokenmill.layers.embedding``), so a tiled copy for the LM head would add its
+bytes (30 MB for SmolLM2). ``TILED_LAYOUT`` pins the formats to repack (benchmarks compare layouts).
+
 The dequantized weight of a prefill-sized product lives only for that product: it is written into one
 scratch buffer per thread and dtype, grown to the largest layer (a few MB), so no dequantized copy of
 the model is kept and no fresh allocation is page-faulted per layer.
@@ -19,9 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.quantization import qgemm
-from tokenmill.quantization.formats import QuantizedTensor, qtype_name
+from tokenmill.quantization.formats import TILED_FORMATS, QuantizedTensor, qtype_name
 
-_scratch = threading.local()  # dtype -> flat buffer for one dequantized weight, per thread
+_scratch = threading.local()
+# The formats whose segments are repacked into the tiled layout in weights built from now on: None for
+# the default (_DEFAULT_TILED where qgemm.tiled_preferred()), else any of TILED_FORMATS (() for none).
+TILED_LAYOUT: tuple[int, ...] | None = None
+_DEFAULT_TILED: tuple[int, ...] = ()  # measured faster for (2, 3) = Q4_0, Q4_1; on by default once the full suite has run with it  # dtype -> flat buffer for one dequantized weight, per thread
 
 
 def _scratch_buffer(dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -37,7 +47,8 @@ class GGUFWeight:
     """A [out_features, in_features] weight kept in GGUF block formats.
 
     ``parts``: QuantizedTensor row segments, stacked in order along the output dimension (all with
-    in_features columns). ``dequantize_table`` (set by ``tokenmill.runner.cpu_kernels``): per row count
+    in_features columns), as stored; ``self.parts`` holds them merged and, for the formats that have
+    one, in the tiled layout where that is the faster one (see the module docstring). ``dequantize_table`` (set by ``tokenmill.runner.cpu_kernels``): per row count
     (entry ``min(rows, len - 1)``), True to dequantize and use torch's GEMM; empty means always the
     quantized kernel.
 
@@ -58,6 +69,10 @@ class GGUFWeight:
                 merged[-1] = QuantizedTensor(p.qtype, (last.shape[0] + p.shape[0], k), torch.cat([last.data, p.data]))
             else:
                 merged.append(p)
+        tiled = (_DEFAULT_TILED if qgemm.tiled_preferred() else ()) if TILED_LAYOUT is None else TILED_LAYOUT
+        assert all(f in TILED_FORMATS for f in tiled), tiled
+        # the stored copy is dropped (unless the caller keeps it): memory stays that of the blocks
+        merged = [qgemm.repack(p) if p.qtype in tiled else p for p in merged]
         self.parts = merged
         self.in_features = k
         self.out_features = sum(p.shape[0] for p in merged)

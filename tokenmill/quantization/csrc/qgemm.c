@@ -614,7 +614,12 @@ AI void untile_block(int base, const uint8_t* tg, int p, uint8_t* blk) {
     const int hdr = base == Q4_1 ? 4 : 2, co = codes_offset(base), nq = base == Q8_0 ? 32 : 16;
     memcpy(blk, tg + 2 * p, 2);
     if (base == Q4_1) memcpy(blk + 2, tg + 32 + 2 * p, 2);
-    for (int k = 0; k < nq; k++) blk[hdr + k] = (uint8_t)(tg[co + 64 * (k / 4) + 4 * p + k % 4] ^ (base == Q8_0 ? 0x80 : 0));
+    for (int j = 0; j < nq / 4; j++) { /* 4 codes at a time */
+        uint32_t v;
+        memcpy(&v, tg + co + 64 * j + 4 * p, 4);
+        if (base == Q8_0) v ^= 0x80808080u;
+        memcpy(blk + hdr + 4 * j, &v, 4);
+    }
 }
 
 /* Row r of a tiled weight of N rows as float32/bf16: each block rebuilt as stored and expanded by

@@ -1,0 +1,132 @@
+"""The quantized product (tokenmill/quantization/csrc/qgemm.c): the stored GGUF layout against the tiled
+one (``qgemm.repack``), per call, interleaved in one run; and batch-1 decode of the embedded SmolLM2
+Q4_1 model with the weights in either layout.
+
+Per call: random blocks of the embedded model's shapes (Q4_1 N x K = 1536 x 576, 576 x 1536, 576 x 576;
+the Q8_0 LM head 49152 x 576), activation rows M in 1, 2, 4, 5, 8, 32, at 1 and 2 threads. Each repeat
+times the stored layout then the tiled one (order alternating per repeat), each the median of a batch
+of calls; the median over repeats is printed in microseconds. Decode: greedy, 256 new tokens with
+ignore_eos after a warm-up, three engines (stored layout; Q4_0/Q4_1 tiled, the default; Q8_0 LM head
+tiled too) built in this process and run in turns, median decode tok/s (first token excluded) over the
+rounds.
+
+    python benchmarks/qgemm.py                    # both parts
+    python benchmarks/qgemm.py --no-decode --repeats 9
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+SHAPES = (("Q4_1", 3, 1536, 576), ("Q4_1", 3, 576, 1536), ("Q4_1", 3, 576, 576), ("Q8_0", 8, 49152, 576))
+ROWS = (1, 2, 4, 5, 8, 32)
+
+
+def random_weight(qtype: int, n: int, k: int):
+    import numpy as np
+
+    from tokenmill.quantization.formats import GGUF_QUANT_TYPES, QuantizedTensor
+
+    _, _, bb = GGUF_QUANT_TYPES[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(n, k // 32, bb), dtype=np.uint8)
+    half_fields = 2 if qtype == 3 else 1
+    for f in range(half_fields):
+        raw[:, :, 2 * f:2 * f + 2] = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16).view(
+            np.uint8).reshape(n, k // 32, 2)
+    return QuantizedTensor(qtype, (n, k), torch.from_numpy(raw.reshape(n, -1).copy()))
+
+
+def time_call(fn, calls: int) -> float:
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def bench_calls(repeats: int, threads: tuple[int, ...]) -> None:
+    from tokenmill.quantization import qgemm
+
+    print(f"qgemm ISA path: {qgemm.isa()}; per-call median of {repeats} repeats, microseconds")
+    print(f"{'shape':<22}{'thr':>4}{'M':>4}{'stored':>10}{'tiled':>10}{'speedup':>9}")
+    for name, qtype, n, k in SHAPES:
+        stored = random_weight(qtype, n, k)
+        tiled = qgemm.repack(stored)
+        for nt in threads:
+            torch.set_num_threads(nt)
+            for m in ROWS:
+                x = torch.randn(m, k)
+                y = torch.empty(m, n)
+                calls = max(3, int(2e5 / (n * k * min(m, 8) / 1e3)))
+                times = {"stored": [], "tiled": []}
+                for rep in range(repeats):
+                    order = (stored, tiled) if rep % 2 == 0 else (tiled, stored)
+                    for w in order:
+                        label = "tiled" if w is tiled else "stored"
+                        times[label].append(time_call(
+                            lambda w=w: qgemm.quantized_linear(x, w.data, w.qtype, n, k, out=y), calls))
+                a, b = statistics.median(times["stored"]) * 1e6, statistics.median(times["tiled"]) * 1e6
+                print(f"{name} {n}x{k:<12}{nt:>4}{m:>4}{a:>10.1f}{b:>10.1f}{a / b:>8.2f}x", flush=True)
+
+
+LAYOUTS = {"stored": (), "tiled Q4": (2, 3), "tiled Q4+Q8_0": (2, 3, 8)}  # formats repacked (gguf_weight.TILED_LAYOUT)
+
+
+def bench_decode(rounds: int, threads: int, tokens: int) -> None:
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.quantization import gguf_weight
+
+    engines = {}
+    for layout, formats in LAYOUTS.items():
+        gguf_weight.TILED_LAYOUT = formats
+        engines[layout] = LLM(num_threads=threads)
+    gguf_weight.TILED_LAYOUT = None
+    prompt = [{"prompt_token_ids": list(range(1000, 1064))}]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for llm in engines.values():  # warm-up
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    rates = {k: [] for k in engines}
+    names = list(engines)
+    for r in range(rounds):
+        for layout in (names if r % 2 == 0 else names[::-1]):
+            llm = engines[layout]
+            t0 = time.perf_counter()
+            llm.generate(prompt, first)
+            t1 = time.perf_counter()
+            out = llm.generate(prompt, params)[0]
+            t2 = time.perf_counter()
+            n = len(out.outputs[0].token_ids)
+            rates[layout].append((n - 1) / ((t2 - t1) - (t1 - t0)))  # decode only: the prefill run subtracted
+    for llm in engines.values():
+        llm.close()
+    base = statistics.median(rates["stored"])
+    print(f"batch-1 decode, {threads} threads, {tokens} tokens, median of {rounds} rounds: " +
+          ", ".join(f"{k} {statistics.median(v):.1f} tok/s ({statistics.median(v) / base:.2f}x)"
+                    for k, v in rates.items()), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--no-calls", action="store_true")
+    parser.add_argument("--no-decode", action="store_true")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=256)
+    args = parser.parse_args()
+    threads = tuple(int(t) for t in args.threads.split(","))
+    if not args.no_calls:
+        bench_calls(args.repeats, threads)
+    if not args.no_decode:
+        for nt in threads:
+            bench_decode(args.rounds, nt, args.tokens)
+
+
+if __name__ == "__main__":
+    main()
