@@ -620,6 +620,33 @@ def test_smollm2_copy_task_accepts_most_drafts_and_matches_plain_decoding(smollm
     smollm2.engine.check_integrity()
 
 
+def test_verify_rows_take_plain_decodings_kernels_whatever_the_plan_says_at_their_row_count(smollm2):
+    """The measured plan may dequantize for torch's GEMM at a verify step's row count (forced here for
+    every count from 2 rows); a verify step run as decode rows still takes the kernel plain decoding
+    takes at its batch of one request, so its log-probabilities are plain decoding's bit for bit."""
+    quants = [m.quant for m in smollm2.engine.runner.model.modules()
+              if getattr(m, "quant", None) is not None and m.quant.dequantize_table]
+    assert quants, "the plan dequantizes at no row count here; this test forces it where it does"
+    saved = [q.dequantize_table for q in quants]
+    stats = set_spec(smollm2, num_speculative_tokens=4, enable_adaptive_verification=False).stats
+    try:
+        for q in quants:
+            q.dequantize_table = (False, False) + (True,) * (len(q.dequantize_table) - 2)
+        params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+        outputs = []
+        for run in (plain(params), params):  # each prefills the whole prompt alike: no prefix-cache hit
+            smollm2.reset_prefix_cache()
+            outputs.append(smollm2.chat(COPY_MESSAGES, run)[0].outputs[0])
+        want, got = outputs
+    finally:
+        for q, table in zip(quants, saved):
+            q.dequantize_table = table
+    assert stats.num_accepted_tokens >= 8, stats
+    assert got.token_ids == want.token_ids
+    assert [{t: lp.logprob for t, lp in p.items()} for p in got.logprobs] == \
+        [{t: lp.logprob for t, lp in p.items()} for p in want.logprobs]
+
+
 def test_smollm2_adaptive_verification_keeps_drafting_on_the_copy_task(smollm2, smollm2_copy):
     """Adaptive verification (the default) where a step is bound by reading the weights (each extra
     token 10% of a one-token step): the copy task's drafts pay, so they keep being verified."""

@@ -70,6 +70,11 @@ class AttentionMetadata:
     # Hybrid models: tokenmill.linear_attention.state_cache.LinearStateMetadata (state slots of the
     # linear layers), set by the runner; None for attention-only models.
     linear_state: Any = None
+    # The row count that picks the step's kernels where the measured plan chooses per row count (the lean
+    # decode step's quantized-kernel check); None: the step's tokens. A verify step run as decode rows
+    # sets it to its requests, the batch plain decoding would run, so its rows take plain decoding's
+    # kernels (the quantized kernel's rows are batch invariant) and equal it bit for bit.
+    dispatch_rows: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -210,7 +210,8 @@ class LeanDecode:
                 or metadata.query_start_loc.shape[0] != num_tokens + 1):
             return None  # not decode-only
         table = self._probe.dequantize_table
-        if table and table[min(num_tokens, len(table) - 1)]:
+        rows = metadata.dispatch_rows or num_tokens  # a verify step: the batch plain decoding would run
+        if table and table[min(rows, len(table) - 1)]:
             return None  # the measured plan dequantizes for torch's GEMM at this many rows
         if _weights_key(model.layers) != self._weights_key:  # parameters reallocated (RL wake-up): describe again
             described = _describe(list(model.layers), self.dtype)

@@ -6,6 +6,7 @@ log-probabilities were asked for), and returns plain Python results in a ModelRu
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -160,6 +161,7 @@ class ModelRunner:
         if self._verify_as_decode_rows(scheduler_output, requests, num_computed):
             metadata, positions = build_attention_metadata(*verify_rows_layout(query_lens, num_computed, block_table),
                                                            self.block_size)
+            metadata = dataclasses.replace(metadata, dispatch_rows=len(requests))
             query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)]))  # (B + 1,) per request
         else:
             metadata, positions = build_attention_metadata(
