@@ -280,7 +280,9 @@ def _race_prefill(attn: Attention, dtype: torch.dtype, length: int, block_size: 
 def _cache_key(model: nn.Module, dtype: torch.dtype) -> str:
     shapes = sorted({(type(m).__name__, tuple(p.shape), str(p.dtype)) for m in model.modules()
                      for p in (*m.parameters(recurse=False), *m.buffers(recurse=False))})
-    quant_kinds = sorted({m.quant.describe() for m in model.modules() if getattr(m, "quant", None) is not None})
+    # Type ids, not names: a tiled layout (id + formats.TILED) is timed apart from the stored one.
+    quant_kinds = sorted({(m.quant.describe(), tuple(getattr(p, "qtype", -1) for p in getattr(m.quant, "parts", ())))
+                          for m in model.modules() if getattr(m, "quant", None) is not None})
     shapes.append(("quantized", tuple(quant_kinds), ""))
     sources = b"".join(p.read_bytes() for p in (batch_invariant._SOURCE, silu_and_mul_kernel._SOURCE,
                                                 cpu_decode._SOURCE, qgemm._SOURCE, cpu_prefill._SOURCE))
