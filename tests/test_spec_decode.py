@@ -346,6 +346,18 @@ def tiny_llama(tiny_engines):
     return tiny_engines("llama")
 
 
+def test_only_decoding_steps_price_the_step_cost_model(tiny_llama):
+    """A short prefill runs another path than a verify step of as many tokens and is far slower; it
+    must not price that size (a size priced too high is never planned, so never timed again)."""
+    speculator = set_spec(tiny_llama.llm, num_speculative_tokens=4)
+    tiny_llama.llm.reset_prefix_cache()
+    prefill_only = SamplingParams(temperature=0.0, max_tokens=1)
+    tiny_llama.llm.generate(token_prompts([[5, 6, 7]]), prefill_only)  # one step: a 3-token prefill
+    assert speculator.cost_model.num_observed.sum() == 0
+    tiny_llama.llm.generate(token_prompts([[9, 10, 11]]), SamplingParams(temperature=0.0, max_tokens=6))
+    assert speculator.cost_model.num_observed[1] > 0  # its decoding steps were timed
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_greedy_is_token_identical_to_plain_decoding(tiny, k):
     stats = set_spec(tiny.llm, num_speculative_tokens=k).stats
