@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -19,11 +20,34 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[1]
 
 
+_PORTS_FILE = Path(tempfile.gettempdir()) / "tokenmill-test-ports.json"
+_PORT_HOLD_S = 600.0
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port nobody listens on right now, and not handed to another test process in the last
+    ``_PORT_HOLD_S`` seconds. pytest-xdist workers pick ports at the same moment, and the kernel can
+    give two of them the same free port before either server has bound it: one server then fails to
+    bind while its test talks to the other's (seen in CI: a worker's /debug/status answered by a router).
+    The ports handed out are kept in a file under an exclusive lock, shared by every test process."""
+    import fcntl
+
+    with open(f"{_PORTS_FILE}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        now = time.time()
+        try:
+            taken = {int(p): t for p, t in json.loads(_PORTS_FILE.read_text()).items() if now - t < _PORT_HOLD_S}
+        except (OSError, ValueError, AttributeError):
+            taken = {}
+        for _ in range(1000):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in taken:
+                break
+        taken[port] = now
+        _PORTS_FILE.write_text(json.dumps(taken))
+        return port
 
 
 class ServerProcess:

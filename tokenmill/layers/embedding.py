@@ -38,7 +38,9 @@ class VocabEmbedding(nn.Module):
         self.quant_dtype = self.weight.dtype
         self.weight = None
         self.quant = GGUFWeight([weight])
-        self.register_buffer("qweight_0", weight.data)
+        # The blocks as GGUFWeight keeps them (repacked into the tiled layout where that is the default),
+        # so a tied LM head reading the tiled copy does not leave the stored one alive beside it.
+        self.register_buffer("qweight_0", self.quant.tensors()[0])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:

@@ -6,11 +6,11 @@ dequantizing the weight and handing it to torch's GEMM, per row count as the CPU
 decides (``dequantize_table``); deterministic mode always takes the quantized kernel, whose rows are
 batch invariant. Used by ``tokenmill.layers.linear.Linear`` and ``tokenmill.layers.embedding``.
 
-Q4_0 and Q4_1 segments can be repacked once, here, into qgemm's tiled layout (same bytes; 16 rows
+Q4_0, Q4_1 and Q8_0 segments can be repacked once, here, into qgemm's tiled layout (same bytes; 16 rows
 interleaved per group of 32) where this build multiplies that layout faster (``qgemm.tiled_preferred``:
-the x86 SIMD builds); ``_DEFAULT_TILED`` lists the formats repacked by default. Q8_0 is not: a tied GGUF embedding's raw blocks stay registered as the
-embedding's buffer (``tokenmill.layers.embedding``), so a tiled copy for the LM head would add its
-bytes (30 MB for SmolLM2). ``TILED_LAYOUT`` pins the formats to repack (benchmarks compare layouts).
+the x86 SIMD builds); ``_DEFAULT_TILED`` lists the formats repacked by default. A tied GGUF embedding
+registers the repacked blocks (``tokenmill.layers.embedding``) and reads its rows from them, so the
+tiled LM head costs no second copy. ``TILED_LAYOUT`` pins the formats to repack (benchmarks compare layouts).
 
 The dequantized weight of a prefill-sized product lives only for that product: it is written into one
 scratch buffer per thread and dtype, grown to the largest layer (a few MB), so no dequantized copy of
@@ -31,7 +31,7 @@ _scratch = threading.local()
 # The formats whose segments are repacked into the tiled layout in weights built from now on: None for
 # the default (_DEFAULT_TILED where qgemm.tiled_preferred()), else any of TILED_FORMATS (() for none).
 TILED_LAYOUT: tuple[int, ...] | None = None
-_DEFAULT_TILED: tuple[int, ...] = (2, 3)  # Q4_0, Q4_1: batch-1 decode 1.36x the stored layout (benchmarks/qgemm.py)
+_DEFAULT_TILED: tuple[int, ...] = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: batch-1 decode 1.40x the stored layout (benchmarks/qgemm.py)
 
 
 def _scratch_buffer(dtype: torch.dtype, numel: int) -> torch.Tensor:
