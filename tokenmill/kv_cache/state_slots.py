@@ -98,9 +98,9 @@ class StateCheckpoints:
         self.num_restored += 1
         return slot
 
-    def reserve(self, block_hash: int) -> int | None:
-        """A slot to write the checkpoint of ``block_hash`` into this step, or None: already held (first writer
-        wins, as for KV blocks) or every slot is in use by this step."""
+    def _claim(self, block_hash: int) -> int | None:
+        """A slot now holding ``block_hash`` as the most recently used: a free one, else the least recently
+        used one this step does not use; None when ``block_hash`` is already held or no slot can be taken."""
         if block_hash in self._lru:
             return None
         if self._free:
@@ -111,6 +111,14 @@ class StateCheckpoints:
                 return None
             slot = self._lru.pop(victim)
         self._lru[block_hash] = slot
+        return slot
+
+    def reserve(self, block_hash: int) -> int | None:
+        """A slot to write the checkpoint of ``block_hash`` into this step, or None: already held (first writer
+        wins, as for KV blocks) or every slot is in use by this step."""
+        slot = self._claim(block_hash)
+        if slot is None:
+            return None
         self._busy.add(slot)
         self._pending.add(block_hash)
         self.num_saved += 1
@@ -121,16 +129,9 @@ class StateCheckpoints:
         (read back from the disk tier or a saved session), ready from now on; None when ``block_hash`` is
         already held or every slot is in use by the step being planned. Takes a free slot, else the least
         recently used one; the adopted checkpoint becomes the most recently used."""
-        if block_hash in self._lru:
+        slot = self._claim(block_hash)
+        if slot is None:
             return None
-        if self._free:
-            slot = self._free.pop()
-        else:
-            victim = next((h for h, s in self._lru.items() if s not in self._busy), None)
-            if victim is None:
-                return None
-            slot = self._lru.pop(victim)
-        self._lru[block_hash] = slot
         self.num_adopted += 1
         return slot
 
