@@ -224,7 +224,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         prefill_registry = WorkerRegistry(client, prefill_policy, config.api_key)
         for url in config.prefill_urls:
             prefill_registry.add(url)
-        pd = PDRouter(client, prefill_registry, prefill_policy, proxy, metrics, config.pd_local_prefill_threshold,
+        pd = PDRouter(prefill_registry, prefill_policy, proxy, metrics, config.pd_local_prefill_threshold,
                       config.api_key)
     # kv_aware hashes prompt blocks, so it needs the prompt's token ids.
     tokenizer = None

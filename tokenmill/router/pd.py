@@ -21,7 +21,6 @@ import json
 import logging
 from collections import OrderedDict
 
-import httpx2 as httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -41,7 +40,6 @@ class PDRouter:
     """Two steps per request: prefill worker (lease the KV), then decode worker (pull it and decode).
 
     Args:
-        client: the router's shared HTTP client.
         prefill: registry of the prefill workers; prefill_policy picks among them.
         decode: the ``Proxy`` over the decode workers (its policy, retries and streaming).
         metrics: the router's metrics (``pd_*`` counters are added to its registry).
@@ -50,11 +48,11 @@ class PDRouter:
         api_key: sent to the workers.
     """
 
-    def __init__(self, client: httpx.AsyncClient, prefill: WorkerRegistry, prefill_policy: Policy, decode: Proxy,
+    def __init__(self, prefill: WorkerRegistry, prefill_policy: Policy, decode: Proxy,
                  metrics, local_prefill_threshold: int = 0, api_key: str | None = None) -> None:
         from prometheus_client import Counter
 
-        self.client, self.prefill, self.prefill_policy, self.decode = client, prefill, prefill_policy, decode
+        self.prefill, self.prefill_policy, self.decode = prefill, prefill_policy, decode
         self.local_prefill_threshold = local_prefill_threshold
         self.api_key = api_key
         self.sessions: OrderedDict[str, int] = OrderedDict()  # session -> previous round's prompt tokens
