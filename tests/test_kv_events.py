@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx2 as httpx
 import msgpack
@@ -676,3 +677,94 @@ def test_router_process_with_kv_aware_sends_each_repeat_to_the_worker_holding_it
         assert kv_overlap_decisions() == before + 4  # chosen for the blocks the router hashed, not by chance
     finally:
         router.stop()
+
+
+class RecordingPassThrough:
+    """An HTTP hop in front of a worker that records every POST body (JSON) and forwards requests whole
+    (a stream's events arrive at once, which the router's SSE reader takes as well)."""
+
+    def __init__(self, target: str) -> None:
+        self.bodies: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _relay(self, response: httpx.Response) -> None:
+                self.send_response(response.status_code)
+                self.send_header("content-type", response.headers.get("content-type", "application/json"))
+                self.send_header("content-length", str(len(response.content)))
+                self.end_headers()
+                self.wfile.write(response.content)
+
+            def do_GET(self) -> None:
+                self._relay(httpx.get(target + self.path, timeout=30))
+
+            def do_POST(self) -> None:
+                content = self.rfile.read(int(self.headers.get("content-length", 0)))
+                outer.bodies.append(json.loads(content))
+                self._relay(httpx.post(target + self.path, content=content, timeout=60,
+                                       headers={"content-type": "application/json"}))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def same_reply(got: dict, want: dict) -> None:
+    """Equal completions: text, tokens, offsets and token counts exactly; log-probabilities to float32
+    rounding (a repeat hits the prefix cache, whose blocks were computed in another chunking)."""
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+    for a, b in zip(got["choices"], want["choices"], strict=True):
+        la, lb = a.pop("logprobs"), b.pop("logprobs")
+        assert a == b
+        assert la["tokens"] == lb["tokens"] and la["text_offset"] == lb["text_offset"]
+        assert la["token_logprobs"] == pytest.approx(lb["token_logprobs"], abs=1e-4)
+        a["logprobs"], b["logprobs"] = la, lb
+
+
+def test_kv_aware_router_sends_the_prompt_it_tokenized_as_token_ids(workers, tiny_llama, tmp_path):
+    """The router tokenized a text prompt to hash its blocks; a tokenmill worker with the same tokenizer gets
+    the ids instead of the text (it skips tokenizing), unless the reply quotes the text (echo). Replies are
+    those of a direct request either way."""
+    from tests.test_router import RouterProcess
+
+    hop = RecordingPassThrough(workers[0].url)
+    router = RouterProcess([hop.url], ["--policy", "kv_aware"], tmp_path / "router.log")
+    try:
+        router.wait_up()
+        router.wait_workers_healthy()
+        prompt = "The quick brown fox, déjà vu, jumps over 12345 lazy dogs."
+        ids = workers[0].post("/tokenize", {"prompt": prompt}).json()["tokens"]
+        body = {"model": tiny_llama, "prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 1}
+        direct = workers[0].post("/v1/completions", body).json()
+        routed = router.post("/v1/completions", body).json()
+        assert hop.bodies[-1]["prompt"] == ids
+        same_reply(routed, direct)
+
+        listed = router.post("/v1/completions", {**body, "prompt": [prompt]}).json()  # one prompt in a list
+        assert hop.bodies[-1]["prompt"] == ids
+        same_reply(listed, direct)
+
+        stream = router.post("/v1/completions", {**body, "stream": True})
+        assert hop.bodies[-1]["prompt"] == ids and hop.bodies[-1]["return_token_ids"] is True
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.text.splitlines()
+                       if line.startswith("data: {") and json.loads(line[6:])["choices"])
+        assert text == direct["choices"][0]["text"]
+
+        echoed = router.post("/v1/completions", {**body, "echo": True}).json()
+        assert hop.bodies[-1]["prompt"] == prompt  # the reply quotes the text: sent as it came
+        assert echoed["choices"][0]["text"] == prompt + direct["choices"][0]["text"]
+
+        messages = [{"role": "user", "content": "Name a colour."}]
+        router.post("/v1/chat/completions", {"model": tiny_llama, "messages": messages, "max_tokens": 2})
+        assert hop.bodies[-1]["messages"] == messages and "prompt" not in hop.bodies[-1]
+    finally:
+        router.stop()
+        hop.close()

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import PolicyConfig, make_policy
 from tokenmill.router.policy import RouteRequest
-from tokenmill.router.proxy import Proxy, openai_error, upstream_session
+from tokenmill.router.proxy import PromptIds, Proxy, openai_error, upstream_session
 from tokenmill.router.tokenize import RequestTokenizer
 from tokenmill.router.workers import HEALTH_TIMEOUT_S, DuplicateWorker, WorkerRegistry
 
@@ -86,6 +86,11 @@ class RouterError(Exception):
 
 
 # ---- what routing needs from a request body -------------------------------------------------------
+def _single_text_prompt(prompt: object) -> bool:
+    """A completions ``prompt`` that is one text (a string, or a list of one string)."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str))
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -313,8 +318,13 @@ def build_app(config: RouterConfig) -> FastAPI:
             route = await with_token_ids(kind, body, route, content)
         if pd is not None:
             return await pd.forward(path, body, route, bool(body.get("stream", False)), request, send)
+        prompt_ids = None
+        if (tokenizer is not None and kind == "completions" and route.prompt_token_ids is not None
+                and not body.get("echo") and _single_text_prompt(body.get("prompt"))):
+            prompt_ids = PromptIds(route.prompt_token_ids,
+                                   lambda w: w.is_tokenmill and tokenizer.shared_with(w.model_path))
         return await proxy.forward(path, content, route, bool(body.get("stream", False)), request, body, arrival,
-                                   send)
+                                   send, prompt_ids)
 
     async def generate(scope, receive, send) -> None:
         """``/v1/completions`` and ``/v1/chat/completions`` without FastAPI's routing and middleware

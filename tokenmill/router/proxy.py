@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import aiohttp
 import httpx2 as httpx
@@ -107,6 +107,21 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 # Idle upstream connections are dropped after this long, before a worker's own keep-alive timeout
 # (uvicorn's default: 5 s) closes them under a request that was just sent on one.
 UPSTREAM_KEEPALIVE_S = 4.0
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    """A completions prompt the router already tokenized (``kv_aware``), sent to the workers that share
+    the router's tokenizer as token ids in place of the text, so the worker does not tokenize it again
+    (the tokenize-once-at-the-front design of Dynamo's frontend). Only for a single text prompt without
+    ``echo`` (whose reply quotes the text): the worker's reply is then the same either way.
+
+    token_ids: the prompt as the worker would tokenize it; accepts(worker): whether that worker's
+    tokenizer is the router's (a tokenmill worker serving the model the router tokenized with).
+    """
+
+    token_ids: tuple[int, ...]
+    accepts: Callable[[Worker], bool]
 
 
 def upstream_session(request_timeout: float, connect_timeout: float = 10.0) -> aiohttp.ClientSession:
@@ -389,7 +404,8 @@ class Proxy:
         return headers
 
     async def forward(self, path: str, content: bytes, route: RouteRequest, stream: bool, request: Request,
-                      body: dict | None = None, arrival: float | None = None, send: Send | None = None) -> Response:
+                      body: dict | None = None, arrival: float | None = None, send: Send | None = None,
+                      prompt_ids: PromptIds | None = None) -> Response:
         """The response to send for one request (``stream``: a ``ClientStream`` once the first token is
         in). ``body``: the parsed request, which streams need to be resumable. ``arrival``: the
         ``time.perf_counter()`` at which the handler got the request; the time from it to the first
@@ -398,13 +414,15 @@ class Proxy:
         a worker answers 200, so writing it overlaps the worker's prefill instead of delaying the first
         token, and the first token goes out the moment it is read; a worker that then fails before its
         first token is still retried on another, and if none is left the client gets the error as an SSE
-        event. Gives up with 499 if the client disconnects first, which cancels the upstream request."""
+        event. Gives up with 499 if the client disconnects first, which cancels the upstream request.
+        ``prompt_ids`` (with ``body``): the prompt's token ids for the workers that accept them."""
         headers = self.upstream_headers(request, route)
         state = None
         if stream and body is not None:
             state = StreamState("chat" if path.endswith("/chat/completions") else "completions", body)
         reply = _Reply(send) if send is not None and stream else None
-        attempts = asyncio.ensure_future(self._attempts(path, content, route, state, stream, headers, arrival, reply))
+        attempts = asyncio.ensure_future(self._attempts(path, content, route, state, stream, headers, arrival, reply,
+                                                        body if prompt_ids is not None else None, prompt_ids))
         disconnect = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
             await asyncio.wait({attempts, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -443,7 +461,8 @@ class Proxy:
 
     async def _attempts(self, path: str, content: bytes, route: RouteRequest, state: StreamState | None,
                         stream: bool, headers: dict[str, str], arrival: float | None = None,
-                        reply: _Reply | None = None) -> Response:
+                        reply: _Reply | None = None, body: dict | None = None,
+                        prompt_ids: PromptIds | None = None) -> Response:
         tried: set[str] = set()
         last: _Retry | None = None
         while True:
@@ -455,9 +474,13 @@ class Proxy:
                 why = f"; last failure: {last.detail}" if last is not None else ""
                 return openai_error(f"no healthy worker can take the request{why}", 503, "service_unavailable_error")
             lease = Lease(worker, route, request_tokens(route), self.policy)
-            payload = content
+            payload, upstream = content, None
+            if prompt_ids is not None and body is not None and prompt_ids.accepts(worker):
+                upstream = {**body, "prompt": list(prompt_ids.token_ids)}
             if state is not None and worker.is_tokenmill and not state.wants_token_ids:
-                payload = json.dumps({**state.body, "return_token_ids": True}).encode()
+                upstream = {**(upstream or state.body), "return_token_ids": True}
+            if upstream is not None:
+                payload = json.dumps(upstream).encode()
             try:
                 return await self._attempt(worker, lease, path, payload, stream, headers, route, state, arrival, reply)
             except _Retry as retry:

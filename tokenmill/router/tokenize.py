@@ -179,6 +179,12 @@ class RequestTokenizer:
                                type(exc).__name__, exc)
         return self._tokenizer
 
+    def shared_with(self, model_path: str | None) -> bool:
+        """Whether a tokenmill worker serving ``model_path`` tokenizes as this router does: the
+        tokenizer is loaded and is either the router's ``--tokenizer`` (the operator's word) or was
+        loaded from that same model path."""
+        return self._tokenizer is not None and (self._explicit or self._source == (model_path,))
+
     @property
     def ready(self) -> bool:
         """True once the tokenizer is loaded (or known unavailable): ``token_ids`` then never blocks on a load."""
