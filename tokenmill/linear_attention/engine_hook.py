@@ -19,9 +19,12 @@ def attach_state_pool(engine) -> None:
     ``state_checkpoint_interval`` blocks (dropped with their KV block, or, with KV offload tiers, kept while the
     block lives on below the pool until the LRU reuses them; all dropped by a prefix-cache reset).
 
+    On CUDA the linear layers run fla-core's kernels when it is installed, else the torch reference (logged).
+
     Raises:
-        ConfigError: a setting whose feature does not carry linear-layer state yet (CUDA backend,
-            `speculative_config`, `kv_transfer_config`); a `state_cache_memory` that holds no sequence's state.
+        ConfigError: a setting whose feature does not carry linear-layer state yet (`speculative_config`,
+            `kv_transfer_config`, a device other than CPU or CUDA); a `state_cache_memory` that holds no sequence's
+            state.
     """
     config = engine.config
     for name, on, why in (
@@ -32,8 +35,10 @@ def attach_state_pool(engine) -> None:
         if on:
             raise ConfigError(f"`{name}` does not support hybrid linear-attention models yet: {why} "
                               "(docs/hybrid_models.md)")
-    if engine.device.type != "cpu":
-        raise ConfigError(f"hybrid linear-attention models run on the CPU backend for now, not {engine.device.type}")
+    if engine.device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"hybrid linear-attention models run on the CPU and CUDA backends, not {engine.device.type}")
+    if engine.device.type == "cuda":
+        log_cuda_kernels()
     kv = engine.kv_cache_manager
     model = engine.runner.model
     per_seq = state_bytes_per_sequence(*model.linear_state_shapes(), engine.loaded.dtype.itemsize)
@@ -66,6 +71,19 @@ def attach_state_pool(engine) -> None:
     logger.info("linear-attention state pool: %d slots x %d bytes/sequence; %d prefix-cache state checkpoints "
                 "every %d blocks (%d bytes)", kv.state_slots.num_slots, cache.bytes_per_sequence, num_checkpoints,
                 config.cache.state_checkpoint_interval, cache.checkpoint_bytes)
+
+
+def log_cuda_kernels() -> None:
+    """Say which gated delta rule kernels a CUDA engine's linear layers run: fla-core's, or the torch reference."""
+    from tokenmill.linear_attention import fla_ops
+
+    version = fla_ops.version()
+    if version is not None:
+        logger.info("linear attention on CUDA: fla-core %s kernels (chunk_gated_delta_rule for prefill, "
+                    "fused_recurrent_gated_delta_rule for decode)", version)
+    else:
+        logger.warning("linear attention on CUDA: fla-core is not installed, so the Gated DeltaNet layers run the "
+                       "torch reference (slow); install it with `pip install 'tokenmill[fla]'`")
 
 
 def enable_batch_invariant_linear(model) -> int:

@@ -4,7 +4,10 @@ prefix cache's state checkpoints.
 The runner owns it (allocated beside the paged KV pool); the KV cache manager hands out its slot ids and plans
 the checkpoint copies (``tokenmill.kv_cache.state_slots``). Each step, :meth:`LinearStateCache.step_metadata`
 zeroes the slots of requests that start from their first token, copies checkpoints into the slots of requests
-that resume from a prefix hit, and describes which slot each request uses and where its state is saved.
+that resume from a prefix hit (:meth:`~LinearStateCache.begin_step`), and describes which slot each request uses
+and where its state is saved. The CUDA runner's padded decode steps instead read a fixed description
+(:meth:`~LinearStateCache.decode_metadata`, slots from a static buffer, padding rows on a padding slot) that a
+CUDA graph captures, with ``begin_step`` before and :meth:`~LinearStateCache.save_decode_checkpoints` after it.
 """
 from __future__ import annotations
 
@@ -57,14 +60,18 @@ class LinearStateCache:
             conv_kernel, num_v_heads, head_k_dim, head_v_dim).
         num_slots: sequences that can run at once (the scheduler's max_num_seqs).
         dtype: conv state dtype (the activations'); the recurrent state is always float32.
+        num_padding_slots: extra slots after the live ones that the allocator never hands out (the CUDA runner's
+            padded decode rows read and write slot ``num_slots``; ``padding_slot``).
     """
 
-    def __init__(self, model, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model, num_slots: int, dtype: torch.dtype, device: torch.device,
+                 num_padding_slots: int = 0) -> None:
         num_layers, conv_dim, kernel, num_heads, dk, dv = model.linear_state_shapes()
         self.slots = StateSlotAllocator(num_slots)
-        self.conv_state = torch.zeros(num_layers, num_slots, conv_dim, kernel - 1, dtype=dtype, device=device)
-        self.recurrent_state = torch.zeros(num_layers, num_slots, num_heads, dk, dv, dtype=torch.float32,
-                                           device=device)
+        self.padding_slot = num_slots if num_padding_slots else None
+        rows = num_slots + num_padding_slots
+        self.conv_state = torch.zeros(num_layers, rows, conv_dim, kernel - 1, dtype=dtype, device=device)
+        self.recurrent_state = torch.zeros(num_layers, rows, num_heads, dk, dv, dtype=torch.float32, device=device)
         self.checkpoint_conv: torch.Tensor | None = None  # prefix caching's state checkpoints (allocate_checkpoints)
         self.checkpoint_recurrent: torch.Tensor | None = None
         self.device = device
@@ -126,12 +133,12 @@ class LinearStateCache:
         self.checkpoint_recurrent[:, slot] = recurrent.to(self.device)
         return True
 
-    def step_metadata(self, metadata, requests, query_lens: np.ndarray, num_computed: np.ndarray):
-        """``metadata`` (an AttentionMetadata) with ``linear_state`` set for this step's requests.
-
-        Requests computing from their first token (new, or recomputed after preemption) get zeroed slots;
-        requests resuming from a prefix hit get their checkpoint copied in.
-        """
+    def begin_step(self, requests, query_lens: np.ndarray, num_computed: np.ndarray
+                   ) -> tuple[torch.Tensor, dict[int, list[tuple[int, int]]]]:
+        """The state work due before a step's forward: zero the slots of requests computing from their first token
+        (new, or recomputed after preemption), copy checkpoints into the slots of requests resuming from a prefix
+        hit. Returns (each request's slot [B] int64 on the host, the step's checkpoint saves: request index ->
+        ascending [(k, checkpoint slot)], the state after its first k tokens of this step)."""
         slot_ids = torch.tensor([self.slots.slot_of(r.request_id) for r in requests], dtype=torch.int64)
         fresh = slot_ids[torch.from_numpy(num_computed == 0)]
         if len(fresh):
@@ -153,7 +160,14 @@ class LinearStateCache:
                 saves.setdefault(i, []).append((k, slot))
             for entries in saves.values():
                 entries.sort()
-        qsl = metadata.query_start_loc.numpy()
+        return slot_ids, saves
+
+    def step_metadata(self, metadata, requests, query_lens: np.ndarray, num_computed: np.ndarray):
+        """``metadata`` (an AttentionMetadata) with ``linear_state`` set for this step's requests, after
+        :meth:`begin_step` (zeroed slots for requests from their first token, checkpoints copied in for requests
+        resuming from a prefix hit). The request layout is the flat one of ``query_lens`` [B]."""
+        slot_ids, saves = self.begin_step(requests, query_lens, num_computed)
+        qsl = np.concatenate(([0], np.cumsum(query_lens))).astype(np.int64)
         decode = np.nonzero(query_lens == 1)[0]
         linear = LinearStateMetadata(
             conv_state=self.conv_state,
@@ -170,6 +184,49 @@ class LinearStateCache:
             batch_invariant=self.batch_invariant,
         )
         return replace(metadata, linear_state=linear)
+
+    def decode_metadata(self, slot_ids: torch.Tensor) -> LinearStateMetadata:
+        """The fixed description of a padded decode step of B rows (one token each, row i = token i) whose slots
+        are the device buffer ``slot_ids`` [B] (padding rows: ``padding_slot``): every field a fixed-address tensor
+        or a constant, so a CUDA graph captured over it replays with whatever the buffer holds. The step's
+        zeroing/restores (:meth:`begin_step`) run before it and its checkpoint saves (:meth:`save_decode_checkpoints`)
+        after it, outside the graph."""
+        rows = slot_ids.shape[0]
+        index = torch.arange(rows, dtype=torch.int64, device=slot_ids.device)
+        return LinearStateMetadata(
+            conv_state=self.conv_state, recurrent_state=self.recurrent_state, slot_ids=slot_ids,
+            query_start_loc=np.arange(rows + 1, dtype=np.int64), num_computed=np.zeros(rows, dtype=np.int64),
+            decode_reqs=index, decode_token_idx=index, prefill_reqs=[], saves={},
+            checkpoint_conv=self.checkpoint_conv, checkpoint_recurrent=self.checkpoint_recurrent,
+        )
+
+    def save_decode_checkpoints(self, saves: dict[int, list[tuple[int, int]]], slot_ids: torch.Tensor) -> None:
+        """After a one-token-per-request step that ran on :meth:`decode_metadata`: copy the slot of each request
+        in ``saves`` (as :meth:`begin_step` returned; its token reached a checkpoint) into that checkpoint, every
+        linear layer's conv and recurrent state. ``slot_ids``: [B] host, each request's slot."""
+        if not saves:
+            return
+        live = torch.tensor([int(slot_ids[i]) for i in saves], device=self.device)
+        ckpt = torch.tensor([entries[0][1] for entries in saves.values()], device=self.device)
+        self.checkpoint_conv[:, ckpt] = self.conv_state[:, live]
+        self.checkpoint_recurrent[:, ckpt] = self.recurrent_state[:, live]
+
+
+def scratch_metadata(metadata, model, query_lens: np.ndarray, dtype: torch.dtype, device: torch.device):
+    """``metadata`` with a ``linear_state`` over a throw-away pool, request i on zeroed slot i, no checkpoints (the
+    CUDA runner's memory-profiling step, which runs before the real pool exists). ``query_lens``: [B] host, flat
+    layout, every request from its first token."""
+    num_layers, conv_dim, kernel, num_heads, dk, dv = model.linear_state_shapes()
+    num_reqs = len(query_lens)
+    qsl = np.concatenate(([0], np.cumsum(query_lens))).astype(np.int64)
+    decode = np.nonzero(query_lens == 1)[0]
+    linear = LinearStateMetadata(
+        conv_state=torch.zeros(num_layers, num_reqs, conv_dim, kernel - 1, dtype=dtype, device=device),
+        recurrent_state=torch.zeros(num_layers, num_reqs, num_heads, dk, dv, dtype=torch.float32, device=device),
+        slot_ids=torch.arange(num_reqs, device=device), query_start_loc=qsl,
+        num_computed=np.zeros(num_reqs, dtype=np.int64), decode_reqs=torch.from_numpy(decode).to(device),
+        decode_token_idx=torch.from_numpy(qsl[decode]).to(device), prefill_reqs=np.nonzero(query_lens > 1)[0].tolist())
+    return replace(metadata, linear_state=linear)
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:

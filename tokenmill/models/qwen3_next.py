@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from tokenmill.attention import Attention, AttentionMetadata
 from tokenmill.attention.layer import KVCache
 from tokenmill.layers import Linear, MergedLinear, RotaryEmbedding, VocabEmbedding
-from tokenmill.linear_attention import invariant_ops
+from tokenmill.linear_attention import fla_ops, invariant_ops
 from tokenmill.linear_attention.gated_delta_rule import chunk_gated_delta_rule, decode_step
 from tokenmill.models.llama import DecoderVariant, LlamaMLP
 
@@ -182,8 +182,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = x.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.num_v_heads // self.num_k_heads
         q = _l2norm(q.view(num_tokens, self.num_k_heads, self.head_k_dim), invariant) * self.head_k_dim**-0.5
-        k = _l2norm(k.view(num_tokens, self.num_k_heads, self.head_k_dim), invariant)
-        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)  # (T, Hv, Dk)
+        k = _l2norm(k.view(num_tokens, self.num_k_heads, self.head_k_dim), invariant)  # (T, Hk, Dk)
         v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)  # (T, Hv, Dv)
         if invariant:
             g, beta = invariant_ops.gates(a, b, -self.A_log.float().exp(), self.dt_bias)  # (T, Hv) each
@@ -191,6 +190,32 @@ class GatedDeltaNet(nn.Module):
             beta = torch.sigmoid(b.float())  # (T, Hv)
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv)
         core = torch.empty_like(v)  # (T, Hv, Dv) float32
+        if not invariant and fla_ops.wanted(rec_state):  # CUDA: fla-core's kernels (key heads unexpanded)
+            self._fla_rule(q, k, v, g, beta, meta, rec_state, ckpt_rec, core)
+        else:
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)  # (T, Hv, Dk)
+            self._torch_rule(q, k, v, g, beta, meta, rec_state, ckpt_rec, core)
+        for r, entries in meta.saves.items():  # one-token requests reaching a checkpoint: the state after it
+            if meta.query_start_loc[r + 1] - meta.query_start_loc[r] == 1:
+                ckpt_rec[entries[0][1]] = rec_state[meta.slot_ids[r]]
+        core = core.to(hidden_states.dtype).view(num_tokens * self.num_v_heads, self.head_v_dim)
+        out = self.norm(core, z.reshape(num_tokens * self.num_v_heads, self.head_v_dim))
+        return self.out_proj(out.view(num_tokens, self.value_dim))
+
+    def _fla_rule(self, q, k, v, g, beta, meta, rec_state: torch.Tensor, ckpt_rec, core: torch.Tensor) -> None:
+        """The delta rule of every request through fla-core (``linear_attention.fla_ops``): one fused recurrent
+        call for the one-token requests (graph-safe: fixed shapes, slots read and written on the device), one
+        varlen chunked call per round for the multi-token ones. q, k: [T, Hk, Dk]; v, core: [T, Hv, Dv]."""
+        if len(meta.decode_reqs):
+            tok, slots = meta.decode_token_idx, meta.slot_ids[meta.decode_reqs]
+            core[tok] = fla_ops.recurrent_step(q[tok], k[tok], v[tok], g[tok], beta[tok], rec_state, slots)
+        if meta.prefill_reqs:
+            fla_ops.prefill(q, k, v, g, beta, meta, rec_state, ckpt_rec, core)
+
+    def _torch_rule(self, q, k, v, g, beta, meta, rec_state: torch.Tensor, ckpt_rec, core: torch.Tensor) -> None:
+        """The delta rule of every request in torch / the C kernel (CPU; the specification, and CUDA's fallback
+        without fla). q, k: [T, Hv, Dk] (expanded); v, core: [T, Hv, Dv]."""
+        invariant = self.batch_invariant
         if len(meta.decode_reqs):
             tok, slots = meta.decode_token_idx, meta.slot_ids[meta.decode_reqs]
             if invariant or (rec_state.device.type == "cpu" and invariant_ops.available()):
@@ -214,12 +239,6 @@ class GatedDeltaNet(nn.Module):
                     ckpt_rec[ckpt] = state
                 pos = stop
             rec_state[slot] = state
-        for r, entries in meta.saves.items():  # one-token requests reaching a checkpoint: the state after it
-            if meta.query_start_loc[r + 1] - meta.query_start_loc[r] == 1:
-                ckpt_rec[entries[0][1]] = rec_state[meta.slot_ids[r]]
-        core = core.to(hidden_states.dtype).view(num_tokens * self.num_v_heads, self.head_v_dim)
-        out = self.norm(core, z.reshape(num_tokens * self.num_v_heads, self.head_v_dim))
-        return self.out_proj(out.view(num_tokens, self.value_dim))
 
     def _delta_rule(self, q, k, v, g, beta, state: torch.Tensor, position: int):
         """One request's tokens from ``state`` [Hv, Dk, Dv] (absolute ``position`` of the first): (o, new state).

@@ -9,8 +9,13 @@ the KV pool is sized by a profiling forward (``gpu_memory``); sampled tokens com
 transfer. With a ``lora_manager`` the adapters run in the Triton shrink/expand kernels
 (``lora/triton_ops.py``); a step whose requests use adapters runs eagerly (decode steps padded as
 usual, no graph replay: the graphs are captured without LoRA), a step without any replays as
-before. It also runs on CPU (no graphs, no profiling) so tests can drive the same code paths,
-with ``attention_backend="torch"`` or with Triton under ``TRITON_INTERPRET=1``.
+before. Hybrid linear-attention models (docs/hybrid_models.md) get their state pool from
+:meth:`CudaModelRunner.allocate_state_cache` with one padding slot for padded decode rows, and
+their decode graphs are captured then (the graphs read each row's slot from the decode buffers;
+zeroing, checkpoint restores and checkpoint saves run eagerly around the replay); the linear layers
+run fla-core's kernels when it is installed (``linear_attention/fla_ops.py``). It also runs on CPU
+(no graphs, no profiling) so tests can drive the same code paths, with ``attention_backend="torch"``
+or with Triton under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
@@ -21,6 +26,9 @@ import torch
 
 from tokenmill.attention import build_attention_metadata, triton_attention
 from tokenmill.config import CacheConfig, ConfigError, SchedulerConfig
+from tokenmill.kv_cache.state_slots import state_bytes_per_sequence, state_pool_sizes
+from tokenmill.linear_attention import fla_ops
+from tokenmill.linear_attention.state_cache import LinearStateCache, scratch_metadata
 from tokenmill.lora.mapping import build_lora_mapping
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.runner.cuda_graph import DecodeGraphs
@@ -79,6 +87,7 @@ class CudaModelRunner(ModelRunner):
         lora_manager=None,
     ) -> None:
         device = loaded.device
+        self.is_hybrid = bool(getattr(loaded.model, "is_hybrid", False))  # linear-attention layers: a state pool
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         if device.type == "cuda" and attention_backend != "triton":
@@ -104,7 +113,7 @@ class CudaModelRunner(ModelRunner):
         num_kv_blocks = cache.num_kv_blocks
         if num_kv_blocks is None and device.type == "cuda":
             num_kv_blocks = self._profile_num_blocks(
-                loaded, block_size, scheduler, gpu_memory_utilization, enforce_eager
+                loaded, block_size, scheduler, gpu_memory_utilization, enforce_eager, cache
             )
         # (None on CPU: sized from kv_cache_memory_gib.) The extra block after the pool is the
         # padding block of padded decode rows.
@@ -120,21 +129,44 @@ class CudaModelRunner(ModelRunner):
             reference_views=attention_backend == "torch",
         )
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and not enforce_eager:
-            with torch.inference_mode():
-                self.graphs = DecodeGraphs(self.model, self.kv_caches, self.decode_buffers, self.decode_batch_sizes)
+        # A hybrid model's graphs read its state pool, so they are captured once it exists (allocate_state_cache).
+        self._graphs_pending = device.type == "cuda" and not enforce_eager
+        if self._graphs_pending and not self.is_hybrid:
+            self._capture_graphs()
         # Steps run so far on each path (tests and benchmarks read these).
         self.num_padded_decode_steps = 0
         self.num_general_steps = 0
         logger.info("decode steps padded to batch sizes %s, CUDA graphs %s", self.decode_batch_sizes,
-                    "on" if self.graphs is not None else "off")
+                    "on" if self.graphs is not None else "pending (state pool)" if self._graphs_pending else "off")
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        """Capture the padded decode step of every bucket (``DecodeGraphs``)."""
+        self._graphs_pending = False
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.decode_buffers, self.decode_batch_sizes)
+
+    def allocate_state_cache(self, num_slots: int):
+        """A hybrid model's linear-attention state pool: ``num_slots`` live slots plus one padding slot that padded
+        decode rows read and write; every decode bucket's metadata reads the rows' slots from the decode buffers,
+        and the decode graphs are captured now. Returns the pool's ``StateSlotAllocator``."""
+        self.state_cache = LinearStateCache(self.model, num_slots, self.loaded.dtype, self.device, num_padding_slots=1)
+        self.decode_buffers.set_linear_state(self.state_cache.decode_metadata, self.state_cache.padding_slot)
+        if self.device.type == "cuda":
+            version = fla_ops.version()
+            self.kernel_choice += (f", linear layers on fla-core {version}" if version is not None
+                                   else ", linear layers on the torch reference (no fla-core)")
+        if self._graphs_pending:
+            self._capture_graphs()
+        return self.state_cache.slots
 
     # ---- memory ------------------------------------------------------------------------
     @torch.inference_mode()
     def _profile_num_blocks(
-        self, loaded, block_size: int, scheduler: SchedulerConfig, utilization: float, enforce_eager: bool
+        self, loaded, block_size: int, scheduler: SchedulerConfig, utilization: float, enforce_eager: bool,
+        cache: CacheConfig,
     ) -> int:
-        """KV blocks that fit after a dummy step at the largest shape (the padding block included)."""
+        """KV blocks that fit after a dummy step at the largest shape (the padding block included) and, for a
+        hybrid model, its linear-attention state pool (sized as the engine will size it, plus the padding slot)."""
         assert self.step_buffers is not None
         chunk = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
         num_reqs = min(-(-scheduler.max_num_batched_tokens // chunk), scheduler.max_num_seqs)
@@ -156,7 +188,10 @@ class CudaModelRunner(ModelRunner):
                 np.zeros(int(query_lens.sum()), dtype=np.int64), query_lens, np.zeros(num_reqs, dtype=np.int64),
                 block_table, np.arange(num_reqs, dtype=np.int64),
             )
-            hidden = loaded.model(staged.input_ids, staged.positions, temp_caches, staged.metadata)
+            metadata = staged.metadata
+            if self.is_hybrid:  # a throw-away state pool of one slot per request
+                metadata = scratch_metadata(metadata, loaded.model, query_lens, loaded.dtype, loaded.device)
+            hidden = loaded.model(staged.input_ids, staged.positions, temp_caches, metadata)
             logits = loaded.model.compute_logits(hidden[:1].expand(num_rows, -1))  # (max_num_seqs, V)
             sampler(logits, SamplingMetadata.build(rows, loaded.vocab_size, device=loaded.device))
 
@@ -165,6 +200,8 @@ class CudaModelRunner(ModelRunner):
         torch.cuda.empty_cache()
         reserve = 0 if enforce_eager else GRAPH_MEMORY_RESERVE
         budget = kv_cache_budget_bytes(profile, utilization, reserve)
+        state_pool = self._state_pool_bytes(loaded, scheduler, cache) if self.is_hybrid else 0
+        budget -= state_pool
         bytes_per_token = kv_bytes_per_token(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim,
                                              loaded.dtype.itemsize)
         num_blocks = num_blocks_for_budget(budget, block_size, bytes_per_token) - 1  # minus the padding block
@@ -172,10 +209,21 @@ class CudaModelRunner(ModelRunner):
             raise ConfigError(f"`gpu_memory_utilization` {utilization} leaves no KV block after the padding block")
         logger.info(
             "GPU memory: %.2f GiB total x %.2f; weights %.2f GiB, peak with activations %.2f GiB, outside torch "
-            "%.2f GiB, graph reserve %.2f GiB -> KV cache %.2f GiB", profile.total / GIB, utilization,
-            profile.weights / GIB, profile.peak / GIB, profile.non_torch / GIB, reserve / GIB, budget / GIB,
+            "%.2f GiB, graph reserve %.2f GiB, linear-attention state pool %.2f GiB -> KV cache %.2f GiB",
+            profile.total / GIB, utilization, profile.weights / GIB, profile.peak / GIB, profile.non_torch / GIB,
+            reserve / GIB, state_pool / GIB, budget / GIB,
         )
         return num_blocks
+
+    @staticmethod
+    def _state_pool_bytes(loaded, scheduler: SchedulerConfig, cache: CacheConfig) -> int:
+        """Bytes of the state pool the engine hook will allocate (``state_pool_sizes``: live slots and prefix-cache
+        checkpoints) plus the padding slot."""
+        per_seq = state_bytes_per_sequence(*loaded.model.linear_state_shapes(), loaded.dtype.itemsize)
+        budget = cache.state_cache_memory_gib
+        live, checkpoints = state_pool_sizes(None if budget is None else int(budget * GIB), per_seq,
+                                             scheduler.max_num_seqs, cache.enable_prefix_caching)
+        return (live + checkpoints + 1) * per_seq
 
     # ---- the step ----------------------------------------------------------------------
     def _to_host(self, tensors: list[torch.Tensor]) -> list[list]:
@@ -197,24 +245,36 @@ class CudaModelRunner(ModelRunner):
         sample_rows = [i for i, r in enumerate(requests) if ends[i] >= r.num_tokens]
         sample_idx = np.asarray(sample_rows, dtype=np.int64)
         bucket = choose_bucket(num_reqs, self.decode_batch_sizes) if bool((query_lens == 1).all()) else None
+        state = self.state_cache  # hybrid models: the linear layers' state pool
         if bucket is not None:
             self.num_padded_decode_steps += 1
-            self.decode_buffers.load(input_ids, num_computed, block_table, bucket, sample_idx)
+            state_slots = saves = None
+            if state is not None:  # zeroed / restored slots before the graph, checkpoint saves after it
+                state_slots, saves = state.begin_step(requests, query_lens, num_computed)
+            self.decode_buffers.load(input_ids, num_computed, block_table, bucket, sample_idx,
+                                     None if state_slots is None else state_slots.numpy())
             if self.graphs is not None and lora_mapping is None:
                 hidden = self.graphs.replay(bucket)  # (bucket, hidden)
             else:
                 hidden = run_padded_decode(self.model, self.kv_caches, self.decode_buffers, bucket)
+            if saves:
+                state.save_decode_checkpoints(saves, state_slots)
             hidden_idx = self.decode_buffers.sample_idx[: len(sample_rows)]
             query_start_loc = np.arange(num_reqs + 1)
         elif self.step_buffers is not None:
             self.num_general_steps += 1
             staged = self.step_buffers.stage(input_ids, query_lens, num_computed, block_table, sample_idx)
-            hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, staged.metadata)  # (T, hidden)
+            metadata = staged.metadata
+            if state is not None:
+                metadata = state.step_metadata(metadata, requests, query_lens, num_computed)
+            hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, metadata)  # (T, hidden)
             hidden_idx = staged.sample_idx
             query_start_loc = np.concatenate(([0], np.cumsum(query_lens)))
         else:  # reference attention backend (CPU tests)
             self.num_general_steps += 1
             metadata, positions = build_attention_metadata(query_lens, num_computed, block_table, self.block_size)
+            if state is not None:
+                metadata = state.step_metadata(metadata, requests, query_lens, num_computed)
             hidden = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, metadata)
             hidden_idx = (metadata.query_start_loc[1:] - 1)[torch.from_numpy(sample_idx)]
             query_start_loc = metadata.query_start_loc.numpy()

@@ -5,11 +5,13 @@ B..bucket-1 are padding: input id 0 at position 0, K/V written to slot 0 of a pa
 KV cache manager never hands out, a block table row pointing at that block, seq_len 1. Every
 input lives at a fixed address (``DecodeBuffers``) so a graph captured over
 :func:`run_padded_decode` replays correctly; the same function runs eagerly on any device.
-Owns no model weights and no KV tensors.
+Hybrid models' padding rows also read and write a padding slot of the linear-attention state
+pool. Owns no model weights, no KV tensors and no state pool.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -95,10 +97,13 @@ class DecodeBuffers:
     """The static inputs of padded decode steps, sized for ``max_batch_size`` rows.
 
     One int64 device tensor holds input_ids, positions, slot_mapping, seq_lens, sample_idx (rows
-    whose logits are wanted; read outside any graph) [max_batch_size] each and the block table
-    [max_batch_size, max_blocks]; on an accelerator a pinned host twin with the same layout is
-    filled and copied with one non-blocking copy per step. ``reference_views`` also keeps the
-    key mask the torch reference backend reads (CPU only).
+    whose logits are wanted; read outside any graph), state_slots (hybrid models: each row's
+    linear-attention state slot, padding rows ``padding_state_slot``) [max_batch_size] each and the
+    block table [max_batch_size, max_blocks]; on an accelerator a pinned host twin with the same
+    layout is filled and copied with one non-blocking copy per step. ``reference_views`` also keeps
+    the key mask the torch reference backend reads (CPU only). ``linear_state``, when set (hybrid
+    models), maps a bucket's rows of ``state_slots`` to the ``AttentionMetadata.linear_state`` of
+    its steps (``LinearStateCache.decode_metadata``).
     """
 
     def __init__(
@@ -116,14 +121,17 @@ class DecodeBuffers:
         self.padding_block_id = padding_block_id
         self.device = device
         n = max_batch_size
-        self._table_offset = 5 * n
+        self._table_offset = 6 * n
         size = self._table_offset + n * max_blocks
         self.static = torch.zeros(size, dtype=torch.int64, device=device)
         on_cpu = device.type == "cpu"
         self._host = self.static if on_cpu else torch.zeros(size, dtype=torch.int64, pin_memory=True)
         self._copy_done = None if on_cpu else torch.cuda.Event()
-        views = self.static[: 5 * n].view(5, n)  # (5, n): ids, positions, slots, seq_lens, sample_idx
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.sample_idx = views.unbind(0)
+        views = self.static[: 6 * n].view(6, n)  # (6, n): ids, positions, slots, seq_lens, sample_idx, state slots
+        (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.sample_idx,
+         self.state_slots) = views.unbind(0)
+        self.padding_state_slot = 0  # set with ``linear_state`` (the state pool's padding slot)
+        self.linear_state: Callable[[torch.Tensor], Any] | None = None
         self.block_table = self.static[self._table_offset :].view(n, max_blocks)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=device)  # one token per row
         self.token_idx = torch.arange(n, dtype=torch.int64, device=device)
@@ -131,11 +139,12 @@ class DecodeBuffers:
             torch.zeros(n, 1, 1, max_blocks * block_size, dtype=torch.bool, device=device) if reference_views else None
         )
         host = self._host.numpy()
-        host_rows = host[: 5 * n].reshape(5, n)
+        host_rows = host[: 6 * n].reshape(6, n)
         self._host_inputs = PaddedDecodeInputs(
             host_rows[0], host_rows[1], host_rows[2], host_rows[3], host[self._table_offset :].reshape(n, max_blocks)
         )
         self._host_sample_idx = host_rows[4]
+        self._host_state_slots = host_rows[5]
         self._metadata: dict[int, AttentionMetadata] = {}
         # Every row starts as padding, so graphs can be captured before any real step.
         self.load(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 1), np.int64), n, np.zeros(0, np.int64))
@@ -155,9 +164,11 @@ class DecodeBuffers:
         block_table: np.ndarray,
         bucket: int,
         sample_idx: np.ndarray,
+        state_slots: np.ndarray | None = None,
     ) -> None:
         """Fill the first ``bucket`` rows: B real rows (input_ids/positions [B], block_table [B, w])
-        then padding; ``sample_idx`` [S] lists the rows whose logits the step needs."""
+        then padding; ``sample_idx`` [S] lists the rows whose logits the step needs; ``state_slots``
+        [B] (hybrid models) each row's linear-attention state slot."""
         assert bucket <= self.max_batch_size
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous step's copy has left the pinned buffer
@@ -165,6 +176,10 @@ class DecodeBuffers:
             self.host_rows(bucket), input_ids, positions, block_table, self.block_size, self.padding_block_id
         )
         self._host_sample_idx[: len(sample_idx)] = sample_idx
+        num_reqs = len(input_ids)
+        if state_slots is not None:
+            self._host_state_slots[:num_reqs] = state_slots
+        self._host_state_slots[num_reqs:bucket] = self.padding_state_slot
         if self._copy_done is not None:
             end = self._table_offset + bucket * self.max_blocks
             self.static[:end].copy_(self._host[:end], non_blocking=True)
@@ -192,8 +207,19 @@ class DecodeBuffers:
                 decode_seq_lens=seq_lens,
                 decode_key_mask=key_mask,
                 prefills=(),
+                linear_state=None if self.linear_state is None else self.linear_state(self.state_slots[:bucket]),
             )
         return self._metadata[bucket]
+
+    def set_linear_state(self, linear_state: Callable[[torch.Tensor], Any], padding_state_slot: int) -> None:
+        """Give every bucket's metadata a ``linear_state`` built by ``linear_state(state_slots[:bucket])`` (hybrid
+        models, once the state pool exists; before any graph is captured) and fill padding rows' state slots with
+        ``padding_state_slot``."""
+        self.linear_state = linear_state
+        self.padding_state_slot = padding_state_slot
+        self._metadata.clear()
+        self.load(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 1), np.int64), self.max_batch_size,
+                  np.zeros(0, np.int64))
 
 
 def run_padded_decode(
