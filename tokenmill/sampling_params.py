@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json as _json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 # Largest number of top log-probabilities a request may ask for (OpenAI caps top_logprobs at 20).

@@ -12,11 +12,15 @@ Inverse frequencies and the attention scaling come from transformers' ``ROPE_INI
 """
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 from tokenmill.layers.triton_elementwise import triton_rotary
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -89,6 +93,66 @@ def apply_rotary_emb(
     """
     if use_triton:
         return triton_rotary(x, cos, sin, head_dim)
+    if _kernel_takes(x, cos, sin, head_dim):
+        return rope_cpu(x, cos, sin, head_dim)
     x = x.view(x.shape[0], -1, head_dim)  # (T, H, D)
     x1, x2 = x.chunk(2, dim=-1)  # (T, H, D/2) each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# ---- the CPU kernel (csrc/rotary.c): the same bits as the torch expression above, in one pass
+_ROPE_SOURCE = Path(__file__).parent / "csrc" / "rotary.c"
+
+
+def _rope_setup(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in ("rope_f32", "rope_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, p, p, i64, p, i64, i64, i64, ctypes.c_int]
+        fn.restype = None
+    lib.rope_isa.argtypes = []
+    lib.rope_isa.restype = ctypes.c_char_p
+
+
+# No FMA contraction: each product and sum rounds on its own, as torch's separate elementwise ops do.
+rope_library = CLibrary(_ROPE_SOURCE, "rotary", _rope_setup, (*DEFAULT_FLAGS, "-ffp-contract=off"))
+
+
+def _kernel_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> bool:
+    """Whether :func:`rope_cpu` takes these tensors (CPU, float32/bf16 throughout, unit inner strides,
+    even head_dim) and the kernel is built."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and cos.dtype == x.dtype and sin.dtype == x.dtype and head_dim % 2 == 0
+            and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and rope_library.available())
+
+
+def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+             lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """:func:`apply_rotary_emb` in one C pass over the rows (csrc/rotary.c), bit-identical to its torch path.
+
+    x: [T, H * head_dim] (rows may be strided: a column slice of the fused QKV output) or [T, H, head_dim]
+    with the heads contiguous in a row; cos/sin: [T, 1, head_dim // 2] (views into one cos|sin row are
+    fine), x's dtype (float32 or bfloat16). Returns a new contiguous [T, H, head_dim] tensor.
+    ``lib``: a given ISA path's build (tests compare them); default this process's.
+
+    Raises:
+        RuntimeError: the kernel is not built (see ``rope_library``).
+    """
+    lib = lib or rope_library.get()
+    T = x.shape[0]
+    if x.dim() == 3:
+        assert x.stride(1) == head_dim and x.stride(2) == 1, "heads must be contiguous within a row"
+        H = x.shape[1]
+    else:
+        assert x.stride(1) == 1 and x.shape[1] % head_dim == 0
+        H = x.shape[1] // head_dim
+    out = torch.empty(T, H, head_dim, dtype=x.dtype)
+    if T == 0:
+        return out
+    cos2, sin2 = cos.reshape(T, -1), sin.reshape(T, -1)  # views: [T, D/2] each
+    assert cos2.stride(0) == sin2.stride(0)
+    fn = lib.rope_bf16 if x.dtype == torch.bfloat16 else lib.rope_f32
+    fn(x.data_ptr(), x.stride(0), cos2.data_ptr(), sin2.data_ptr(), cos2.stride(0), out.data_ptr(), T, H, head_dim,
+       torch.get_num_threads())
+    return out
