@@ -239,7 +239,7 @@ def test_verify_rows_layout_gives_each_token_its_plain_decoding_position_and_blo
 
 
 def test_step_cost_model_interpolates_extrapolates_and_never_decreases():
-    costs = StepCostModel(max_tokens=32, warmup=0)
+    costs = StepCostModel(max_tokens=32, window=3, min_samples=1, warmup=0)
     assert np.allclose(costs.relative_costs(1, 3), [1.0, 1.1, 1.2, 1.3])  # nothing seen: the prior per token
     costs.observe(5, 0.030)
     assert costs.has_measured_up_to(5) and not costs.has_measured_up_to(4)  # no drafting at 1..4 tokens yet
@@ -252,17 +252,23 @@ def test_step_cost_model_interpolates_extrapolates_and_never_decreases():
     costs.observe(3, 0.001)  # a fast step: costs still never fall as tokens are added
     rel = costs.relative_costs(1, 4)
     assert np.all(np.diff(rel) >= 0.03 - 1e-12) and rel[-2:] == pytest.approx([2.6, 3.0])
-    costs.observe(5, 0.050)  # slower: the mean moves 5% of the way ...
-    assert costs.seconds[5] == pytest.approx(0.031)
-    costs.observe(5, 0.011)  # ... faster: 30%
-    assert costs.seconds[5] == pytest.approx(0.031 - 0.3 * 0.020)
+    costs.observe(5, 0.050)  # the median of the window (3 here): one slow step among fast ones does not count
+    assert costs.seconds[5] == pytest.approx(0.040)
+    costs.observe(5, 0.032)
+    assert costs.seconds[5] == pytest.approx(0.032)
+    costs.observe(5, 0.033)  # the oldest (0.030) leaves the window
+    assert costs.seconds[5] == pytest.approx(0.033)
     costs.observe(33, 1.0)  # beyond the table: ignored
     assert np.isnan(costs.seconds[6:]).all()
-    warm = StepCostModel(max_tokens=8)  # the default: each size's first step is a warm-up, not counted
+    warm = StepCostModel(max_tokens=8)  # the defaults: a size's first step is a warm-up, then 3 steps are needed
     warm.observe(2, 5.0)
-    assert not warm.has_measured_up_to(8)
+    warm.observe(2, 0.5)
     warm.observe(2, 0.02)
-    assert warm.seconds[2] == 0.02
+    assert not warm.has_measured_up_to(8)
+    warm.observe(2, 0.03)
+    assert warm.seconds[2] == 0.03  # the median of 0.5, 0.02, 0.03: the slow step is outvoted
+    with pytest.raises(ValueError, match="min_samples"):
+        StepCostModel(max_tokens=8, window=2, min_samples=3)
 
 
 def test_plan_num_drafts_is_the_best_plan_by_brute_force():
@@ -271,7 +277,7 @@ def test_plan_num_drafts_is_the_best_plan_by_brute_force():
         num_requests, k = int(rng.integers(1, 4)), int(rng.integers(1, 5))
         survival = [np.cumprod(rng.uniform(0.0, 1.0, k)) for _ in range(num_requests)]
         caps = [int(c) for c in rng.integers(0, k + 1, num_requests)]
-        costs = StepCostModel(max_tokens=32, warmup=0)
+        costs = StepCostModel(max_tokens=32, min_samples=1, warmup=0)
         for t in range(1, 33):
             costs.observe(t, 1.0 + float(rng.uniform(0.05, 0.6)) * (t - 1))
         base = num_requests
@@ -460,9 +466,10 @@ def test_cuda_runner_verifies_drafts_in_eager_steps(tiny_llama):
 def frozen_costs(per_token: float) -> StepCostModel:
     """A cost model that prices each extra token at ``per_token`` of a one-token step and ignores what
     the engine measures (so a test's drafting does not depend on this machine's speed)."""
-    costs = StepCostModel(max_tokens=256, up_weight=0.0, down_weight=0.0, warmup=0)
+    costs = StepCostModel(max_tokens=256, window=1, min_samples=1, warmup=0)
     for t in range(1, 257):
         costs.observe(t, 1.0 + per_token * (t - 1))
+    costs.observe = lambda num_tokens, seconds: None  # the engine's measurements are ignored from here on
     return costs
 
 

@@ -32,21 +32,27 @@ class StepCostModel:
     """Predicted step time by scheduled tokens T in [1, ``max_tokens``], from observed steps.
 
     The first ``warmup`` steps of each T are not counted (a first step of a new shape may carry one-time
-    costs). After that each T keeps a running mean that moves quickly towards faster steps
-    (``down_weight``) and slowly towards slower ones (``up_weight``): on a shared machine a slow step is
-    usually another process's doing, and a T priced too high would never be tried again to correct it.
+    costs). After that each T keeps its last ``window`` step times, and its estimate is their median once
+    it has ``min_samples`` of them (before that T counts as not measured, which ``relative_costs`` prices
+    optimistically, so it gets tried). A median ignores the odd slow step that another process causes on
+    a shared machine; a mean would keep such a step in a T's price, and a T priced too high is not
+    chosen again, so its price would never be corrected.
 
     Args:
         max_tokens: the largest T tracked (steps with more tokens are not recorded).
-        up_weight, down_weight: weight of a slower / faster observation in T's running mean.
+        window: step times kept per T (the newest).
+        min_samples: counted steps a T needs before its median is used.
         warmup: steps of each T that are not counted.
     """
 
-    def __init__(self, max_tokens: int, up_weight: float = 0.05, down_weight: float = 0.3, warmup: int = 1) -> None:
+    def __init__(self, max_tokens: int, window: int = 15, min_samples: int = 3, warmup: int = 1) -> None:
+        if not 1 <= min_samples <= window:
+            raise ValueError(f"min_samples must be in [1, window], got {min_samples} (window {window})")
         self.max_tokens = max_tokens
-        self.up_weight, self.down_weight, self.warmup = up_weight, down_weight, warmup
-        self.seconds = np.full(max_tokens + 1, np.nan)  # [T] running mean (NaN: never counted); index 0 unused
+        self.window, self.min_samples, self.warmup = window, min_samples, warmup
+        self.seconds = np.full(max_tokens + 1, np.nan)  # [T] median of the window (NaN: not measured); [0] unused
         self.num_observed = np.zeros(max_tokens + 1, dtype=np.int64)  # [T] steps seen, warm-up included
+        self._recent: dict[int, list[float]] = {}  # T -> its last ``window`` counted step times, oldest first
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Record one step of ``num_tokens`` scheduled tokens that took ``seconds``."""
@@ -55,12 +61,12 @@ class StepCostModel:
         self.num_observed[num_tokens] += 1
         if self.num_observed[num_tokens] <= self.warmup:
             return
-        old = self.seconds[num_tokens]
-        if np.isnan(old):
-            self.seconds[num_tokens] = seconds
-        else:
-            weight = self.down_weight if seconds < old else self.up_weight
-            self.seconds[num_tokens] = old + weight * (seconds - old)
+        recent = self._recent.setdefault(num_tokens, [])
+        recent.append(seconds)
+        if len(recent) > self.window:
+            del recent[0]
+        if len(recent) >= self.min_samples:
+            self.seconds[num_tokens] = float(np.median(recent))
 
     def has_measured_up_to(self, num_tokens: int) -> bool:
         """True once a step of at most ``num_tokens`` tokens has been timed (so a step of that size is

@@ -574,7 +574,11 @@ DEFINE_TASK(task_q6_k, Q6_K)
  */
 #define QG_TILED 256 /* added to a format's type id: the tiled layout of that format */
 #define TP 16        /* weight rows per tile */
-#define TILE_M 4     /* activation rows per pass over a tile */
+#if defined(QG_AVX512)
+#define TILE_M 8 /* activation rows per pass over a tile: 8 accumulators + 8 code vectors fit the 32 zmm registers */
+#else
+#define TILE_M 4 /* activation rows per pass over a tile (16 ymm registers on AVX2) */
+#endif
 
 /* The format of a tiled type id (Q4_0, Q4_1 or Q8_0), or 0 for any other id. */
 static int tiled_base(int qtype) {
@@ -772,7 +776,16 @@ AI void tile_avx512(int base, const uint8_t* tile, const act_q* a, int64_t m0, i
             const int64_t idx = (m0 + r) * a->G + g;
             __m512i s = _mm512_set1_epi32(-c * a->i[idx]);
 #if defined(QG_VNNI)
-            for (int j = 0; j < 8; j++) s = _mm512_dpbusd_epi32(s, u[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+            /* two independent chains of vpdpbusd (the integer sums are exact in any order): a row's
+             * products do not wait on one 8-deep dependency chain when few rows run */
+            __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512(), s3 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 4) {
+                s = _mm512_dpbusd_epi32(s, u[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+                s1 = _mm512_dpbusd_epi32(s1, u[j + 1], _mm512_set1_epi32(load_i32(xq + 4 * j + 4)));
+                s2 = _mm512_dpbusd_epi32(s2, u[j + 2], _mm512_set1_epi32(load_i32(xq + 4 * j + 8)));
+                s3 = _mm512_dpbusd_epi32(s3, u[j + 3], _mm512_set1_epi32(load_i32(xq + 4 * j + 12)));
+            }
+            s = _mm512_add_epi32(_mm512_add_epi32(s, s1), _mm512_add_epi32(s2, s3));
 #else
             if (base == Q8_0) {
                 for (int j = 0; j < 8; j++) { /* x takes q's sign (no 512-bit vpsignb) */
@@ -829,7 +842,15 @@ AI void task_tile(int base, const uint8_t* w, const act_q* a, int64_t t, int64_t
         case TILE_M: tile_rows(base, tile, a, m0, TILE_M, out); break;
         case 1: tile_rows(base, tile, a, m0, 1, out); break;
         case 2: tile_rows(base, tile, a, m0, 2, out); break;
+#if TILE_M > 4
+        case 3: tile_rows(base, tile, a, m0, 3, out); break;
+        case 4: tile_rows(base, tile, a, m0, 4, out); break;
+        case 5: tile_rows(base, tile, a, m0, 5, out); break;
+        case 6: tile_rows(base, tile, a, m0, 6, out); break;
+        default: tile_rows(base, tile, a, m0, 7, out); break;
+#else
         default: tile_rows(base, tile, a, m0, 3, out); break;
+#endif
         }
         store_tile(y, y_bf16, ldy, m0, t * TP, R, &out[0][0]);
     }
