@@ -9,7 +9,8 @@
  * query, keys and values. The sequence's row offsets are computed once from its block table; scores
  * are float32, softmaxed exactly (max-subtracted), and V is accumulated in float32.
  * ISA paths (csrc_build.py picks one): AVX-512 for head_dim % 16 == 0, AVX2+FMA for head_dim % 8 == 0,
- * NEON for head_dim % 4 == 0 (each at most 256, 64 and 128 specialised), plain C loops otherwise.
+ * NEON for head_dim % 4 == 0 (each at most 256, 64 and 128 specialised), plain C loops otherwise. The
+ * SIMD paths share one chunked routine (each K/V row read once for every query head of its kv head).
  * Built at run time by tokenmill/attention/cpu_decode.py; the torch reference path in
  * torch_paged.py is the specification this must match.
  */
@@ -35,7 +36,7 @@ static inline float f32_id(float x) { return x; }
 #include <immintrin.h>
 #define ISA_PATH "avx512"
 #define LANES 16
-#define AVX512_SEQ 1
+#define CHUNKED_SEQ 1
 typedef __m512 vf;
 static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
 static inline vf vf_load(const float* p) { return _mm512_loadu_ps(p); }
@@ -61,10 +62,26 @@ static inline vf vf_exp(vf x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16_bf16(const uint16_t* p) {
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_load_bf16(const uint16_t* p) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+/* [sum(a[0]), ..., sum(a[7])] of 8 vectors: each folded to 256 bits, then a hadd tree. */
+static inline __m256 fold512(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+static inline __m256 reduce8(const __m512* a) {
+    const __m256 h01 = _mm256_hadd_ps(fold512(a[0]), fold512(a[1])), h23 = _mm256_hadd_ps(fold512(a[2]), fold512(a[3]));
+    const __m256 h45 = _mm256_hadd_ps(fold512(a[4]), fold512(a[5])), h67 = _mm256_hadd_ps(fold512(a[6]), fold512(a[7]));
+    const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67); /* per 128-bit half */
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+/* [sum(a[0]), ..., sum(a[15])]. */
+static inline vf vf_reduce(const vf* a) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(reduce8(a))),
+                                               _mm256_castps_pd(reduce8(a + 8)), 1));
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -148,7 +165,7 @@ static inline vf vf_load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(
 #define LANES 0
 #endif
 
-#if defined(CHUNKED_SEQ) /* AVX2 and NEON spell exp out of the primitives above */
+#if defined(CHUNKED_SEQ) && !defined(__AVX512F__) /* AVX2 and NEON spell exp out of the primitives above */
 static inline vf vf_exp(vf x) {
     x = vf_clamp(x, -87.0f, 88.0f);
     const vf n = vf_round(vf_mul(x, vf_set1(LOG2E)));
@@ -188,69 +205,6 @@ static inline float softmax_exp(float* restrict s, int L) {
 
 /* One sequence. qf: [H, D] scaled float query; rows[t]: element offset of token t's cache row;
  * scores: [H, L] scratch; acc: [H, D] output (float). */
-#if defined(AVX512_SEQ)
-/* AVX-512 path, head_dim a multiple of 16 (at most 256). Per query head: q (and later the output
- * accumulator) stays in registers while the sequence's K (then V) rows stream past; rows of the
- * same kv head are re-read from cache by the G query heads that share them. Scores of 8 tokens
- * are reduced together. */
-static inline __m256 fold512(__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-static inline __m256 reduce8(const __m512* a) {
-    __m256 h01 = _mm256_hadd_ps(fold512(a[0]), fold512(a[1]));
-    __m256 h23 = _mm256_hadd_ps(fold512(a[2]), fold512(a[3]));
-    __m256 h45 = _mm256_hadd_ps(fold512(a[4]), fold512(a[5]));
-    __m256 h67 = _mm256_hadd_ps(fold512(a[6]), fold512(a[7]));
-    __m256 h0123 = _mm256_hadd_ps(h01, h23); /* [a b c d | a b c d] partial sums per 128-bit half */
-    __m256 h4567 = _mm256_hadd_ps(h45, h67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
-}
-
-#define DEFINE_SEQ_FAST(NAME, T, LOAD16)                                                                 \
-static inline __attribute__((always_inline)) void NAME(                                                  \
-    const float* restrict qf, const T* restrict k_cache, const T* restrict v_cache,                      \
-    const int64_t* restrict rows, int L, float* restrict scores, float* restrict acc,                    \
-    const int H, const int KVH, const int D) {                                                           \
-    const int G = H / KVH;                                                                               \
-    const int NV = D / 16;                                                                               \
-    const int L8 = L - L % 8;                                                                            \
-    for (int h = 0; h < H; h++) {                                                                        \
-        const int64_t head_off = (int64_t)(h / G) * D;                                                   \
-        __m512 qv[16];                                                                                   \
-        for (int j = 0; j < NV; j++) qv[j] = _mm512_loadu_ps(qf + h * D + 16 * j);                       \
-        float* sh = scores + (int64_t)h * L;                                                             \
-        for (int t0 = 0; t0 < L8; t0 += 8) {                                                             \
-            __m512 part[8];                                                                              \
-            for (int i = 0; i < 8; i++) {                                                                \
-                const int t = t0 + i;                                                                    \
-                const T* kp = k_cache + rows[t] + head_off;                                              \
-                __m512 a = _mm512_mul_ps(LOAD16(kp), qv[0]);                                             \
-                for (int j = 1; j < NV; j++) a = _mm512_fmadd_ps(LOAD16(kp + 16 * j), qv[j], a);         \
-                part[i] = a;                                                                             \
-            }                                                                                            \
-            _mm256_storeu_ps(sh + t0, reduce8(part));                                                    \
-        }                                                                                                \
-        for (int t = L8; t < L; t++) {                                                                   \
-            const T* kp = k_cache + rows[t] + head_off;                                                  \
-            __m512 a = _mm512_mul_ps(LOAD16(kp), qv[0]);                                                 \
-            for (int j = 1; j < NV; j++) a = _mm512_fmadd_ps(LOAD16(kp + 16 * j), qv[j], a);             \
-            sh[t] = _mm512_reduce_add_ps(a);                                                             \
-        }                                                                                                \
-        const float inv = softmax_exp(sh, L);                                                            \
-        __m512 o[16];                                                                                    \
-        for (int j = 0; j < NV; j++) o[j] = _mm512_setzero_ps();                                         \
-        for (int t = 0; t < L; t++) {                                                                    \
-            const T* vp = v_cache + rows[t] + head_off;                                                  \
-            const __m512 p = _mm512_set1_ps(sh[t]);                                                      \
-            for (int j = 0; j < NV; j++) o[j] = _mm512_fmadd_ps(p, LOAD16(vp + 16 * j), o[j]);           \
-        }                                                                                                \
-        const __m512 invv = _mm512_set1_ps(inv);                                                         \
-        for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc + h * D + 16 * j, _mm512_mul_ps(o[j], invv));  \
-    }                                                                                                    \
-}
-DEFINE_SEQ_FAST(seq_fast_f32, float, load16_f32)
-DEFINE_SEQ_FAST(seq_fast_bf16, uint16_t, load16_bf16)
-#endif
 
 #if defined(CHUNKED_SEQ)
 /* A kv head's rows for LANES tokens as float rows: float caches are read in place, bf16 rows are
@@ -261,7 +215,7 @@ static inline const float* widen_bf16(const uint16_t* src, float* buf, int D) {
     return buf;
 }
 
-/* AVX2/NEON path, head_dim a multiple of LANES (at most 256). Scores: LANES keys at a time, every kv
+/* AVX-512/AVX2/NEON paths, head_dim a multiple of LANES (at most 256). Scores: LANES keys at a time, every kv
  * head of them before the next keys (each cache row is streamed once); for each kv head, the query
  * heads sharing it form LANES partial-sum vectors, reduced together into LANES scores (a short last
  * chunk repeats its first key and keeps only its real scores). Values: V_CHUNK rows at a time, in the
