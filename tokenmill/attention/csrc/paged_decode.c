@@ -5,8 +5,8 @@
  *   k/v cache  [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_table[num_seqs, max_blocks] (int64), seq_lens[num_seqs] (int64)
  *   out        [num_seqs, num_heads, head_dim]
- * One task per sequence (OpenMP over sequences), so a sequence's output depends only on its own
- * query, keys and values. The sequence's row offsets are computed once from its block table; scores
+ * One task per (group of rows sharing a context, kv head), OpenMP over tasks; a row's output depends
+ * only on its own query, keys and values (see DEFINE_PAGED_DECODE for the groups). The sequence's row offsets are computed once from its block table; scores
  * are float32, softmaxed exactly (max-subtracted), and V is accumulated in float32.
  * ISA paths (csrc_build.py picks one): AVX-512 for head_dim % 16 == 0, AVX2+FMA for head_dim % 8 == 0,
  * NEON for head_dim % 4 == 0 (each at most 256, 64 and 128 specialised), plain C loops otherwise. The
@@ -238,7 +238,7 @@ static inline const float* widen_bf16(const uint16_t* src, float* buf, int D) {
 static inline __attribute__((always_inline)) void NAME(                                                  \
     const float* restrict qf, const T* restrict k_cache, const T* restrict v_cache,                      \
     const int64_t* restrict rows, int L, float* restrict scores, float* restrict acc,                    \
-    const int H, const int KVH, const int D) {                                                           \
+    const int H, const int KVH, const int D, const int* restrict lens) {                                 \
     const int G = H / KVH;                                                                               \
     float buf[V_CHUNK * MAX_SIMD_DIM];                                                                   \
     const float* kr[V_CHUNK];                                                                            \
@@ -268,7 +268,12 @@ static inline __attribute__((always_inline)) void NAME(                         
         }                                                                                                \
     }                                                                                                    \
     float inv[H];                                                                                        \
-    for (int h = 0; h < H; h++) inv[h] = softmax_exp(scores + (int64_t)h * L, L);                        \
+    for (int h = 0; h < H; h++) { /* head h attends to its first lens[h] keys; the rest weigh exactly 0 */ \
+        float* sh = scores + (int64_t)h * L;                                                             \
+        const int n = lens[h];                                                                           \
+        inv[h] = softmax_exp(sh, n);                                                                     \
+        for (int t = n; t < L; t++) sh[t] = 0.f;                                                         \
+    }                                                                                                    \
     for (int i = 0; i < H * D; i++) acc[i] = 0.f;                                                        \
     for (int t0 = 0; t0 < L; t0 += V_CHUNK) {                                                            \
         const int n = L - t0 < V_CHUNK ? L - t0 : V_CHUNK;                                               \
@@ -304,7 +309,7 @@ DEFINE_SEQ_FAST(seq_fast_bf16, uint16_t, widen_bf16)
 static inline __attribute__((always_inline)) void NAME(                                                  \
     const float* restrict qf, const T* restrict k_cache, const T* restrict v_cache,                      \
     const int64_t* restrict rows, int L, float* restrict scores, float* restrict acc,                    \
-    const int H, const int KVH, const int D) {                                                           \
+    const int H, const int KVH, const int D, const int* restrict lens) {                                 \
     const int G = H / KVH;                                                                               \
     float krow[KVH * D];                                                                                 \
     for (int t = 0; t < L; t++) {                                                                        \
@@ -320,12 +325,14 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                                    \
     for (int h = 0; h < H; h++) {                                                                        \
         float* sh = scores + h * L;                                                                      \
+        const int n = lens[h];                                                                           \
         float m = -INFINITY;                                                                             \
-        for (int t = 0; t < L; t++) m = sh[t] > m ? sh[t] : m;                                           \
+        for (int t = 0; t < n; t++) m = sh[t] > m ? sh[t] : m;                                           \
         float sum = 0.f;                                                                                 \
-        for (int t = 0; t < L; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }                           \
+        for (int t = 0; t < n; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }                           \
         const float inv = 1.f / sum;                                                                     \
-        for (int t = 0; t < L; t++) sh[t] *= inv;                                                        \
+        for (int t = 0; t < n; t++) sh[t] *= inv;                                                        \
+        for (int t = n; t < L; t++) sh[t] = 0.f;                                                         \
     }                                                                                                    \
     memset(acc, 0, sizeof(float) * H * D);                                                               \
     for (int t = 0; t < L; t++) {                                                                        \
@@ -346,40 +353,74 @@ DEFINE_SEQ(seq_bf16, uint16_t, bf16_to_f32)
 #define seq_fast_bf16 seq_bf16
 #endif
 
+/* Rows that read the same context: consecutive sequences whose block tables agree over the blocks they
+ * use and whose lengths grow by one (the verify rows of one request's draft tokens, in order) form a
+ * group; each (group, kv head) is one task. A task scores the group's rows together: each K/V row is
+ * read once for all of them, and row r's heads see only its first seq_lens keys (scores past them weigh
+ * exactly 0, and softmax runs over its own length), so every row gets the bits it gets alone. */
+#define MAX_GROUP 16
+static int same_context(const int64_t* block_table, int max_blocks, int block_size, const int64_t* seq_lens,
+                        int first, int s) {
+    if (s - first >= MAX_GROUP || seq_lens[s] != seq_lens[s - 1] + 1) return 0;
+    const int64_t used = (seq_lens[s] + block_size - 1) / block_size;
+    return memcmp(block_table + (int64_t)first * max_blocks, block_table + (int64_t)s * max_blocks,
+                  sizeof(int64_t) * (size_t)used) == 0;
+}
+
 #define DEFINE_PAGED_DECODE(NAME, SEQ, FAST, T, LOAD, STORE)                                             \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,                    \
           const int64_t* seq_lens, T* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,  \
           int block_size, int max_blocks, float scale, int num_threads) {                                \
-    const int H = num_heads, D = head_dim, KVH = num_kv_heads;                                           \
+    const int H = num_heads, D = head_dim, KVH = num_kv_heads, G = H / KVH;                              \
     const int simd = LANES && D % (LANES ? LANES : 1) == 0 && D <= MAX_SIMD_DIM;                         \
+    int* start = (int*)malloc(sizeof(int) * (size_t)(num_seqs + 1));                                     \
+    int num_groups = 0;                                                                                  \
+    for (int s = 0; s < num_seqs; s++)                                                                   \
+        if (s == 0 || !same_context(block_table, max_blocks, block_size, seq_lens, start[num_groups - 1], s)) \
+            start[num_groups++] = s;                                                                     \
+    start[num_groups] = num_seqs;                                                                        \
     _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")                              \
-    for (int s = 0; s < num_seqs; s++) {                                                                 \
-        const int L = (int)seq_lens[s];                                                                  \
-        float* qf = (float*)malloc(sizeof(float) * (size_t)H * D);                                       \
-        float* acc = (float*)malloc(sizeof(float) * (size_t)H * D);                                      \
-        float* scores = (float*)malloc(sizeof(float) * (size_t)H * (L > 0 ? L : 1));                     \
-        const T* qs = q + (int64_t)s * H * D;                                                            \
-        for (int i = 0; i < H * D; i++) qf[i] = LOAD(qs[i]) * scale;                                     \
-        const int64_t* bt = block_table + (int64_t)s * max_blocks;                                       \
+    for (int task = 0; task < num_groups * KVH; task++) {                                                \
+        const int g0 = start[task / KVH], R = start[task / KVH + 1] - g0, kh = task % KVH;               \
+        const int HG = R * G;                /* the task's query heads: row-major over (row, head in group) */ \
+        const int L = (int)seq_lens[g0 + R - 1];                                                         \
+        float* qf = (float*)malloc(sizeof(float) * (size_t)HG * D);                                      \
+        float* acc = (float*)malloc(sizeof(float) * (size_t)HG * D);                                     \
+        float* scores = (float*)malloc(sizeof(float) * (size_t)HG * (L > 0 ? L : 1));                    \
+        int* lens = (int*)malloc(sizeof(int) * (size_t)HG);                                              \
+        for (int r = 0; r < R; r++)                                                                      \
+            for (int g = 0; g < G; g++) {                                                                \
+                const T* qh = q + ((int64_t)(g0 + r) * H + kh * G + g) * D;                              \
+                for (int d = 0; d < D; d++) qf[(r * G + g) * D + d] = LOAD(qh[d]) * scale;               \
+                lens[r * G + g] = (int)seq_lens[g0 + r];                                                 \
+            }                                                                                            \
+        const int64_t* bt = block_table + (int64_t)g0 * max_blocks;                                      \
         int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * (size_t)(L > 0 ? L : 1));                     \
         const int64_t row = (int64_t)KVH * D;                                                            \
         for (int b = 0, t = 0; t < L; b++)                                                               \
             for (int i = 0; i < block_size && t < L; i++, t++) rows[t] = (bt[b] * block_size + i) * row; \
+        const T* kc = k_cache + (int64_t)kh * D; /* this kv head's slice of every token row */           \
+        const T* vc = v_cache + (int64_t)kh * D;                                                         \
         if (simd && D == 64)                                                                             \
-            FAST(qf, k_cache, v_cache, rows, L, scores, acc, H, KVH, 64);                                \
+            FAST(qf, kc, vc, rows, L, scores, acc, HG, 1, 64, lens);                                     \
         else if (simd && D == 128)                                                                       \
-            FAST(qf, k_cache, v_cache, rows, L, scores, acc, H, KVH, 128);                               \
+            FAST(qf, kc, vc, rows, L, scores, acc, HG, 1, 128, lens);                                    \
         else if (simd)                                                                                   \
-            FAST(qf, k_cache, v_cache, rows, L, scores, acc, H, KVH, D);                                 \
+            FAST(qf, kc, vc, rows, L, scores, acc, HG, 1, D, lens);                                      \
         else                                                                                             \
-            SEQ(qf, k_cache, v_cache, rows, L, scores, acc, H, KVH, D);                                  \
-        T* os = out + (int64_t)s * H * D;                                                                \
-        for (int i = 0; i < H * D; i++) os[i] = STORE(acc[i]);                                           \
+            SEQ(qf, kc, vc, rows, L, scores, acc, HG, 1, D, lens);                                       \
+        for (int r = 0; r < R; r++)                                                                      \
+            for (int g = 0; g < G; g++) {                                                                \
+                T* oh = out + ((int64_t)(g0 + r) * H + kh * G + g) * D;                                  \
+                for (int d = 0; d < D; d++) oh[d] = STORE(acc[(r * G + g) * D + d]);                     \
+            }                                                                                            \
         free(qf);                                                                                        \
         free(acc);                                                                                       \
         free(scores);                                                                                    \
+        free(lens);                                                                                      \
         free(rows);                                                                                      \
     }                                                                                                    \
+    free(start);                                                                                         \
 }
 
 /* Which path this build compiled: "portable", "avx2", "avx512" or "neon". */
