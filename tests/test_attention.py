@@ -71,6 +71,36 @@ def test_decode_kernel_matches_reference(isa, dtype, block_size, heads):
     torch.testing.assert_close(ref_out.float(), out.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 24), (6, 1, 32)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_rows_sharing_a_context_keep_the_bits_of_each_row_alone(isa, dtype, heads):
+    """Rows with one block table and lengths growing by one (a request's verify rows) are scored together
+    by the kernel; each row's output must be the bits it gets as a batch of one, and near the reference.
+    Rows of other requests around them, and a single long row (spread over kv-head tasks), too."""
+    lib = build_for_isa(cpu_decode._load, isa)
+    h, kvh, d = heads
+    rng = np.random.default_rng(1)
+    torch.manual_seed(1)
+    k_cache, v_cache, tables, keys, values = fill_cache([40, 23, 300], 16, 64, kvh, d, dtype, rng)
+    max_blocks = max(len(t) for t in tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    # request 0 verifies 5 rows (lengths 36..40), request 1 decodes one row, request 2 verifies 2 rows
+    row_table = [padded[0]] * 5 + [padded[1]] + [padded[2]] * 2
+    row_lens = [36, 37, 38, 39, 40, 23, 299, 300]
+    owner = [0, 0, 0, 0, 0, 1, 2, 2]
+    q = torch.randn(len(row_lens), h, d).to(dtype)
+    block_table, lens = torch.tensor(row_table), torch.tensor(row_lens)
+    out = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, lens, d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (n, o) in enumerate(zip(row_lens, owner)):
+        alone = cpu_decode._paged_decode(lib, q[i : i + 1], k_cache, v_cache, block_table[i : i + 1], lens[i : i + 1],
+                                         d**-0.5)
+        assert torch.equal(alone, out[i : i + 1]), f"row {i}: grouped bits differ from the row alone"
+        ref = dense_reference(q[i : i + 1], keys[o][:n], values[o][:n], d**-0.5)[0]
+        torch.testing.assert_close(out[i].double(), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("cached,chunk", [(0, 7), (8, 5), (13, 1), (0, 1), (16, 16)])
 def test_paged_attention_mixed_batch_matches_dense(cached, chunk):
     """A decode, a prefill after a cached prefix and a fresh prefill in one flat batch."""
