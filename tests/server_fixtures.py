@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx2 as httpx
@@ -176,3 +177,17 @@ def health_latencies_during(server: ServerProcess, path: str, body: dict) -> tup
     done.set()
     poller.join(30)
     return response, duration, latencies
+
+
+class LocalHTTPServer:
+    """A ``ThreadingHTTPServer`` on 127.0.0.1 (a free port) serving ``handler`` (a BaseHTTPRequestHandler
+    class) from a daemon thread: the fake workers of the router tests. ``url``; ``close()`` stops it."""
+
+    def __init__(self, handler: type) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

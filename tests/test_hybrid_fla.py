@@ -36,6 +36,7 @@ if not ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported; process-wide, harmless on CPU
 
 from tests.offline_models import BOS_TOKEN_ID, EOS_TOKEN_ID, synthetic_tokenizer  # noqa: E402
+from tests.test_cuda_runner_logic import _use_cuda_runner  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.linear_attention import fla_ops  # noqa: E402
 from tokenmill.linear_attention.engine_hook import attach_state_pool  # noqa: E402
@@ -210,12 +211,8 @@ def _workload(rng_seed: int):
 
 def _swap_in_cuda_runner(llm: LLM, attention_backend: str) -> CudaModelRunner:
     """The engine's CPU ModelRunner replaced by the CUDA runner over the same model, with a fresh state pool."""
-    engine = llm.engine
-    runner = CudaModelRunner(engine.loaded, engine.config.cache, engine.scheduler_config,
-                             attention_backend=attention_backend)
-    assert runner.num_kv_blocks == engine.runner.num_kv_blocks
-    engine.runner = runner
-    attach_state_pool(engine)
+    runner = _use_cuda_runner(llm, attention_backend)
+    attach_state_pool(llm.engine)
     assert runner.state_cache.padding_slot == runner.state_cache.slots.num_slots
     return runner
 

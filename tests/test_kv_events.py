@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx2 as httpx
 import msgpack
@@ -20,7 +20,7 @@ import msgpack
 import pytest
 import zmq
 
-from tests.server_fixtures import ServerProcess, free_port
+from tests.server_fixtures import LocalHTTPServer, ServerProcess, free_port
 from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ConfigError
@@ -707,13 +707,9 @@ class RecordingPassThrough:
                 self._relay(httpx.post(target + self.path, content=content, timeout=60,
                                        headers={"content-type": "application/json"}))
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http = LocalHTTPServer(Handler)
+        self.url = self.http.url
+        self.close = self.http.close
 
 
 def same_reply(got: dict, want: dict) -> None:

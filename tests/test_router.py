@@ -14,17 +14,16 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx2 as httpx
 import pytest
 
-from tests.server_fixtures import REPO, ServerProcess, free_port
+from tests.server_fixtures import REPO, LocalHTTPServer, ServerProcess, free_port
 from tests.tiny_models import make_tiny_model
 
 WORKER_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512", "--block-size", "16"]
@@ -406,13 +405,9 @@ class FlakyWorker:
                 self.end_headers()
                 self.wfile.write(payload)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http = LocalHTTPServer(Handler)
+        self.url = self.http.url
+        self.close = self.http.close
 
 
 def test_failing_worker_is_marked_unhealthy_and_requests_are_retried(cluster, tiny_path):

@@ -16,16 +16,15 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx2 as httpx
 import psutil
 import pytest
 
-from tests.server_fixtures import REPO, ServerProcess, free_port
+from tests.server_fixtures import REPO, LocalHTTPServer, ServerProcess, free_port
 from tests.test_router import RouterProcess, stop_all
 from tokenmill.router.proxy import ClientStream, SSEEvent, StreamState, encode_event
 from tests.tiny_models import make_tiny_model
@@ -175,9 +174,8 @@ class RoleThenDrop:
                 self.wfile.flush()
                 self.close_connection = True
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.http = LocalHTTPServer(Handler)
+        self.url = self.http.url
 
 
 def test_worker_dying_before_first_token_is_retried_without_repeating_the_role_chunk(cluster):
@@ -194,7 +192,7 @@ def test_worker_dying_before_first_token_is_retried_without_repeating_the_role_c
         assert router.metrics()["tokenmill_router:retries_total{reason=stream_error}"] == 1
     finally:
         router.stop()
-        fake.server.shutdown()
+        fake.http.close()
 
 
 def test_no_healthy_worker_left_is_a_clean_error_until_one_is_back(cluster):

@@ -110,8 +110,6 @@ def _rope_setup(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, p, p, i64, p, i64, i64, i64, ctypes.c_int]
         fn.restype = None
-    lib.rope_isa.argtypes = []
-    lib.rope_isa.restype = ctypes.c_char_p
 
 
 # No FMA contraction: each product and sum rounds on its own, as torch's separate elementwise ops do.

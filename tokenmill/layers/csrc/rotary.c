@@ -57,19 +57,3 @@ void rope_bf16(const uint16_t* x, int64_t ldx, const uint16_t* cos, const uint16
         }
     }
 }
-
-const char* rope_isa(void) {
-#if defined(TM_PORTABLE)
-    return "portable";
-#elif defined(__AVX512BF16__)
-    return "avx512_bf16";
-#elif defined(__AVX512F__)
-    return "avx512";
-#elif defined(__AVX2__)
-    return "avx2";
-#elif defined(__ARM_NEON)
-    return "neon";
-#else
-    return "portable";
-#endif
-}
