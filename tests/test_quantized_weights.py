@@ -385,3 +385,38 @@ def test_lora_adds_its_delta_on_a_quantized_base(tmp_path):
     finally:
         int8.close()
         dense.close()
+
+
+def test_activation_rounding_ties_and_bf16_inputs_give_the_portable_bits():
+    """Activations whose int8 scaling lands exactly on .5 (round half to even) and bf16 activations: every
+    native build's tiled products equal the portable build's bit for bit, so the SIMD activation
+    quantization rounds, clamps and sums exactly as the scalar loop."""
+    k, n = 96, 48
+    halves = torch.arange(-63, 64, dtype=torch.float32) + 0.5  # -62.5 .. 63.5: every one a tie at scale 1
+    rows = []
+    for scale in (1.0, 0.25, 8.0):  # powers of two: x * (127 / max|x|) is exact
+        for shift in range(3):
+            v = torch.roll(halves, 7 * shift)[:k].clone()
+            v[::32] = 127.0  # each group's max is 127: the scale factor is exactly 1
+            rows.append(v * scale)
+    x = torch.stack(rows)
+    x[1, 40:64] = 0.0  # a group with zeros
+    x[2, 64:] = 0.0  # an all-zero group
+    data = random_blocks(8, n, k, seed=5)
+    builds = {"portable": qgemm._load("portable")}
+    for isa in ("avx2", "avx512"):
+        if csrc_build.isa_supported(isa):
+            builds[isa] = csrc_build.load_c_library(qgemm._SOURCE, "qgemm", qgemm._setup, qgemm._FLAGS, isa)
+    if csrc_build.isa_supported("avx512") and "avx512_vnni" in csrc_build.cpu_flags():
+        builds["avx512+vnni"] = csrc_build.load_c_library(qgemm._SOURCE, "qgemm", qgemm._setup,
+                                                          (*qgemm._FLAGS, *qgemm._VNNI_FLAGS), "avx512")
+    want = {}
+    for name, lib in builds.items():
+        tiled = qgemm._repack(lib, QuantizedTensor(8, (n, k), data))
+        for dtype in (torch.float32, torch.bfloat16):
+            y = qgemm._linear(lib, x.to(dtype), tiled.data, tiled.qtype, n, k, out_dtype=torch.float32)
+            if name == "portable":
+                want[dtype] = y
+            else:
+                assert torch.equal(y, want[dtype]), f"{name}: {dtype} activations differ from the portable build"
+    assert len(builds) > 1 or not csrc_build.isa_supported("avx2")

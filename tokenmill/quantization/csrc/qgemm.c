@@ -281,8 +281,59 @@ typedef struct {
     int64_t K, G;
 } act_q;
 
+#if defined(QG_AVX2)
+static inline int hsum_i32x8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* One group of 32 as the scalar loop below computes it, 8 lanes at a time (the same bits: one float
+ * multiply per value, round-half-even by MXCSR's default mode like nearbyintf, |x*id| <= 127 needs no
+ * saturation, integer sums exact). NaN values are ignored by the maximum, as there. */
+static inline void quantize_group_avx2(const float* v32, const uint16_t* b32, int8_t* q, float* dp, int* s0p, int* s1p) {
+    __m256 v[4];
+    for (int j = 0; j < 4; j++)
+        v[j] = b32 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(b32 + 8 * j))), 16))
+                   : _mm256_loadu_ps(v32 + 8 * j);
+    const __m256 nosign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) mx = _mm256_max_ps(_mm256_and_ps(v[j], nosign), mx); /* NaN lane: keeps mx */
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 0x55));
+    const float amax = _mm_cvtss_f32(m4);
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 idv = _mm256_set1_ps(id);
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], idv));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    *dp = d;
+    *s0p = hsum_i32x8(_mm256_add_epi32(i[0], i[1]));
+    *s1p = hsum_i32x8(_mm256_add_epi32(i[2], i[3]));
+}
+#endif
+
 static void quantize_row(const void* x, int x_bf16, int64_t m, act_q* a) {
     const int64_t K = a->K;
+#if defined(QG_AVX2)
+    for (int64_t g = 0; g < a->G; g++) {
+        const int64_t k0 = m * K + g * QK, idx = m * a->G + g;
+        float d;
+        int s0, s1;
+        quantize_group_avx2(x_bf16 ? NULL : (const float*)x + k0, x_bf16 ? (const uint16_t*)x + k0 : NULL,
+                            a->q + k0, &d, &s0, &s1);
+        a->d[idx] = d;
+        a->s[idx * 2] = d * (float)s0;
+        a->s[idx * 2 + 1] = d * (float)s1;
+        a->t[idx] = d * (float)(s0 + s1);
+        a->i[idx] = s0 + s1;
+    }
+    return;
+#endif
     for (int64_t g = 0; g < a->G; g++) {
         float v[32], amax = 0.0f;
         for (int i = 0; i < 32; i++) {
