@@ -271,6 +271,36 @@ def test_step_cost_model_interpolates_extrapolates_and_never_decreases():
         StepCostModel(max_tokens=8, window=2, min_samples=3)
 
 
+def test_step_cost_model_prices_from_recent_steps_and_asks_for_probes():
+    """While most steps draft, a one-token step is timed again every probe_interval steps, and prices come
+    from the last horizon steps: a one-token price from before a 2x slow-down is not compared with
+    five-token prices from after it."""
+    costs = StepCostModel(max_tokens=8, window=15, min_samples=3, warmup=0, horizon=100, probe_interval=20)
+    assert not costs.needs_probe(1)  # never timed: has_measured_up_to decides, not a probe
+    for _ in range(15):
+        costs.observe(1, 0.010)
+        costs.observe(5, 0.016)
+    assert not costs.needs_probe(1) and costs.relative_costs(1, 4)[4] == pytest.approx(1.6)
+    probes = 0
+    for _ in range(400):  # the machine is 2x slower from here; drafting: five-token steps, probes when asked
+        if costs.needs_probe(1):
+            costs.observe(1, 0.020)
+            probes += 1
+        else:
+            costs.observe(5, 0.032)
+    assert probes == pytest.approx(400 / 21, abs=1)  # one step in probe_interval + 1
+    assert costs.seconds[1] == pytest.approx(0.020)  # the old fast samples are past the horizon
+    assert costs.relative_costs(1, 4)[4] == pytest.approx(1.6)
+    assert not costs.needs_probe(5) and not costs.needs_probe(9)
+    stale = StepCostModel(max_tokens=8, min_samples=3, warmup=0, horizon=10)
+    for seconds in (0.010, 0.011, 0.012, 0.013):
+        stale.observe(2, seconds)
+    for _ in range(50):
+        stale.observe(3, 0.02)
+    stale.observe(2, 0.030)  # one fresh sample is too few: the newest three count
+    assert stale.seconds[2] == pytest.approx(0.013)
+
+
 def test_plan_num_drafts_is_the_best_plan_by_brute_force():
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -466,7 +496,7 @@ def test_cuda_runner_verifies_drafts_in_eager_steps(tiny_llama):
 def frozen_costs(per_token: float) -> StepCostModel:
     """A cost model that prices each extra token at ``per_token`` of a one-token step and ignores what
     the engine measures (so a test's drafting does not depend on this machine's speed)."""
-    costs = StepCostModel(max_tokens=256, window=1, min_samples=1, warmup=0)
+    costs = StepCostModel(max_tokens=256, window=1, min_samples=1, warmup=0, probe_interval=10**9)
     for t in range(1, 257):
         costs.observe(t, 1.0 + per_token * (t - 1))
     costs.observe = lambda num_tokens, seconds: None  # the engine's measurements are ignored from here on

@@ -4,7 +4,8 @@ only where it pays (``speculative_config.enable_adaptive_verification``, vLLM's 
 Three pieces, pure Python and numpy (no torch, nothing from the engine):
 
 - ``StepCostModel``: seconds per engine step by the number of scheduled tokens T, learned online
-  (an exponentially weighted mean per T), interpolated where T was never seen, never decreasing in T.
+  (a median of each T's recent steps; a size not timed for a while is timed again by a step without
+  drafts), interpolated where T was never seen, never decreasing in T.
 - ``AcceptanceEstimate``: per request, an exponentially weighted estimate of the probability that
   the draft at position j is accepted given that the ones before it were; their running product is
   a draft slot's survival probability. A request whose first position stops paying is paused for a
@@ -38,35 +39,60 @@ class StepCostModel:
     a shared machine; a mean would keep such a step in a T's price, and a T priced too high is not
     chosen again, so its price would never be corrected.
 
+    Prices must come from the same period: a shared machine's speed drifts (steps 2x faster or slower
+    from one minute to the next), and while drafting pays almost every step has k + 1 tokens, so the
+    one-token price would otherwise date from minutes before the price it is compared with. So a median
+    takes only the samples of the last ``horizon`` observed steps (or the newest ``min_samples`` when
+    fewer are that recent), and ``needs_probe(T)`` asks for a step of T tokens (no drafts) once T has not
+    been timed for ``probe_interval`` steps: one step in ``probe_interval`` forgoes its drafts to keep
+    the comparison current.
+
     Args:
         max_tokens: the largest T tracked (steps with more tokens are not recorded).
         window: step times kept per T (the newest).
         min_samples: counted steps a T needs before its median is used.
         warmup: steps of each T that are not counted.
+        horizon: observed steps after which a sample stops counting (unless too few are newer).
+        probe_interval: observed steps without a step of T tokens after which ``needs_probe(T)`` is True.
     """
 
-    def __init__(self, max_tokens: int, window: int = 15, min_samples: int = 3, warmup: int = 1) -> None:
+    def __init__(self, max_tokens: int, window: int = 15, min_samples: int = 3, warmup: int = 1,
+                 horizon: int = 256, probe_interval: int = 64) -> None:
         if not 1 <= min_samples <= window:
             raise ValueError(f"min_samples must be in [1, window], got {min_samples} (window {window})")
         self.max_tokens = max_tokens
         self.window, self.min_samples, self.warmup = window, min_samples, warmup
+        self.horizon, self.probe_interval = horizon, probe_interval
         self.seconds = np.full(max_tokens + 1, np.nan)  # [T] median of the window (NaN: not measured); [0] unused
         self.num_observed = np.zeros(max_tokens + 1, dtype=np.int64)  # [T] steps seen, warm-up included
-        self._recent: dict[int, list[float]] = {}  # T -> its last ``window`` counted step times, oldest first
+        self.clock = 0  # steps observed (of any size in range)
+        self.last_counted = np.full(max_tokens + 1, -1, dtype=np.int64)  # [T] clock of T's newest counted step
+        self._recent: dict[int, list[tuple[int, float]]] = {}  # T -> its last ``window`` (clock, seconds), oldest first
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Record one step of ``num_tokens`` scheduled tokens that took ``seconds``."""
         if not 1 <= num_tokens <= self.max_tokens or seconds <= 0:
             return
+        self.clock += 1
         self.num_observed[num_tokens] += 1
         if self.num_observed[num_tokens] <= self.warmup:
             return
+        self.last_counted[num_tokens] = self.clock
         recent = self._recent.setdefault(num_tokens, [])
-        recent.append(seconds)
+        recent.append((self.clock, seconds))
         if len(recent) > self.window:
             del recent[0]
         if len(recent) >= self.min_samples:
-            self.seconds[num_tokens] = float(np.median(recent))
+            fresh = [s for c, s in recent if self.clock - c < self.horizon]
+            use = fresh if len(fresh) >= self.min_samples else [s for _, s in recent[-self.min_samples:]]
+            self.seconds[num_tokens] = float(np.median(use))
+
+    def needs_probe(self, num_tokens: int) -> bool:
+        """True when a step of ``num_tokens`` tokens was counted once but not in the last
+        ``probe_interval`` observed steps: the next such step should run without drafts."""
+        if not 1 <= num_tokens <= self.max_tokens or self.last_counted[num_tokens] < 0:
+            return False
+        return self.clock - self.last_counted[num_tokens] >= self.probe_interval
 
     def has_measured_up_to(self, num_tokens: int) -> bool:
         """True once a step of at most ``num_tokens`` tokens has been timed (so a step of that size is

@@ -98,8 +98,10 @@ class Speculator:
 
     def _plan(self, requests: list[Request], caps: list[int], base_tokens: int) -> list[int]:
         """Drafts per request under the cost model; a request that could draft but gets none is paused.
-        No drafts until a step of at most ``base_tokens`` tokens has been timed (it is then timed first)."""
-        if not self.cost_model.has_measured_up_to(base_tokens):
+        No drafts until a step of at most ``base_tokens`` tokens has been timed (it is then timed first),
+        nor when the cost model asks to time a ``base_tokens`` step again (``needs_probe``: nobody is
+        paused for that)."""
+        if not self.cost_model.has_measured_up_to(base_tokens) or self.cost_model.needs_probe(base_tokens):
             return [0] * len(requests)
         estimates = [self._estimate(r) for r in requests]
         planned = plan_num_drafts([e.survival() for e in estimates], caps, base_tokens, self.cost_model)
