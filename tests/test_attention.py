@@ -99,6 +99,19 @@ def test_decode_rows_sharing_a_context_keep_the_bits_of_each_row_alone(isa, dtyp
         assert torch.equal(alone, out[i : i + 1]), f"row {i}: grouped bits differ from the row alone"
         ref = dense_reference(q[i : i + 1], keys[o][:n], values[o][:n], d**-0.5)[0]
         torch.testing.assert_close(out[i].double(), ref, atol=tol, rtol=tol)
+    # Few tasks for the threads split a (group, kv head) over its query heads: the bits stay the same
+    # whatever the thread count (1: no split; a lone row or the 5-row group alone: split on 2+ threads).
+    threads = torch.get_num_threads()
+    try:
+        for rows in (slice(0, 8), slice(0, 5), slice(5, 6)):
+            want = None
+            for num_threads in (1, 2, 3, 8):
+                torch.set_num_threads(num_threads)
+                got = cpu_decode._paged_decode(lib, q[rows], k_cache, v_cache, block_table[rows], lens[rows], d**-0.5)
+                want = got if want is None else want
+                assert torch.equal(got, want), f"rows {rows}: {num_threads} threads change the bits"
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("cached,chunk", [(0, 7), (8, 5), (13, 1), (0, 1), (16, 16)])

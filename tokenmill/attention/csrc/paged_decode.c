@@ -5,7 +5,8 @@
  *   k/v cache  [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_table[num_seqs, max_blocks] (int64), seq_lens[num_seqs] (int64)
  *   out        [num_seqs, num_heads, head_dim]
- * One task per (group of rows sharing a context, kv head), OpenMP over tasks; a row's output depends
+ * One task per (group of rows sharing a context, kv head), split over query heads when tasks are fewer than
+ * twice the threads, OpenMP over tasks; a row's output depends
  * only on its own query, keys and values (see DEFINE_PAGED_DECODE for the groups). The sequence's row offsets are computed once from its block table; scores
  * are float32, softmaxed exactly (max-subtracted), and V is accumulated in float32.
  * ISA paths (csrc_build.py picks one): AVX-512 for head_dim % 16 == 0, AVX2+FMA for head_dim % 8 == 0,
@@ -367,6 +368,21 @@ static int same_context(const int64_t* block_table, int max_blocks, int block_si
                   sizeof(int64_t) * (size_t)used) == 0;
 }
 
+/* Few tasks for the threads (one request verifying drafts: KVH tasks of R * G query heads each) leave
+ * threads idle: 3 tasks on 2 threads take as long as 4. Then each (group, kv head) is split into `parts`
+ * tasks over its query heads, at least MIN_PART_HEADS each (each head's scores, softmax and output are
+ * computed alone, so a head's bits do not depend on which heads share its task); a part re-reads its kv
+ * head's K/V rows, which costs less than an idle thread once a task has several heads (measured: one
+ * decode row, 3 heads a task, is slower split). */
+#define MIN_PART_HEADS 4
+static int head_parts(int num_tasks, int max_heads_per_task, int num_threads) {
+    if (num_threads <= 1 || num_tasks >= 2 * num_threads) return 1;
+    int parts = (2 * num_threads + num_tasks - 1) / num_tasks;
+    const int most = max_heads_per_task / MIN_PART_HEADS;
+    parts = parts < most ? parts : most;
+    return parts > 1 ? parts : 1;
+}
+
 #define DEFINE_PAGED_DECODE(NAME, SEQ, FAST, T, LOAD, STORE)                                             \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,                    \
           const int64_t* seq_lens, T* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,  \
@@ -379,21 +395,29 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
         if (s == 0 || !same_context(block_table, max_blocks, block_size, seq_lens, start[num_groups - 1], s)) \
             start[num_groups++] = s;                                                                     \
     start[num_groups] = num_seqs;                                                                        \
+    int max_rows = 1;                                                                                    \
+    for (int i = 0; i < num_groups; i++)                                                                 \
+        max_rows = start[i + 1] - start[i] > max_rows ? start[i + 1] - start[i] : max_rows;              \
+    const int parts = head_parts(num_groups * KVH, max_rows * G, num_threads);                           \
     _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")                              \
-    for (int task = 0; task < num_groups * KVH; task++) {                                                \
-        const int g0 = start[task / KVH], R = start[task / KVH + 1] - g0, kh = task % KVH;               \
-        const int HG = R * G;                /* the task's query heads: row-major over (row, head in group) */ \
+    for (int task = 0; task < num_groups * KVH * parts; task++) {                                        \
+        const int gk = task / parts, part = task % parts;                                                \
+        const int g0 = start[gk / KVH], R = start[gk / KVH + 1] - g0, kh = gk % KVH;                     \
+        /* the task's query heads: part `part` of the group's R * G, row-major over (row, head in group) */ \
+        const int all = R * G, h0 = (int)((int64_t)all * part / parts), h1 = (int)((int64_t)all * (part + 1) / parts); \
+        const int HG = h1 - h0;                                                                          \
+        if (HG == 0) continue; /* a smaller group than the one the parts were sized for */               \
         const int L = (int)seq_lens[g0 + R - 1];                                                         \
         float* qf = (float*)malloc(sizeof(float) * (size_t)HG * D);                                      \
         float* acc = (float*)malloc(sizeof(float) * (size_t)HG * D);                                     \
         float* scores = (float*)malloc(sizeof(float) * (size_t)HG * (L > 0 ? L : 1));                    \
         int* lens = (int*)malloc(sizeof(int) * (size_t)HG);                                              \
-        for (int r = 0; r < R; r++)                                                                      \
-            for (int g = 0; g < G; g++) {                                                                \
-                const T* qh = q + ((int64_t)(g0 + r) * H + kh * G + g) * D;                              \
-                for (int d = 0; d < D; d++) qf[(r * G + g) * D + d] = LOAD(qh[d]) * scale;               \
-                lens[r * G + g] = (int)seq_lens[g0 + r];                                                 \
-            }                                                                                            \
+        for (int j = 0; j < HG; j++) {                                                                   \
+            const int r = (h0 + j) / G, g = (h0 + j) % G;                                                \
+            const T* qh = q + ((int64_t)(g0 + r) * H + kh * G + g) * D;                                  \
+            for (int d = 0; d < D; d++) qf[j * D + d] = LOAD(qh[d]) * scale;                             \
+            lens[j] = (int)seq_lens[g0 + r];                                                             \
+        }                                                                                                \
         const int64_t* bt = block_table + (int64_t)g0 * max_blocks;                                      \
         int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * (size_t)(L > 0 ? L : 1));                     \
         const int64_t row = (int64_t)KVH * D;                                                            \
@@ -409,11 +433,11 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
             FAST(qf, kc, vc, rows, L, scores, acc, HG, 1, D, lens);                                      \
         else                                                                                             \
             SEQ(qf, kc, vc, rows, L, scores, acc, HG, 1, D, lens);                                       \
-        for (int r = 0; r < R; r++)                                                                      \
-            for (int g = 0; g < G; g++) {                                                                \
-                T* oh = out + ((int64_t)(g0 + r) * H + kh * G + g) * D;                                  \
-                for (int d = 0; d < D; d++) oh[d] = STORE(acc[(r * G + g) * D + d]);                     \
-            }                                                                                            \
+        for (int j = 0; j < HG; j++) {                                                                   \
+            const int r = (h0 + j) / G, g = (h0 + j) % G;                                                \
+            T* oh = out + ((int64_t)(g0 + r) * H + kh * G + g) * D;                                      \
+            for (int d = 0; d < D; d++) oh[d] = STORE(acc[j * D + d]);                                   \
+        }                                                                                                \
         free(qf);                                                                                        \
         free(acc);                                                                                       \
         free(scores);                                                                                    \
