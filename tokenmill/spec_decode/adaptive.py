@@ -19,6 +19,8 @@ EWMA-with-pause of SGLang's adaptive speculative decoding; the code is our own.
 """
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 
 PRIOR_ACCEPTANCE = 0.7  # a new request's acceptance estimate at every position (optimistic: drafts get tried)
@@ -85,7 +87,7 @@ class StepCostModel:
         if len(recent) >= self.min_samples:
             fresh = [s for c, s in recent if self.clock - c < self.horizon]
             use = fresh if len(fresh) >= self.min_samples else [s for _, s in recent[-self.min_samples:]]
-            self.seconds[num_tokens] = float(np.median(use))
+            self.seconds[num_tokens] = statistics.median(use)  # (np.median costs 10x more on 15 floats)
 
     def needs_probe(self, num_tokens: int) -> bool:
         """True when a step of ``num_tokens`` tokens was counted once but not in the last
