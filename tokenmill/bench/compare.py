@@ -48,6 +48,7 @@ def compare_engines(build_llm: Any, model: str | None, requests: list[SampledReq
     runs = [run_tokenmill(llm, fitting, load_s)]
     dtype = llm.engine.loaded.dtype
     tokenizer = llm.get_tokenizer()
+    llm.close()  # also hands the engine's start-up objects back to the garbage collector
     del llm
     gc.collect()
     skipped: dict[str, str] = {}

@@ -395,7 +395,9 @@ class LLMEngine:
         """Release the KV tiers: with a disk tier, write every cached block held only in the pool or
         in RAM to disk (``save_cached``; skip it after a crash, when block data may be stale),
         flush and sync the disk writer and release its directory lock. Idempotent. With KV events,
-        a last batch says every block is gone, and the publisher's sockets are released."""
+        a last batch says every block is gone, and the publisher's sockets are released. The objects
+        frozen at start-up go back under the garbage collector, so a closed engine can be collected."""
+        gc.unfreeze()
         self.structured_output_manager.close()
         if self.kv_connector is not None:
             for request_id in self.kv_connector.close():  # leases nobody will pull any more
