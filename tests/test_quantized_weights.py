@@ -420,3 +420,36 @@ def test_activation_rounding_ties_and_bf16_inputs_give_the_portable_bits():
             else:
                 assert torch.equal(y, want[dtype]), f"{name}: {dtype} activations differ from the portable build"
     assert len(builds) > 1 or not csrc_build.isa_supported("avx2")
+
+
+def test_amx_products_give_the_vnni_bits():
+    """Where the CPU has AMX int8 tiles, products of 16 or more rows run on them (qgemm's tile_amx): every
+    tiled format, float32 and bf16 activations and outputs, 16 to 70 rows (whole passes of 16, a short last
+    pass, a last single row), and 1 or 2 threads give exactly the bits of the VNNI path, so a row's result
+    still does not depend on how many rows share its step."""
+    lib = qgemm.library.get()
+    if not lib.qg_amx():
+        pytest.skip("no AMX here (needs amx_tile and amx_int8, and a kernel that grants the tile state)")
+    g = torch.Generator().manual_seed(3)
+    threads = torch.get_num_threads()
+    try:
+        for qtype in (2, 3, 8):
+            for n, k in ((48, 96), (37, 544)):  # 37: two tiles and 5 tail rows as stored
+                t = qgemm.repack(QuantizedTensor(qtype, (n, k), random_blocks(qtype, n, k, seed=qtype + n)))
+                for rows in (16, 17, 31, 33, 70):
+                    x = torch.randn(rows, k, generator=g) * torch.logspace(-2, 1, rows).unsqueeze(1)
+                    for dtype in (torch.float32, torch.bfloat16):
+                        for out_dtype in (torch.float32, torch.bfloat16):
+                            for num_threads in (1, 2):
+                                torch.set_num_threads(num_threads)
+                                lib.qg_set_amx(0)
+                                want = qgemm.quantized_linear(x.to(dtype), t.data, t.qtype, n, k, out_dtype=out_dtype)
+                                assert lib.qg_set_amx(1) == 1
+                                got = qgemm.quantized_linear(x.to(dtype), t.data, t.qtype, n, k, out_dtype=out_dtype)
+                                assert torch.equal(got, want), \
+                                    f"{GGUF_QUANT_TYPES[qtype][0]} N={n} K={k} rows={rows} {dtype}->{out_dtype}"
+                    one = qgemm.quantized_linear(x[5:6], t.data, t.qtype, n, k)  # one row: the VNNI path
+                    assert torch.equal(one, qgemm.quantized_linear(x, t.data, t.qtype, n, k)[5:6])
+    finally:
+        lib.qg_set_amx(1)
+        torch.set_num_threads(threads)

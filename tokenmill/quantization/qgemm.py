@@ -23,6 +23,7 @@ from tokenmill.quantization.formats import TILED, TILED_FORMATS, QuantizedTensor
 _SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
 _FLAGS = DEFAULT_FLAGS
 _VNNI_FLAGS = ("-mavx512vnni", "-DTM_VNNI")
+_AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-DTM_AMX")
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -41,11 +42,19 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.qg_isa.restype = ctypes.c_char_p
     lib.qg_vnni.argtypes = []
     lib.qg_vnni.restype = ctypes.c_int
+    lib.qg_amx.argtypes = []
+    lib.qg_amx.restype = ctypes.c_int
+    lib.qg_set_amx.argtypes = [ctypes.c_int]
+    lib.qg_set_amx.restype = ctypes.c_int
 
 
 def flags_for(isa: str) -> tuple[str, ...]:
-    """The build flags for ``isa``: VNNI is added on the AVX-512 paths when this CPU has avx512_vnni."""
-    if isa.startswith("avx512") and "avx512_vnni" in csrc_build.cpu_flags():
+    """The build flags for ``isa``: VNNI is added on the AVX-512 paths when this CPU has avx512_vnni, and
+    AMX (int8 tiles, for products of 16 or more rows) when it also has amx_tile and amx_int8."""
+    flags = csrc_build.cpu_flags()
+    if isa.startswith("avx512") and "avx512_vnni" in flags:
+        if {"amx_tile", "amx_int8"} <= flags:
+            return (*_FLAGS, *_VNNI_FLAGS, *_AMX_FLAGS)
         return (*_FLAGS, *_VNNI_FLAGS)
     return _FLAGS
 
@@ -63,9 +72,10 @@ available = library.available
 
 def isa() -> str:
     """The build's path: "portable", "avx2", "avx512" or "avx512_bf16", with "+vnni" where the AVX-512
-    VNNI product is built in. RuntimeError when unavailable."""
+    VNNI product is built in and "+amx" where products of 16 or more rows run on AMX tiles. RuntimeError
+    when unavailable."""
     lib = library.get()
-    return lib.qg_isa().decode() + ("+vnni" if lib.qg_vnni() else "")
+    return lib.qg_isa().decode() + ("+vnni" if lib.qg_vnni() else "") + ("+amx" if lib.qg_amx() else "")
 
 
 def quantized_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k: int,

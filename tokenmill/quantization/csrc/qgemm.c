@@ -38,6 +38,11 @@
 #if defined(TM_VNNI) && defined(__AVX512VNNI__)
 #define QG_VNNI 1
 #endif
+#if defined(TM_AMX) && defined(QG_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define QG_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__AVX512BF16__)
 #define ISA_PATH "avx512_bf16"
 #else
@@ -859,6 +864,137 @@ AI void tile_avx512(int base, const uint8_t* tile, const act_q* a, int64_t m0, i
 }
 #endif
 
+#if defined(QG_AMX)
+/* AMX (Intel Advanced Matrix Extensions, int8 tiles), for products of AMX_MIN_ROWS or more activation
+ * rows: one TDPBSUD multiplies a group's R x 32 int8 activations (tile A) by its 32 x 16 unsigned codes
+ * (tile B: 8 rows of 64 bytes, each the 16 weight rows' 4 codes of one k-quad: the tiled layout's code
+ * vectors as stored, nibbles split for the 4-bit formats) into R x 16 int32 sums (tile C). The sums are
+ * exact integers, as vpdpbusd's, and each is then scaled by the same float instructions in the same order
+ * as tile_avx512, so y gets the same bits with or without AMX (tested). Two groups are in flight at a time
+ * (tiles 0-2 and 3-5). Few rows stay on VNNI: a tile product's latency, not its width, then dominates.
+ * Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); qg_amx() asks once. */
+#define AMX_M 16        /* activation rows per pass (a tile's rows) */
+#define AMX_MIN_ROWS 16 /* fewer rows run on VNNI (measured: 2-8 rows are slower on AMX) */
+static int amx_state = -1; /* -1: not asked yet; 0: off (refused, or qg_set_amx(0)); 1: on */
+static __thread int amx_rows = 0; /* rows of the tile configuration this thread loaded in this call (0: none) */
+
+static int amx_request(void) {
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+AI void amx_configure(int R) {
+    if (amx_rows == R) return;
+    amx_config c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int t = 0; t < 6; t += 3) {
+        c.rows[t] = (uint8_t)R; c.colsb[t] = 32;         /* A: R activation rows x 32 int8 */
+        c.rows[t + 1] = 8; c.colsb[t + 1] = 64;          /* B: 8 k-quads x 16 weight rows x 4 codes */
+        c.rows[t + 2] = (uint8_t)R; c.colsb[t + 2] = 64; /* C: R x 16 int32 */
+    }
+    _tile_loadconfig(&c);
+    amx_rows = R;
+}
+
+/* The codes of one tile group as B's 8 rows of 64 unsigned bytes. */
+AI const uint8_t* amx_codes(int base, const uint8_t* b, uint8_t* buf) {
+    const uint8_t* cs = b + codes_offset(base);
+    if (base == Q8_0) return cs; /* already one unsigned byte per code, k-quad by k-quad */
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int j = 0; j < 4; j++) {
+        const __m512i v = _mm512_loadu_si512((const void*)(cs + 64 * j));
+        _mm512_storeu_si512((void*)(buf + 64 * j), _mm512_and_si512(v, m4));
+        _mm512_storeu_si512((void*)(buf + 64 * (j + 4)), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+    }
+    return buf;
+}
+
+/* acc[r] += group g's contribution from its int32 sums (row r at sums + 16r): tile_avx512's epilogue. */
+AI void amx_scale(int base, const uint8_t* b, const act_q* a, int64_t m0, int R, int64_t g, const int32_t* sums,
+                  __m512* acc) {
+    const int c = tiled_offset(base, 1);
+    const __m512 d = half16(b);
+    const __m512 mn = base == Q4_1 ? half16(b + 32) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        const int64_t idx = (m0 + r) * a->G + g;
+        const __m512i s = _mm512_add_epi32(_mm512_set1_epi32(-c * a->i[idx]),
+                                           _mm512_loadu_si512((const void*)(sums + 16 * r)));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a->d[idx]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+        if (base == Q4_1) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->t[idx]), acc[r]);
+    }
+}
+
+/* out[r][p] = y[m0 + r, 16t + p] for r < R (2 <= R <= AMX_M): one tile on AMX. */
+AI void tile_amx(int base, const uint8_t* tile, const act_q* a, int64_t m0, int R, float out[][TP]) {
+    const int64_t tgb = TP * qg_block_bytes(base);
+    __m512 acc[AMX_M];
+    _Alignas(64) uint8_t buf0[512], buf1[512];
+    _Alignas(64) int32_t sums0[AMX_M * 16], sums1[AMX_M * 16];
+    amx_configure(R);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const int8_t* xq = a->q + m0 * a->K;
+    int64_t g = 0;
+    for (; g + 2 <= a->G; g += 2) {
+        const uint8_t* b0 = tile + g * tgb;
+        const uint8_t* b1 = b0 + tgb;
+        _tile_loadd(1, amx_codes(base, b0, buf0), 64);
+        _tile_loadd(0, xq + g * QK, a->K);
+        _tile_zero(2);
+        _tile_dpbsud(2, 0, 1);
+        _tile_loadd(4, amx_codes(base, b1, buf1), 64);
+        _tile_loadd(3, xq + (g + 1) * QK, a->K);
+        _tile_zero(5);
+        _tile_dpbsud(5, 3, 4);
+        _tile_stored(2, sums0, 64);
+        _tile_stored(5, sums1, 64);
+        amx_scale(base, b0, a, m0, R, g, sums0, acc);
+        amx_scale(base, b1, a, m0, R, g + 1, sums1, acc);
+    }
+    if (g < a->G) {
+        const uint8_t* b0 = tile + g * tgb;
+        _tile_loadd(1, amx_codes(base, b0, buf0), 64);
+        _tile_loadd(0, xq + g * QK, a->K);
+        _tile_zero(2);
+        _tile_dpbsud(2, 0, 1);
+        _tile_stored(2, sums0, 64);
+        amx_scale(base, b0, a, m0, R, g, sums0, acc);
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+#endif
+
+/* 1 when this process multiplies AMX_MIN_ROWS or more rows on AMX tiles (asks Linux for the tile state once;
+ * TOKENMILL_DISABLE_AMX=1 in the environment keeps VNNI for every row count). */
+int qg_amx(void) {
+#if defined(QG_AMX)
+    if (amx_state < 0) {
+        const char* off = getenv("TOKENMILL_DISABLE_AMX");
+        amx_state = off && off[0] && strcmp(off, "0") != 0 ? 0 : amx_request();
+    }
+    return amx_state;
+#else
+    return 0;
+#endif
+}
+
+/* Turn the AMX path off (0) or back on (1, where qg_amx() can); returns qg_amx(). Tests compare the paths. */
+int qg_set_amx(int on) {
+#if defined(QG_AMX)
+    amx_state = on ? amx_request() : 0;
+#else
+    (void)on;
+#endif
+    return qg_amx();
+}
+
 /* y[m0 + r, n0 + p] for r < R, p < 16 from acc (row r at acc + r * TP). */
 static inline void store_tile(void* y, int y_bf16, int64_t ldy, int64_t m0, int64_t n0, int R, const float* acc) {
     for (int r = 0; r < R; r++) {
@@ -884,8 +1020,28 @@ AI void tile_rows(int base, const uint8_t* tile, const act_q* a, int64_t m0, int
 #endif
 }
 
-AI void task_tile(int base, const uint8_t* w, const act_q* a, int64_t t, int64_t M, void* y, int y_bf16, int64_t ldy) {
+AI void task_tile(int base, const uint8_t* w, const act_q* a, int64_t t, int64_t M, void* y, int y_bf16, int64_t ldy,
+                  int amx) {
     const uint8_t* tile = w + t * a->G * TP * qg_block_bytes(base);
+#if defined(QG_AMX)
+    if (amx) { /* passes of AMX_M rows; a last single row runs below */
+        int64_t m0 = 0;
+        for (; M - m0 >= 2; m0 += AMX_M) {
+            const int R = (int)(M - m0 < AMX_M ? M - m0 : AMX_M);
+            float out[AMX_M][TP];
+            tile_amx(base, tile, a, m0, R, out);
+            store_tile(y, y_bf16, ldy, m0, t * TP, R, &out[0][0]);
+        }
+        if (m0 < M) {
+            float out[1][TP];
+            tile_rows(base, tile, a, m0, 1, out);
+            store_tile(y, y_bf16, ldy, m0, t * TP, 1, &out[0][0]);
+        }
+        return;
+    }
+#else
+    (void)amx;
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
         const int R = (int)(M - m0 < TILE_M ? M - m0 : TILE_M);
         float out[TILE_M][TP];
@@ -908,8 +1064,8 @@ AI void task_tile(int base, const uint8_t* w, const act_q* a, int64_t t, int64_t
 }
 
 #define DEFINE_TILE_TASK(NAME, QT) \
-    static void NAME(const uint8_t* w, const act_q* a, int64_t t, int64_t M, void* y, int y_bf16, int64_t ldy) { \
-        task_tile(QT, w, a, t, M, y, y_bf16, ldy); }
+    static void NAME(const uint8_t* w, const act_q* a, int64_t t, int64_t M, void* y, int y_bf16, int64_t ldy, \
+                     int amx) { task_tile(QT, w, a, t, M, y, y_bf16, ldy, amx); }
 DEFINE_TILE_TASK(tile_task_q4_0, Q4_0)
 DEFINE_TILE_TASK(tile_task_q4_1, Q4_1)
 DEFINE_TILE_TASK(tile_task_q8_0, Q8_0)
@@ -950,13 +1106,29 @@ int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, 
         fmt == Q4_K ? task_q4_k : task_q6_k;
     const int parallel = num_threads > 1 && N * K * (M < 8 ? M : 8) >= 65536;
     if (base) { /* tiles of TP rows, then the tail rows (as stored) as one more task */
-        void (*tile_task)(const uint8_t*, const act_q*, int64_t, int64_t, void*, int, int64_t) =
+        void (*tile_task)(const uint8_t*, const act_q*, int64_t, int64_t, void*, int, int64_t, int) =
             base == Q4_0 ? tile_task_q4_0 : base == Q4_1 ? tile_task_q4_1 : tile_task_q8_0;
         const int64_t NT = N / TP, tasks = NT + (N % TP != 0);
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-        for (int64_t t = 0; t < tasks; t++) {
-            if (t < NT) tile_task(w, &a, t, M, y, y_bf16, ldy);
-            else task(w, rb, &a, NT * TP, N, M, y, y_bf16, ldy);
+#if defined(QG_AMX)
+        const int amx = M >= AMX_MIN_ROWS && qg_amx();
+#else
+        const int amx = 0;
+#endif
+#pragma omp parallel num_threads(num_threads) if (parallel)
+        {
+#if defined(QG_AMX)
+            /* other code on this thread (torch's oneDNN kernels) loads its own tile configuration or
+             * releases the tiles between our calls: configure afresh in every call, release at its end */
+            amx_rows = 0;
+#endif
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tasks; t++) {
+                if (t < NT) tile_task(w, &a, t, M, y, y_bf16, ldy, amx);
+                else task(w, rb, &a, NT * TP, N, M, y, y_bf16, ldy);
+            }
+#if defined(QG_AMX)
+            if (amx_rows) { _tile_release(); amx_rows = 0; }
+#endif
         }
     } else {
         const int64_t NB = 8; /* weight rows per task: their bytes stay in L1 while the row tiles pass */
