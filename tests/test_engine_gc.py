@@ -25,4 +25,8 @@ def test_start_up_heap_is_frozen_and_engines_are_still_collected():
     del dropped  # not closed: the next engine's start-up unfreezes and collects it
     successor = LLM(model=None, num_kv_blocks=64, max_model_len=256)
     assert ref() is None, "an engine dropped before the next one was built stays in memory"
-    successor.close()
+    last = weakref.ref(successor.engine)
+    del successor  # neither closed nor followed by another engine: freeing the LLM unfreezes the heap
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert last() is None

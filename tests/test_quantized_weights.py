@@ -388,9 +388,10 @@ def test_lora_adds_its_delta_on_a_quantized_base(tmp_path):
 
 
 def test_activation_rounding_ties_and_bf16_inputs_give_the_portable_bits():
-    """Activations whose int8 scaling lands exactly on .5 (round half to even) and bf16 activations: every
-    native build's tiled products equal the portable build's bit for bit, so the SIMD activation
-    quantization rounds, clamps and sums exactly as the scalar loop."""
+    """Activations whose int8 scaling lands exactly on .5 (round half to even), bf16 activations, groups
+    of zeros, of tiny values and with an inf or a NaN: every native build's tiled products equal the
+    portable build's bit for bit (NaN where the input had one), so the SIMD activation quantization
+    rounds, clamps and sums exactly as the scalar loop."""
     k, n = 96, 48
     halves = torch.arange(-63, 64, dtype=torch.float32) + 0.5  # -62.5 .. 63.5: every one a tie at scale 1
     rows = []
@@ -402,6 +403,9 @@ def test_activation_rounding_ties_and_bf16_inputs_give_the_portable_bits():
     x = torch.stack(rows)
     x[1, 40:64] = 0.0  # a group with zeros
     x[2, 64:] = 0.0  # an all-zero group
+    x[3, 32:64] *= 1e-38  # max|x| below 127 / FLT_MAX: the inverse scale is not finite, the group counts 0
+    x[4, 5] = float("inf")  # an infinity, a NaN: their groups' products are NaN on every path
+    x[5, 70] = float("nan")
     data = random_blocks(8, n, k, seed=5)
     builds = {"portable": qgemm._load("portable")}
     for isa in ("avx2", "avx512"):
@@ -417,8 +421,10 @@ def test_activation_rounding_ties_and_bf16_inputs_give_the_portable_bits():
             y = qgemm._linear(lib, x.to(dtype), tiled.data, tiled.qtype, n, k, out_dtype=torch.float32)
             if name == "portable":
                 want[dtype] = y
+                assert y[[0, 1, 2, 3, 6, 7, 8]].isfinite().all() and y[[4, 5]].isnan().all()
             else:
-                assert torch.equal(y, want[dtype]), f"{name}: {dtype} activations differ from the portable build"
+                assert torch.equal(y.nan_to_num(7.0), want[dtype].nan_to_num(7.0)), \
+                    f"{name}: {dtype} activations differ from the portable build"
     assert len(builds) > 1 or not csrc_build.isa_supported("avx2")
 
 

@@ -299,6 +299,21 @@ def test_step_cost_model_prices_from_recent_steps_and_asks_for_probes():
         stale.observe(3, 0.02)
     stale.observe(2, 0.030)  # one fresh sample is too few: the newest three count
     assert stale.seconds[2] == pytest.approx(0.013)
+    for _ in range(10):
+        stale.observe(2, 0.010)
+    # size 3 was last timed more than horizon steps ago: priced as not measured, from size 2 plus the prior
+    assert stale.relative_costs(2, 1)[1] == pytest.approx(1.05)
+    # a probe whose step comes out another size is not asked again for a whole interval
+    missed = StepCostModel(max_tokens=8, min_samples=1, warmup=0, probe_interval=5)
+    missed.observe(1, 0.01)
+    for _ in range(5):
+        missed.observe(4, 0.02)
+    assert missed.needs_probe(1)
+    asks = 0
+    for _ in range(12):
+        missed.observe(3, 0.02)  # the probe step had 3 tokens (a request was prefilling, say)
+        asks += missed.needs_probe(1)
+    assert asks == 2  # at clock 11 and 16, not on every step
 
 
 def test_plan_num_drafts_is_the_best_plan_by_brute_force():
@@ -496,7 +511,7 @@ def test_cuda_runner_verifies_drafts_in_eager_steps(tiny_llama):
 def frozen_costs(per_token: float) -> StepCostModel:
     """A cost model that prices each extra token at ``per_token`` of a one-token step and ignores what
     the engine measures (so a test's drafting does not depend on this machine's speed)."""
-    costs = StepCostModel(max_tokens=256, window=1, min_samples=1, warmup=0, probe_interval=10**9)
+    costs = StepCostModel(max_tokens=256, window=1, min_samples=1, warmup=0, horizon=10**9, probe_interval=10**9)
     for t in range(1, 257):
         costs.observe(t, 1.0 + per_token * (t - 1))
     costs.observe = lambda num_tokens, seconds: None  # the engine's measurements are ignored from here on

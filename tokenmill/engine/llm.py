@@ -1,8 +1,10 @@
 """LLM: the offline API (`LLM(model).generate(prompts, SamplingParams(...))` and `.chat(messages)`)."""
 from __future__ import annotations
 
+import gc
 import itertools
 import os
+import weakref
 
 from tqdm import tqdm
 
@@ -126,6 +128,9 @@ class LLM:
             state_checkpoint_interval=state_checkpoint_interval, state_cache_memory=state_cache_memory,
         )
         self.engine = LLMEngine(config)
+        # The engine froze the heap out of the garbage collector (LLMEngine.__init__): once this LLM is
+        # freed without close(), its engine's reference cycles must be collectable again.
+        weakref.finalize(self, gc.unfreeze)
         self._counter = itertools.count()
         self._chat_renderer = ChatPromptRenderer(self.get_tokenizer())
 

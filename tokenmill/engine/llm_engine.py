@@ -42,9 +42,12 @@ class LLMEngine:
     """Owns the model runner, the scheduler (and through it the KV cache) and the output processor."""
 
     def __init__(self, config: EngineConfig) -> None:
-        # Objects frozen by an earlier engine in this process go back under the collector first, so a
-        # dropped engine's reference cycles are freed (tests build many engines in one process).
-        gc.unfreeze()
+        # Objects frozen by an earlier engine in this process go back under the collector first, and a
+        # dropped engine's reference cycles are freed before this one loads its weights (tests build many
+        # engines in one process).
+        if gc.get_freeze_count():
+            gc.unfreeze()
+            gc.collect()
         torch.set_num_threads(config.num_threads or available_cpus())
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()

@@ -45,9 +45,10 @@ class StepCostModel:
     from one minute to the next), and while drafting pays almost every step has k + 1 tokens, so the
     one-token price would otherwise date from minutes before the price it is compared with. So a median
     takes only the samples of the last ``horizon`` observed steps (or the newest ``min_samples`` when
-    fewer are that recent), and ``needs_probe(T)`` asks for a step of T tokens (no drafts) once T has not
-    been timed for ``probe_interval`` steps: one step in ``probe_interval`` forgoes its drafts to keep
-    the comparison current.
+    fewer are that recent), a size not timed within ``horizon`` steps is priced as not measured (so it is
+    tried, and timed, again), and ``needs_probe(T)`` asks for a step of T tokens (no drafts) once T has
+    not been timed for ``probe_interval`` steps, at most once per ``probe_interval`` steps: at a steady
+    batch size one step in ``probe_interval`` forgoes its drafts to keep the comparison current.
 
     Args:
         max_tokens: the largest T tracked (steps with more tokens are not recorded).
@@ -69,6 +70,7 @@ class StepCostModel:
         self.num_observed = np.zeros(max_tokens + 1, dtype=np.int64)  # [T] steps seen, warm-up included
         self.clock = 0  # steps observed (of any size in range)
         self.last_counted = np.full(max_tokens + 1, -1, dtype=np.int64)  # [T] clock of T's newest counted step
+        self.probe_asked = np.full(max_tokens + 1, -probe_interval, dtype=np.int64)  # [T] clock of the last ask
         self._recent: dict[int, list[tuple[int, float]]] = {}  # T -> its last ``window`` (clock, seconds), oldest first
 
     def observe(self, num_tokens: int, seconds: float) -> None:
@@ -91,10 +93,16 @@ class StepCostModel:
 
     def needs_probe(self, num_tokens: int) -> bool:
         """True when a step of ``num_tokens`` tokens was counted once but not in the last
-        ``probe_interval`` observed steps: the next such step should run without drafts."""
+        ``probe_interval`` observed steps: the next step should run without drafts. Asked at most once per
+        ``probe_interval`` observed steps: the step may come out another size (a request still
+        prefilling, or left out by the token budget), and then the next ask waits a full interval."""
         if not 1 <= num_tokens <= self.max_tokens or self.last_counted[num_tokens] < 0:
             return False
-        return self.clock - self.last_counted[num_tokens] >= self.probe_interval
+        if (self.clock - self.last_counted[num_tokens] < self.probe_interval
+                or self.clock - self.probe_asked[num_tokens] < self.probe_interval):
+            return False
+        self.probe_asked[num_tokens] = self.clock
+        return True
 
     def has_measured_up_to(self, num_tokens: int) -> bool:
         """True once a step of at most ``num_tokens`` tokens has been timed (so a step of that size is
@@ -108,13 +116,17 @@ class StepCostModel:
         gets tried (and then measured): from the nearest measured size below it, growing by
         ``PRIOR_ROW_COST`` of that step's per-token share per extra token, unless linear interpolation
         between its measured neighbours is cheaper; below the first measured size, shrinking at the same
-        rate. The result never grows by less than ``MIN_ROW_COST`` per token. Returns [count + 1] float,
-        [0] == 1.
+        rate. A size last timed more than ``horizon`` steps ago counts as not measured. The result never
+        grows by less than ``MIN_ROW_COST`` per token. Returns [count + 1] float, [0] == 1.
         """
         end = base + count
         t = np.arange(1, max(end, self.max_tokens) + 1)
         seconds = np.full(len(t), np.nan)
         seconds[: self.max_tokens] = self.seconds[1 : len(t) + 1]
+        # a size not timed in the last horizon steps counts as not measured (priced optimistically, so it
+        # is tried and timed again): its price may date from another speed period
+        stale = self.clock - self.last_counted[1 : self.max_tokens + 1] >= self.horizon
+        seconds[: self.max_tokens][stale] = np.nan
         known = ~np.isnan(seconds)
         if not known.any():  # nothing measured: relative costs from a unit step of one token
             seconds[0], known[0] = 1.0, True

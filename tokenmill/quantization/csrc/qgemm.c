@@ -23,6 +23,9 @@
  * Built at run time by tokenmill/quantization/qgemm.py; tests/test_quantized_weights.py holds every path
  * to a dequantize-then-float reference (the `gguf` package's dequantizer).
  */
+#if defined(TM_AMX)
+#define _GNU_SOURCE /* syscall() under -std=c11, for the AMX permission request */
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -286,6 +289,21 @@ typedef struct {
     int64_t K, G;
 } act_q;
 
+/* A group's scale d = max|x| / 127 and its inverse. Returns 0 when the group's int8 codes are all 0
+ * instead: a NaN or an infinity in the group (d is then NaN, so the products come out NaN, as float
+ * products would), or max|x| so small (below 127 / FLT_MAX, or 0) that 127 / max|x| is not finite
+ * (d is then that tiny scale, or 0, and the group adds nothing). Both quantization paths use it, so they
+ * agree on these groups too. */
+static inline int group_scales(float amax, int nan, float* d, float* id) {
+    *d = amax / 127.0f;
+    *id = 0.0f;
+    if (nan || isinf(amax)) { *d = NAN; return 0; }
+    const float inv = 127.0f / amax; /* amax == 0: +inf */
+    if (isinf(inv)) return 0;
+    *id = inv;
+    return 1;
+}
+
 #if defined(QG_AVX2)
 static inline int hsum_i32x8(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -310,7 +328,15 @@ static inline void quantize_group_avx2(const float* v32, const uint16_t* b32, in
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 0x55));
     const float amax = _mm_cvtss_f32(m4);
-    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int nan = 0;
+    for (int j = 0; j < 4; j++) nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
+    float d, id;
+    if (!group_scales(amax, nan, &d, &id)) { /* the group's codes are 0 (see group_scales) */
+        memset(q, 0, 32);
+        *dp = d;
+        *s0p = *s1p = 0;
+        return;
+    }
     const __m256 idv = _mm256_set1_ps(id);
     __m256i i[4];
     for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], idv));
@@ -347,10 +373,13 @@ static void quantize_row(const void* x, int x_bf16, int64_t m, act_q* a) {
             const float av = fabsf(v[i]);
             amax = av > amax ? av : amax;
         }
-        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int nan = 0;
+        for (int i = 0; i < 32; i++) nan |= v[i] != v[i];
+        float d, id;
         int8_t* q = a->q + m * K + g * QK;
         int s0 = 0, s1 = 0;
-        for (int i = 0; i < 32; i++) {
+        if (!group_scales(amax, nan, &d, &id)) memset(q, 0, 32);
+        else for (int i = 0; i < 32; i++) {
             float r = nearbyintf(v[i] * id);
             r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
             q[i] = (int8_t)r;
@@ -975,11 +1004,13 @@ AI void tile_amx(int base, const uint8_t* tile, const act_q* a, int64_t m0, int 
  * TOKENMILL_DISABLE_AMX=1 in the environment keeps VNNI for every row count). */
 int qg_amx(void) {
 #if defined(QG_AMX)
-    if (amx_state < 0) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state < 0) { /* two threads may both ask: the request is idempotent and both store the same answer */
         const char* off = getenv("TOKENMILL_DISABLE_AMX");
-        amx_state = off && off[0] && strcmp(off, "0") != 0 ? 0 : amx_request();
+        state = off && off[0] && strcmp(off, "0") != 0 ? 0 : amx_request();
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
     }
-    return amx_state;
+    return state;
 #else
     return 0;
 #endif
@@ -988,7 +1019,7 @@ int qg_amx(void) {
 /* Turn the AMX path off (0) or back on (1, where qg_amx() can); returns qg_amx(). Tests compare the paths. */
 int qg_set_amx(int on) {
 #if defined(QG_AMX)
-    amx_state = on ? amx_request() : 0;
+    __atomic_store_n(&amx_state, on ? amx_request() : 0, __ATOMIC_RELEASE);
 #else
     (void)on;
 #endif
