@@ -24,7 +24,7 @@ adaptive-verification cost model's running means: what a k+1-token verify step c
 
 Runs vary 10-20% on shared CPU machines: compare within one run, on an idle machine.
 
-    .venv/bin/python benchmarks/spec_decode.py [--num-prompts 8] [--max-tokens 128] [--k 4]
+    .venv/bin/python benchmarks/spec_decode.py [--num-prompts 8] [--max-tokens 128] [--k 6]
         [--quantization gguf|none] [--no-adaptive] [--prompt-lookup-min 2] [--prompt-lookup-max 5]
         [--model PATH] [--draft-model PATH] [--num-threads N] [--profile-forward] [--verify-layout rows|request]
         [--output-json spec_decode.json]
@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-len", type=int, default=1024)
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", type=int, default=6, help="num_speculative_tokens (adaptive verification trims them)")
     parser.add_argument("--draft-model", default=None, help="method draft_model with this draft (default: ngram)")
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
