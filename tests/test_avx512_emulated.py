@@ -13,7 +13,6 @@ marked "(SIMDe)", in the session's ISA report. Skipped without SIMDe (Debian: li
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import shutil
 import subprocess
@@ -44,7 +43,7 @@ from tokenmill.layers import silu_and_mul_kernel as sk
 
 SIMDE_INCLUDE = Path("/usr/include/simde")
 SHIM_DIR = Path(__file__).parent / "csrc" / "simde_shim"
-COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+COMPILER = csrc_build.c_compiler()
 
 # stem -> (loader module, the function reporting the build's path)
 KERNELS = {"batch_invariant": (bi, "bi_isa"), "silu_and_mul": (sk, "silu_and_mul_isa"),

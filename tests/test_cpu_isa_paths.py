@@ -10,8 +10,6 @@ runs the NEON path under QEMU.
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -36,7 +34,7 @@ def build_for_isa(load: Callable[[str], ctypes.CDLL | None], isa: str) -> ctypes
         pytest.skip(f"the {isa} path cannot run here: needs {', '.join(csrc_build.missing_cpu_flags(isa))}")
     lib = load(isa)
     if lib is None:
-        if csrc_build.kernels_disabled() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        if csrc_build.kernels_disabled() or not csrc_build.c_compiler():
             pytest.skip("no C compiler, or TOKENMILL_DISABLE_CPU_KERNELS=1")
         pytest.fail(f"the {isa} build failed (see the logged compiler output)")
     return lib

@@ -19,7 +19,6 @@ are rounded to int8 per group, at most half a step each) plus 1e-5 * sum|x||w| o
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -46,7 +45,7 @@ MARGIN = 0.5  # nats: a top-2 gap above this must not flip under Q4_1 execution
 
 SIMDE_INCLUDE = Path("/usr/include/simde")
 SHIM_DIR = Path(__file__).parent / "csrc" / "simde_shim"
-COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+COMPILER = csrc_build.c_compiler()
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason="the C kernels cannot be built here")
 

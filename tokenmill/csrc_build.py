@@ -156,6 +156,40 @@ def selected_isa() -> str:
     return _selected_isa(os.environ.get("TOKENMILL_CPU_ISA", "").strip().lower())
 
 
+def c_compiler() -> str | None:
+    """The C compiler kernels are built with: ``$CC``, else ``cc``, else ``gcc`` (None: none found)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def compiler_accepts(flags: tuple[str, ...]) -> bool:
+    """True when ``c_compiler()`` compiles a tiny file with ``flags`` (e.g. an older gcc lacks -mamx-tile).
+    A success is remembered under the kernel cache directory (keyed like the libraries), so later
+    processes on this machine do not run the compiler again."""
+    compiler = c_compiler()
+    if compiler is None:
+        return False
+    marker = kernel_cache_dir() / "accepts" / hashlib.sha256(" ".join(flags).encode() + _machine_key(compiler)).hexdigest()[:16]
+    if marker.exists():
+        return True
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.c"
+        src.write_text("int tm_probe(void) { return 0; }\n")
+        try:
+            done = subprocess.run([compiler, *flags, "-c", str(src), "-o", str(Path(tmp) / "probe.o")],
+                                  capture_output=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+    if done.returncode != 0:
+        return False
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass  # an unwritable cache only means probing again next time
+    return True
+
+
 @functools.cache
 def _machine_key(compiler: str | None) -> bytes:
     """The compiler and this CPU's feature flags: a cache directory shared by two machines must not hand
@@ -214,7 +248,7 @@ def load_c_library(
     if kernels_disabled() or not isa_supported(isa):
         return None
     flags = (*flags, *ISA_FLAGS[isa])
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     code = source.read_bytes()
     headers = b"".join(h.read_bytes() for h in sorted(SHARED_INCLUDE_DIR.glob("*.h")))
     key = code + headers + " ".join(flags).encode() + _machine_key(compiler)

@@ -12,11 +12,6 @@ reports it).
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -53,30 +48,13 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.qg_set_amx.restype = ctypes.c_int
 
 
-@functools.cache
-def _compiler_takes(flags: tuple[str, ...]) -> bool:
-    """True when the C compiler the kernels are built with accepts ``flags`` (compiles a tiny file)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return False
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "probe.c"
-        src.write_text("int tm_probe(void) { return 0; }\n")
-        try:
-            done = subprocess.run([compiler, *flags, "-c", str(src), "-o", str(Path(tmp) / "probe.o")],
-                                  capture_output=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-    return done.returncode == 0
-
-
 def flags_for(isa: str) -> tuple[str, ...]:
     """The build flags for ``isa``: VNNI is added on the AVX-512 paths when this CPU has avx512_vnni, and
     AMX (int8 tiles, for products of 16 or more rows) when it also has amx_tile and amx_int8 and the
     compiler knows the AMX flags (gcc 11+, clang 12+; an older one builds the VNNI path)."""
     flags = csrc_build.cpu_flags()
     if isa.startswith("avx512") and "avx512_vnni" in flags:
-        if {"amx_tile", "amx_int8"} <= flags and _compiler_takes(_AMX_FLAGS[:2]):
+        if {"amx_tile", "amx_int8"} <= flags and csrc_build.compiler_accepts(_AMX_FLAGS[:2]):
             return (*_FLAGS, *_VNNI_FLAGS, *_AMX_FLAGS)
         return (*_FLAGS, *_VNNI_FLAGS)
     return _FLAGS

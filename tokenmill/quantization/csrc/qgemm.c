@@ -348,20 +348,25 @@ static inline void quantize_group_avx2(const float* v32, const uint16_t* b32, in
 }
 #endif
 
+/* Group idx's scale and code sums, as the products read them. */
+static inline void store_group(act_q* a, int64_t idx, float d, int s0, int s1) {
+    a->d[idx] = d;
+    a->s[idx * 2] = d * (float)s0;
+    a->s[idx * 2 + 1] = d * (float)s1;
+    a->t[idx] = d * (float)(s0 + s1);
+    a->i[idx] = s0 + s1;
+}
+
 static void quantize_row(const void* x, int x_bf16, int64_t m, act_q* a) {
     const int64_t K = a->K;
 #if defined(QG_AVX2)
     for (int64_t g = 0; g < a->G; g++) {
-        const int64_t k0 = m * K + g * QK, idx = m * a->G + g;
+        const int64_t k0 = m * K + g * QK;
         float d;
         int s0, s1;
         quantize_group_avx2(x_bf16 ? NULL : (const float*)x + k0, x_bf16 ? (const uint16_t*)x + k0 : NULL,
                             a->q + k0, &d, &s0, &s1);
-        a->d[idx] = d;
-        a->s[idx * 2] = d * (float)s0;
-        a->s[idx * 2 + 1] = d * (float)s1;
-        a->t[idx] = d * (float)(s0 + s1);
-        a->i[idx] = s0 + s1;
+        store_group(a, m * a->G + g, d, s0, s1);
     }
     return;
 #endif
@@ -385,11 +390,7 @@ static void quantize_row(const void* x, int x_bf16, int64_t m, act_q* a) {
             q[i] = (int8_t)r;
             if (i < 16) s0 += q[i]; else s1 += q[i];
         }
-        a->d[m * a->G + g] = d;
-        a->s[(m * a->G + g) * 2] = d * (float)s0;
-        a->s[(m * a->G + g) * 2 + 1] = d * (float)s1;
-        a->t[m * a->G + g] = d * (float)(s0 + s1);
-        a->i[m * a->G + g] = s0 + s1;
+        store_group(a, m * a->G + g, d, s0, s1);
     }
 }
 
