@@ -258,10 +258,12 @@ def test_client_disconnect_mid_stream_aborts_the_worker_request(workers, routers
 def test_client_disconnect_while_waiting_for_a_plain_response_aborts_it(workers, routers, tiny_path):
     router = routers["round_robin"]
     aborts_before = sum(_abort_count(w) for w in workers)
-    body = {"model": tiny_path, "prompt": "Tell me a long story", "max_tokens": 400, "temperature": 0,
+    # 480 tokens take ~0.7 s on a fast host (400 took 0.56 s, which raced a 0.5 s timeout): the client
+    # gives up well before the worker could finish
+    body = {"model": tiny_path, "prompt": "Tell me a long story", "max_tokens": 480, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{router.url}/v1/completions", json=body, timeout=0.5)
+        httpx.post(f"{router.url}/v1/completions", json=body, timeout=0.2)
     for worker in workers:
         _wait_worker_idle(worker)
     assert sum(_abort_count(w) for w in workers) == aborts_before + 1
