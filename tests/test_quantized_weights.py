@@ -458,3 +458,56 @@ def test_amx_products_give_the_vnni_bits():
     finally:
         lib.qg_set_amx(1)
         torch.set_num_threads(threads)
+
+
+def test_amx_bf16_products_are_the_float_products_of_the_bf16_weights():
+    """Where the CPU has AMX bf16 tiles, ``qgemm.bf16_linear`` multiplies bf16 activations by the weight's
+    bf16-rounded values (exactly ``dequantize(..., bfloat16)``) in float32: against the float64 product of
+    those two it is within float32 summation error (1e-5 * sum|x||w|), for every tiled format, 1 to 300
+    rows (whole and partial blocks of 16 and of 32), an odd and an even number of 16-row weight tiles,
+    float32 and bf16 outputs, strided outputs and 1 or 2 threads. Through ``GGUFWeight.matmul`` it runs
+    only where ``amx_bf16_table`` says so and never in deterministic mode (batch_invariant), which keeps
+    the int8 kernel's bits."""
+    from tokenmill.quantization.gguf_weight import GGUFWeight
+
+    if not qgemm.amx_bf16():
+        pytest.skip("no AMX bf16 here (needs amx_tile, amx_bf16 and avx512_bf16, and the tile state granted)")
+    g = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    try:
+        for qtype in (2, 3, 8):
+            for n, k in ((48, 96), (64, 544), (16, 32)):
+                t = qgemm.repack(QuantizedTensor(qtype, (n, k), random_blocks(qtype, n, k, seed=qtype + n)))
+                w = qgemm.dequantize(t.data, t.qtype, k, dtype=torch.bfloat16).double()
+                for rows in (1, 7, 16, 17, 33, 70, 300):
+                    x = (torch.randn(rows, k, generator=g) * torch.logspace(-2, 1, rows).unsqueeze(1)).bfloat16()
+                    ref = x.double() @ w.T
+                    bound = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-30
+                    for out_dtype in (torch.float32, torch.bfloat16):
+                        for num_threads in (1, 2):
+                            torch.set_num_threads(num_threads)
+                            got = qgemm.bf16_linear(x, t.data, t.qtype, n, k, out_dtype=out_dtype)
+                            assert got is not None and got.dtype == out_dtype
+                            name = f"{GGUF_QUANT_TYPES[qtype][0]} N={n} K={k} rows={rows} ->{out_dtype}"
+                            if out_dtype == torch.float32:
+                                assert ((got.double() - ref).abs() <= bound).all(), name
+                            else:  # one more rounding, to bf16
+                                assert torch.equal(got, ref.float().bfloat16()) or \
+                                    ((got.double() - ref).abs() <= bound + ref.abs() * 2 ** -8).all(), name
+                    wide = torch.full((rows, n + 8), 7.0)  # a strided output: the columns past n stay as they were
+                    qgemm.bf16_linear(x, t.data, t.qtype, n, k, out=wide[:, 4:4 + n])
+                    assert ((wide[:, 4:4 + n].double() - ref).abs() <= bound).all()
+                    assert (wide[:, :4] == 7).all() and (wide[:, 4 + n:] == 7).all()
+        assert qgemm.bf16_linear(torch.randn(3, k), t.data, t.qtype, n, k) is None  # float32 activations: not here
+        weight = GGUFWeight([QuantizedTensor(3, (48, 96), random_blocks(3, 48, 96, seed=1))])
+        x = torch.randn(40, 96, generator=g).bfloat16()
+        int8 = weight.matmul(x)
+        weight.amx_bf16_table = (True,)
+        amx = weight.matmul(x)
+        assert torch.equal(amx, qgemm.bf16_linear(x, weight.parts[0].data, weight.parts[0].qtype, 48, 96))
+        assert not torch.equal(amx, int8)  # the int8 kernel rounds the activations: other bits
+        assert torch.equal(weight.matmul(x, batch_invariant=True), int8)
+        assert torch.equal(weight.matmul(x.float()), qgemm.quantized_linear(x.float(), weight.parts[0].data,
+                                                                            weight.parts[0].qtype, 48, 96))
+    finally:
+        torch.set_num_threads(threads)

@@ -3,8 +3,9 @@
 ``GGUFWeight`` holds one or more row segments (a fused projection whose parts have different formats
 keeps one segment per part) and computes ``x @ W.T`` either in the quantized kernel (``qgemm``) or by
 dequantizing the weight and handing it to torch's GEMM, per row count as the CPU runner's measurement
-decides (``dequantize_table``); deterministic mode always takes the quantized kernel, whose rows are
-batch invariant. Used by ``tokenmill.layers.linear.Linear`` and ``tokenmill.layers.embedding``.
+decides (``dequantize_table``), and on CPUs with AMX bf16 tiles bf16 activations may skip the int8
+quantization for a bf16 tile product (``amx_bf16_table``); deterministic mode always takes the quantized
+kernel, whose rows are batch invariant. Used by ``tokenmill.layers.linear.Linear`` and ``tokenmill.layers.embedding``.
 
 Q4_0, Q4_1 and Q8_0 segments can be repacked once, here, into qgemm's tiled layout (same bytes; 16 rows
 interleaved per group of 32) where this build multiplies that layout faster (``qgemm.tiled_preferred``:
@@ -50,7 +51,9 @@ class GGUFWeight:
     in_features columns), as stored; ``self.parts`` holds them merged and, for the formats that have
     one, in the tiled layout where that is the faster one (see the module docstring). ``dequantize_table`` (set by ``tokenmill.runner.cpu_kernels``): per row count
     (entry ``min(rows, len - 1)``), True to dequantize and use torch's GEMM; empty means always the
-    quantized kernel.
+    quantized kernel. ``amx_bf16_table`` (the same indexing; set by the runner where qgemm has AMX bf16
+    tiles): True to multiply bf16 activations on them (``qgemm.bf16_linear``) instead of quantizing them
+    for the int8 kernel. Neither table applies in deterministic mode (``batch_invariant``).
 
     Raises:
         ValueError: no parts, or parts with different in_features.
@@ -78,6 +81,7 @@ class GGUFWeight:
         self.out_features = sum(p.shape[0] for p in merged)
         self.offsets = [sum(p.shape[0] for p in merged[:i]) for i in range(len(merged))]
         self.dequantize_table: tuple[bool, ...] = ()
+        self.amx_bf16_table: tuple[bool, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -100,9 +104,14 @@ class GGUFWeight:
             w = self.dequantize_into_scratch(out_dtype)  # (out, in), valid until this thread's next call
             return F.linear(x.to(out_dtype), w, None if bias is None else bias.to(out_dtype))
         y = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
+        table = self.amx_bf16_table
+        amx = (not batch_invariant and x.dtype == torch.bfloat16 and bool(table)
+               and table[min(x.shape[0], len(table) - 1)])
         for part, start in zip(self.parts, self.offsets):
             n = part.shape[0]
             target = y if len(self.parts) == 1 else y[:, start:start + n]
+            if amx and qgemm.bf16_linear(x, part.data, part.qtype, n, self.in_features, out=target) is not None:
+                continue
             qgemm.quantized_linear(x, part.data, part.qtype, n, self.in_features, out=target)
         if bias is not None:
             y += bias.to(out_dtype)

@@ -24,6 +24,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
 _FLAGS = DEFAULT_FLAGS
 _VNNI_FLAGS = ("-mavx512vnni", "-DTM_VNNI")
 _AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-DTM_AMX")
+_AMX_BF16_FLAGS = ("-mamx-bf16", "-DTM_AMX_BF16")
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -46,6 +47,10 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.qg_amx.restype = ctypes.c_int
     lib.qg_set_amx.argtypes = [ctypes.c_int]
     lib.qg_set_amx.restype = ctypes.c_int
+    lib.qg_linear_bf16.argtypes = [i32, p, i64, i64, p, i64, p, i32, i64, i32]
+    lib.qg_linear_bf16.restype = i32
+    lib.qg_amx_bf16.argtypes = []
+    lib.qg_amx_bf16.restype = ctypes.c_int
 
 
 def flags_for(isa: str) -> tuple[str, ...]:
@@ -55,6 +60,9 @@ def flags_for(isa: str) -> tuple[str, ...]:
     flags = csrc_build.cpu_flags()
     if isa.startswith("avx512") and "avx512_vnni" in flags:
         if {"amx_tile", "amx_int8"} <= flags and csrc_build.compiler_accepts(_AMX_FLAGS[:2]):
+            if (isa == "avx512_bf16" and "amx_bf16" in flags
+                    and csrc_build.compiler_accepts((*_AMX_FLAGS[:2], _AMX_BF16_FLAGS[0]))):
+                return (*_FLAGS, *_VNNI_FLAGS, *_AMX_FLAGS, *_AMX_BF16_FLAGS)
             return (*_FLAGS, *_VNNI_FLAGS, *_AMX_FLAGS)
         return (*_FLAGS, *_VNNI_FLAGS)
     return _FLAGS
@@ -119,6 +127,49 @@ def _linear(lib: ctypes.CDLL, x: torch.Tensor, data: torch.Tensor, qtype: int, n
     if rc != 0:
         raise ValueError(f"quantized_linear: {qtype_name(qtype)} cannot take in_features {k} "
                          f"(a multiple of {block_size(qtype)} is needed)")
+    return out
+
+
+def amx_bf16() -> bool:
+    """True when ``bf16_linear`` runs on this machine (a build with AMX bf16 tiles, granted by Linux, not
+    turned off by TOKENMILL_DISABLE_AMX=1); False when the kernels are unavailable."""
+    lib = library.built()
+    return bool(lib is not None and lib.qg_amx_bf16())
+
+
+def bf16_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k: int,
+                out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """y = x @ W.T on AMX bf16 tiles: the float32 product of the bf16 activations ``x`` [M, k] and the
+    weight's bf16-rounded values (the bits ``dequantize`` gives in bf16), accumulated in float32 over the
+    whole of k. ``data``: a Q4_0/Q4_1/Q8_0 weight in the tiled layout, n a multiple of 16. ``out`` /
+    ``out_dtype`` as in ``quantized_linear``.
+
+    Unlike ``quantized_linear`` it does not quantize the activations (so its results differ from it by up
+    to that kernel's error bound) and its rows are not computed like those of a one-row call: callers
+    use it only outside deterministic mode. Returns None where it does not apply (no AMX bf16 here, x not
+    bf16, or another layout): the caller runs ``quantized_linear``.
+
+    Raises:
+        ValueError: wrong shapes.
+    """
+    lib = library.built()
+    if lib is None or x.dtype != torch.bfloat16 or not is_tiled(qtype) or n % 16 or not lib.qg_amx_bf16():
+        return None
+    if x.dim() != 2 or x.shape[1] != k or data.dtype != torch.uint8 or data.shape[0] != n:
+        raise ValueError(f"bf16_linear: x must be [M, {k}] and data uint8 [{n}, row bytes], got "
+                         f"{tuple(x.shape)} and {data.dtype} {tuple(data.shape)}")
+    x = x.contiguous()
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype)
+    if out.shape != (m, n) or out.dtype not in (torch.float32, torch.bfloat16) or out.stride(1) != 1:
+        raise ValueError(f"bf16_linear: out must be [{m}, {n}] float32/bf16 with unit column stride")
+    rc = lib.qg_linear_bf16(qtype, data.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
+                            int(out.dtype == torch.bfloat16), out.stride(0), torch.get_num_threads())
+    if rc == -2:
+        return None
+    if rc != 0:
+        raise MemoryError("bf16_linear: allocation failed")
     return out
 
 

@@ -38,6 +38,7 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import Linear
 from tokenmill.quantization import qgemm
+from tokenmill.quantization.formats import is_tiled
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ logger = logging.getLogger(__name__)
 ROW_LADDER: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _DECODE_BATCHES = (1, 8, 32)  # paged decode attention: sequences per call, 512 context tokens each
 _PREFILL_LENGTHS = (128, 512)  # paged prefill attention: one fresh prompt of each length
-_DISPATCH_VERSION = 4  # bump when the measurement or the file format changes
+_AMX_BF16_MIN_ROWS = 16  # qgemm's AMX bf16 product is timed from this many rows (fewer: the int8 kernel)
+_DISPATCH_VERSION = 5  # bump when the measurement or the file format changes
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class KernelPlan:
     (True) or dequantize-then-torch-GEMM (False), per ROW_LADDER point (empty: no such layers);
     ``prefill_attention``: prefill chunks in the C flash-style kernel (False: SDPA per chunk; one
     decision, the kernel only if it wins at each of ``_PREFILL_LENGTHS`` prompt tokens);
+    ``amx_bf16``: per ROW_LADDER point, True where quantized layers (the LM head included) multiply bf16
+    activations on qgemm's AMX bf16 tiles rather than quantizing them for the int8 kernel (empty: no
+    AMX bf16 here, or float32 activations; never in deterministic mode);
     ``source``: "measured", "cache" or "off" (``--no-cpu-kernels``,
     TOKENMILL_DISABLE_CPU_KERNELS=1, no compiler, or a dtype the kernels do not take).
     """
@@ -74,6 +79,7 @@ class KernelPlan:
     logits: bool = False
     quantized: tuple[bool, ...] = ()
     prefill_attention: bool = False
+    amx_bf16: tuple[bool, ...] = ()
     source: str = "off"
 
     def describe(self) -> str:
@@ -91,6 +97,9 @@ class KernelPlan:
             parts.append("quantized weights: " + ("kernel" if text == "C" else "dequantized + torch GEMM"
                                                   if text == "torch" else text.replace("C at", "kernel at")
                                                   .replace("torch otherwise", "dequantized + torch GEMM otherwise")))
+        if any(self.amx_bf16):
+            parts.append("AMX bf16 products " + _rows_text(self.amx_bf16).removeprefix("C ").replace(
+                "torch otherwise", "int8 kernel otherwise"))
         return f"C kernels ({self.isa} path, {self.source}): " + ", ".join(parts)
 
 
@@ -182,8 +191,16 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
         rms = [_race_layer(norm, torch.randn(rows, norm.weight.numel()).to(dtype), "cpu_kernel_table", always, ())
                for rows in ROW_LADDER]
     act = next((m for m in model.modules() if isinstance(m, SiluAndMul)), None)
-    quantized = _measure_quantized([m for m in model.modules() if isinstance(m, Linear) and m is not lm_head
-                                    and m.quant is not None], dtype)
+    quantized_linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head
+                         and m.quant is not None]
+    amx_bf16 = _measure_amx_bf16(quantized_linears, dtype)
+    try:  # the kernel side of the next race runs as the plan would: on AMX bf16 where it won
+        for m in quantized_linears:
+            m.quant.amx_bf16_table = row_table(amx_bf16) if amx_bf16 else ()
+        quantized = _measure_quantized(quantized_linears, dtype)
+    finally:
+        for m in quantized_linears:
+            m.quant.amx_bf16_table = ()
     widths = [m.out_features for m in model.modules()
               if isinstance(m, Linear) and len(getattr(m, "output_sizes", ())) == 2]
     if act is not None and widths and silu_and_mul_kernel.available():
@@ -202,7 +219,44 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
         logits = all(_race_layer(lm_head, torch.randn(rows, lm_head.in_features).to(dtype), "float32_logits_kernel",
                                  True, False, call=lm_head.forward_float32) for rows in (1, 8))
     return {"gemm": tuple(gemm), "rms_norm": tuple(rms), "silu_and_mul": tuple(silu), "paged_decode": decode,
-            "logits": logits, "quantized": quantized, "prefill_attention": prefill}
+            "logits": logits, "quantized": quantized, "prefill_attention": prefill, "amx_bf16": amx_bf16}
+
+
+def _measure_amx_bf16(linears: list[Linear], dtype: torch.dtype) -> tuple[bool, ...]:
+    """qgemm's AMX bf16 product against its int8 kernel over every distinct quantized layer shape and
+    format once, per ROW_LADDER point from ``_AMX_BF16_MIN_ROWS`` (below it the int8 kernel: a bf16 tile
+    product costs the weight expansion whatever the rows). Empty where it cannot run (no AMX bf16 tiles,
+    float32 activations, no tiled weights). Like ``_measure_quantized``, it keeps every point above the
+    smallest one from which it wins at every larger point."""
+    by_kind = {}
+    for m in linears:
+        if all(is_tiled(p.qtype) and p.shape[0] % 16 == 0 for p in m.quant.parts):
+            by_kind.setdefault((m.in_features, m.out_features, m.quant.describe()), m.quant)
+    if dtype != torch.bfloat16 or not by_kind or not qgemm.amx_bf16():
+        return ()
+    decisions = []
+    for rows in ROW_LADDER:
+        if rows < _AMX_BF16_MIN_ROWS:
+            decisions.append(False)
+            continue
+        xs = {k: torch.randn(rows, k).to(dtype) for k, _, _ in by_kind}
+
+        def run(table):
+            out = []
+            for quant in by_kind.values():
+                quant.amx_bf16_table = table
+                out.append(quant.matmul(xs[quant.in_features]))
+            return out
+
+        try:
+            decisions.append(_race(lambda: run((True,)), lambda: run(())))
+        finally:
+            for quant in by_kind.values():
+                quant.amx_bf16_table = ()
+    first = len(decisions)
+    while first > 0 and decisions[first - 1]:
+        first -= 1
+    return tuple(i >= first for i in range(len(decisions)))
 
 
 def _measure_quantized(linears: list[Linear], dtype: torch.dtype) -> tuple[bool, ...]:
@@ -293,7 +347,7 @@ def _cache_key(model: nn.Module, dtype: torch.dtype) -> str:
 
 def _plan_from_json(fields: object, isa: str) -> KernelPlan:
     """A cached plan, checked field by field. Raises ValueError for anything but what ``asdict`` wrote."""
-    ladders = ("gemm", "rms_norm", "silu_and_mul", "quantized")
+    ladders = ("gemm", "rms_norm", "silu_and_mul", "quantized", "amx_bf16")
     flags = ("paged_decode", "logits", "prefill_attention")
     if not isinstance(fields, dict) or set(fields) != {"isa", "dtype", *ladders, *flags}:
         raise ValueError("not a kernel plan")
@@ -376,9 +430,11 @@ def apply_plan(model: nn.Module, plan: KernelPlan, lm_head: nn.Module | None = N
     rms = row_table(plan.rms_norm) if plan.rms_norm else ()
     silu = row_table(plan.silu_and_mul) if plan.silu_and_mul else ()
     dequantize = tuple(not c for c in row_table(plan.quantized)) if plan.quantized else ()
+    amx_bf16 = row_table(plan.amx_bf16) if any(plan.amx_bf16) else ()
     for module in model.modules():
         if isinstance(module, Linear) and module.quant is not None:  # the LM head: few rows, a huge weight
             module.quant.dequantize_table = () if module is lm_head else dequantize
+            module.quant.amx_bf16_table = amx_bf16
         if module is lm_head and isinstance(module, Linear):
             module.cpu_gemm_table = gemm
             module.float32_logits_kernel = plan.logits

@@ -43,6 +43,9 @@
 #endif
 #if defined(TM_AMX) && defined(QG_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define QG_AMX 1
+#if defined(TM_AMX_BF16) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define QG_AMX_BF16 1
+#endif
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -1000,6 +1003,208 @@ AI void tile_amx(int base, const uint8_t* tile, const act_q* a, int64_t m0, int 
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 #endif
+
+int qg_amx(void);
+
+#if defined(QG_AMX_BF16)
+/* AMX bf16 products for bf16 activations (qg_linear_bf16; not batch invariant against qg_linear, so the
+ * runner uses it only outside deterministic mode). Each tile group is expanded once into the bf16 weights
+ * qg_dequantize gives (w = D * u + o in float32, rounded to nearest even) as the B operand of TDPBF16PS:
+ * 16 rows of 64 bytes, row j holding the 16 weight rows' pairs (w[2j], w[2j + 1]). The activations are
+ * the A operand as they are (16 rows of 32 bf16; a last partial block of rows is copied zero-padded), and
+ * C accumulates float32 over the whole K (no per-group float step, unlike the int8 paths): y is the
+ * float32 product of the bf16 activations and the bf16-rounded weights, summed in the tile unit's order.
+ * Blocking 2 x 2: tiles 0-3 are C of (2 blocks of 16 rows) x (2 weight tiles), 4-5 the two A blocks,
+ * 6-7 the two B groups, so each loaded tile feeds two products. */
+#define AMXB_CFG 1000 /* amx_rows while this path's configuration is loaded */
+
+AI void amxb_configure(void) {
+    if (amx_rows == AMXB_CFG) return;
+    amx_config c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    _tile_loadconfig(&c);
+    amx_rows = AMXB_CFG;
+}
+
+/* Row pairs of B from two float vectors (lane p: weight row p at k = 2j and 2j + 1). */
+AI void amxb_pair(uint16_t* dst, __m512 even, __m512 odd, __m512i interleave) {
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* [even 0..15, odd 0..15] as bf16 */
+    _mm512_storeu_si512((void*)dst, _mm512_permutexvar_epi16(interleave, both));
+}
+
+/* Group g of a tile (b: its bytes in the tiled layout) as B: 512 bf16 at dst. */
+AI void amxb_group(int base, const uint8_t* b, uint16_t* dst) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 d = half16(b);
+    const __m512 m = base == Q4_1 ? half16(b + 32) : _mm512_setzero_ps();
+    const uint8_t* cs = b + codes_offset(base);
+    if (base == Q8_0) { /* chunk j, lane p: bytes u = q + 128 of k = 4j..4j+3 */
+        const __m512i ff = _mm512_set1_epi32(255), off = _mm512_set1_epi32(128);
+        for (int j = 0; j < 8; j++) {
+            const __m512i v = _mm512_loadu_si512((const void*)(cs + 64 * j));
+            __m512 w[4];
+            for (int i = 0; i < 4; i++)
+                w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                    _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), ff), off)));
+            amxb_pair(dst + 32 * (2 * j), w[0], w[1], interleave);
+            amxb_pair(dst + 32 * (2 * j + 1), w[2], w[3], interleave);
+        }
+        return;
+    }
+    const __m512i m4 = _mm512_set1_epi32(15);
+    for (int j = 0; j < 4; j++) { /* chunk j, lane p: low nibbles k = 4j..4j+3, high nibbles k = 16+4j.. */
+        const __m512i v = _mm512_loadu_si512((const void*)(cs + 64 * j));
+        __m512 w[8];
+        for (int i = 0; i < 8; i++) {
+            const __m512i u = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (i & 3) + 4 * (i >> 2)), m4);
+            w[i] = base == Q4_1 ? _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(u), m) /* D * u is exact: one rounding */
+                                : _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(8))));
+        }
+        amxb_pair(dst + 32 * (2 * j), w[0], w[1], interleave);
+        amxb_pair(dst + 32 * (2 * j + 1), w[2], w[3], interleave);
+        amxb_pair(dst + 32 * (8 + 2 * j), w[4], w[5], interleave);
+        amxb_pair(dst + 32 * (9 + 2 * j), w[6], w[7], interleave);
+    }
+}
+
+/* y[m0 + r, n0 + p] for r < R, p < 16 from a C tile stored at c (row r at c + 16r). */
+AI void amxb_store(void* y, int y_bf16, int64_t ldy, int64_t m0, int64_t n0, int R, const float* c) {
+    for (int r = 0; r < R; r++) {
+        const __m512 v = _mm512_loadu_ps(c + 16 * r);
+        if (y_bf16) _mm256_storeu_si256((__m256i*)((uint16_t*)y + (m0 + r) * ldy + n0), bf16x16(v));
+        else _mm512_storeu_ps((float*)y + (m0 + r) * ldy + n0, v);
+    }
+}
+
+/* C tile `tile` (rows m0.., weight tile starting at column n0) into y, its first R rows. */
+#define AMXB_OUT(tile, m0, n0, R)                                   \
+    do {                                                            \
+        _tile_stored(tile, c, 64);                                  \
+        amxb_store(y, y_bf16, ldy, (m0), (n0), (R), c);             \
+    } while (0)
+
+/* Rows of x ([Mp, K] bf16, Mp a multiple of 16; the first M real) against weight tiles t0 and, when two,
+ * t0 + 1 (w1 non-NULL), expanded at w0/w1 (G * 512 bf16 each). */
+AI void amxb_tiles(int64_t G, const uint16_t* x, int64_t K, int64_t M, int64_t Mp, void* y, int y_bf16,
+                   int64_t ldy, int64_t n0, const uint16_t* w0, const uint16_t* w1) {
+    const int64_t lda = 2 * K;
+    _Alignas(64) float c[16 * 16];
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        const uint16_t* xa = x + m0 * K;
+        const int two_m = Mp - m0 >= 32;
+        const int r0 = (int)(M - m0 < 16 ? M - m0 : 16), r1 = (int)(M - m0 - 16 < 16 ? M - m0 - 16 : 16);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        if (two_m && w1) {
+            for (int64_t g = 0; g < G; g++) {
+                _tile_loadd(4, xa + g * QK, lda);
+                _tile_loadd(6, w0 + 512 * g, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, w1 + 512 * g, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(5, xa + 16 * K + g * QK, lda);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        } else if (two_m) {
+            for (int64_t g = 0; g < G; g++) {
+                _tile_loadd(6, w0 + 512 * g, 64);
+                _tile_loadd(4, xa + g * QK, lda);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(5, xa + 16 * K + g * QK, lda);
+                _tile_dpbf16ps(2, 5, 6);
+            }
+        } else if (w1) {
+            for (int64_t g = 0; g < G; g++) {
+                _tile_loadd(4, xa + g * QK, lda);
+                _tile_loadd(6, w0 + 512 * g, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, w1 + 512 * g, 64);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+        } else {
+            for (int64_t g = 0; g < G; g++) {
+                _tile_loadd(4, xa + g * QK, lda);
+                _tile_loadd(6, w0 + 512 * g, 64);
+                _tile_dpbf16ps(0, 4, 6);
+            }
+        }
+        AMXB_OUT(0, m0, n0, r0);
+        if (w1) AMXB_OUT(1, m0, n0 + 16, r0);
+        if (two_m && r1 > 0) {
+            AMXB_OUT(2, m0 + 16, n0, r1);
+            if (w1) AMXB_OUT(3, m0 + 16, n0 + 16, r1);
+        }
+    }
+}
+#endif
+
+/* y[m, n] (row stride ldy) = x[m] . W[n] for m < M, n < N on AMX bf16 tiles, x [M, K] bf16 (contiguous):
+ * the float32 product of x and W's bf16-rounded weights (see above). A Q4_0/Q4_1/Q8_0 weight in the tiled
+ * layout with N a multiple of 16 only. Returns 0, or -2 where this path does not apply (not built, AMX
+ * refused or off, another format, or N % 16 != 0: use qg_linear), -1 on a failed allocation. */
+int qg_linear_bf16(int qtype, const uint8_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M, void* y,
+                   int y_bf16, int64_t ldy, int num_threads) {
+#if defined(QG_AMX_BF16)
+    const int base = tiled_base(qtype);
+    if (!base || N % TP != 0 || K % QK != 0 || K <= 0 || !qg_amx()) return -2;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t G = K / QK, NT = N / TP, tgb = TP * qg_block_bytes(base), Mp = (M + 15) / 16 * 16;
+    const int64_t pairs = (NT + 1) / 2;
+    uint16_t* xp = NULL; /* x with its rows padded to a multiple of 16 (zeros), when M is not one */
+    if (Mp != M) {
+        xp = (uint16_t*)aligned_alloc(64, (size_t)(Mp * K * 2));
+        if (!xp) return -1;
+        memcpy(xp, x, (size_t)(M * K * 2));
+        memset(xp + M * K, 0, (size_t)((Mp - M) * K * 2));
+        x = xp;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && pairs > 1)
+    {
+        uint16_t* wbuf = (uint16_t*)aligned_alloc(64, (size_t)(2 * G * 512 * 2));
+        if (!wbuf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        amx_rows = 0;
+        if (wbuf) amxb_configure();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < pairs; t++) {
+            if (!wbuf) continue;
+            const int two = 2 * t + 1 < NT;
+            for (int i = 0; i < 1 + two; i++) {
+                const uint8_t* tile = w + (2 * t + i) * G * tgb;
+                uint16_t* dst = wbuf + i * G * 512;
+                for (int64_t g = 0; g < G; g++) {
+                    if (base == Q4_1) amxb_group(Q4_1, tile + g * tgb, dst + 512 * g);
+                    else if (base == Q4_0) amxb_group(Q4_0, tile + g * tgb, dst + 512 * g);
+                    else amxb_group(Q8_0, tile + g * tgb, dst + 512 * g);
+                }
+            }
+            amxb_tiles(G, x, K, M, Mp, y, y_bf16, ldy, 2 * t * TP, wbuf, two ? wbuf + G * 512 : NULL);
+        }
+        if (amx_rows) { _tile_release(); amx_rows = 0; }
+        free(wbuf);
+    }
+    free(xp);
+    return failed ? -1 : 0;
+#else
+    (void)qtype; (void)w; (void)N; (void)K; (void)x; (void)M; (void)y; (void)y_bf16; (void)ldy; (void)num_threads;
+    return -2;
+#endif
+}
+
+/* 1 when qg_linear_bf16 runs here (built with AMX bf16 and the tiles granted). */
+int qg_amx_bf16(void) {
+#if defined(QG_AMX_BF16)
+    return qg_amx();
+#else
+    return 0;
+#endif
+}
 
 /* 1 when this process multiplies AMX_MIN_ROWS or more rows on AMX tiles (asks Linux for the tile state once;
  * TOKENMILL_DISABLE_AMX=1 in the environment keeps VNNI for every row count). */
