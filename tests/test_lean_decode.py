@@ -138,6 +138,32 @@ def test_embedded_q4_1_model_decodes_the_same_bits_and_greedy_tokens(smollm2):
                [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)]
 
 
+def test_amx_bf16_products_give_the_torch_path_bits():
+    """Where qgemm has AMX bf16 tiles, a bf16 decode step whose plan multiplies on them (the lean step's
+    qlinear_bf16 pointer) gives the torch path's bits, and other bits than the int8 kernel: the tiles ran."""
+    from tokenmill.quantization import qgemm
+
+    if not qgemm.amx_bf16():
+        pytest.skip("no AMX bf16 here")
+    llm = LLM(dtype="bfloat16", num_threads=2, max_model_len=256, kv_cache_memory=0.05)
+    try:
+        model = llm.engine.runner.model
+        torch_path_on_c_kernels(model)
+        quants = [m.quant for m in model.modules() if isinstance(m, Linear) and m.quant is not None]
+        lens = [5 + 3 * i for i in range(20)]  # 20 decode rows
+        for quant in quants:
+            quant.amx_bf16_table = (True,)
+        amx = decode_step_both_ways(llm, lens, seed=4)
+        assert_same_bits(*amx)
+        for quant in quants:
+            quant.amx_bf16_table = ()
+        int8 = decode_step_both_ways(llm, lens, seed=4)
+        assert_same_bits(*int8)
+        assert not torch.equal(amx[0][0], int8[0][0])
+    finally:
+        llm.close()
+
+
 def test_other_isa_path_gives_the_torch_path_bits(tiny_paths):
     """The whole process on another ISA path (TOKENMILL_CPU_ISA): AVX2 where this CPU has AVX-512, else portable."""
     other = "avx2" if csrc_build.selected_isa() != "avx2" and csrc_build.isa_supported("avx2") else "portable"

@@ -466,9 +466,9 @@ def test_amx_bf16_products_are_the_float_products_of_the_bf16_weights():
     those two it is within float32 summation error (1e-5 * sum|x||w|), for every tiled format, 1 to 300
     rows (whole and partial blocks of 16 and of 32), an odd and an even number of 16-row weight tiles,
     float32 and bf16 outputs, strided outputs and 1 or 2 threads. Through ``GGUFWeight.matmul`` it runs
-    only where ``amx_bf16_table`` says so and never in deterministic mode (batch_invariant), which keeps
-    the int8 kernel's bits."""
-    from tokenmill.quantization.gguf_weight import GGUFWeight
+    only where ``amx_bf16_table`` says so, at the row count ``dispatch_rows`` names where it is set (a
+    verify step), and never in deterministic mode (batch_invariant), which keeps the int8 kernel's bits."""
+    from tokenmill.quantization.gguf_weight import GGUFWeight, dispatch_rows
 
     if not qgemm.amx_bf16():
         pytest.skip("no AMX bf16 here (needs amx_tile, amx_bf16 and avx512_bf16, and the tile state granted)")
@@ -507,6 +507,11 @@ def test_amx_bf16_products_are_the_float_products_of_the_bf16_weights():
         assert torch.equal(amx, qgemm.bf16_linear(x, weight.parts[0].data, weight.parts[0].qtype, 48, 96))
         assert not torch.equal(amx, int8)  # the int8 kernel rounds the activations: other bits
         assert torch.equal(weight.matmul(x, batch_invariant=True), int8)
+        weight.amx_bf16_table = (False,) * 16 + (True,)  # AMX bf16 from 16 rows
+        assert torch.equal(weight.matmul(x), amx)
+        with dispatch_rows(4):  # a verify step of 4 requests: the kernel plain decoding of 4 rows takes
+            assert torch.equal(weight.matmul(x), int8)
+        assert torch.equal(weight.matmul(x), amx)
         assert torch.equal(weight.matmul(x.float()), qgemm.quantized_linear(x.float(), weight.parts[0].data,
                                                                             weight.parts[0].qtype, 48, 96))
     finally:

@@ -19,8 +19,10 @@ the model is kept and no fresh allocation is page-faulted per layer.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,21 @@ from tokenmill.quantization import qgemm
 from tokenmill.quantization.formats import TILED_FORMATS, QuantizedTensor, qtype_name
 
 _scratch = threading.local()
+# The row count the tables are read at, where a step's products have more rows than the step it stands for
+# (None: each product's own rows); see ``dispatch_rows``.
+_dispatch_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("tokenmill_dispatch_rows", default=None)
+
+
+@contextlib.contextmanager
+def dispatch_rows(rows: int | None) -> Iterator[None]:
+    """Within the block, every ``GGUFWeight.matmul`` reads its tables at ``rows`` instead of its own row
+    count: a speculative verify step (k + 1 rows per request) then makes the kernel choices of the plain
+    decode step of its requests (one row each), so verified tokens get plain decoding's bits."""
+    token = _dispatch_rows.set(rows)
+    try:
+        yield
+    finally:
+        _dispatch_rows.reset(token)
 # The formats whose segments are repacked into the tiled layout in weights built from now on: None for
 # the default (_DEFAULT_TILED where qgemm.tiled_preferred()), else any of TILED_FORMATS (() for none).
 TILED_LAYOUT: tuple[int, ...] | None = None
@@ -99,14 +116,15 @@ class GGUFWeight:
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, in_features] float32/bf16 -> [M, out_features] in ``out_dtype`` (default x's dtype)."""
         out_dtype = out_dtype or x.dtype
+        rows = _dispatch_rows.get() or x.shape[0]
         table = self.dequantize_table
-        if not batch_invariant and table and table[min(x.shape[0], len(table) - 1)]:
+        if not batch_invariant and table and table[min(rows, len(table) - 1)]:
             w = self.dequantize_into_scratch(out_dtype)  # (out, in), valid until this thread's next call
             return F.linear(x.to(out_dtype), w, None if bias is None else bias.to(out_dtype))
         y = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
         table = self.amx_bf16_table
         amx = (not batch_invariant and x.dtype == torch.bfloat16 and bool(table)
-               and table[min(x.shape[0], len(table) - 1)])
+               and table[min(rows, len(table) - 1)])
         for part, start in zip(self.parts, self.offsets):
             n = part.shape[0]
             target = y if len(self.parts) == 1 else y[:, start:start + n]

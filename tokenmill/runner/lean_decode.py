@@ -48,7 +48,7 @@ class _Layer(ctypes.Structure):
 
 class _Kernels(ctypes.Structure):
     _fields_ = [("qlinear", ctypes.c_void_p), ("rms_norm", ctypes.c_void_p), ("silu_and_mul", ctypes.c_void_p),
-                ("attention", ctypes.c_void_p)]
+                ("attention", ctypes.c_void_p), ("qlinear_bf16", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -61,7 +61,7 @@ class _Model(ctypes.Structure):
 
 def _setup(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.ld_decode.argtypes = [ctypes.POINTER(_Model), i64, p, p, p, i64, p, p, p, ctypes.c_int]
+    lib.ld_decode.argtypes = [ctypes.POINTER(_Model), i64, p, p, p, i64, p, p, p, ctypes.c_int, ctypes.c_int]
     lib.ld_decode.restype = ctypes.c_int
 
 
@@ -90,7 +90,8 @@ def kernel_set(dtype: torch.dtype, isa: str | None = None) -> tuple[_Kernels, st
     suffix = "bf16" if dtype == torch.bfloat16 else "f32"
     kernels = _Kernels(qlinear=_address(q.qg_linear), rms_norm=_address(getattr(bi, f"bi_rms_norm_{suffix}")),
                        silu_and_mul=_address(getattr(silu, f"silu_and_mul_{suffix}")),
-                       attention=_address(getattr(attn, f"paged_decode_{suffix}")))
+                       attention=_address(getattr(attn, f"paged_decode_{suffix}")),
+                       qlinear_bf16=_address(q.qg_linear_bf16))
     return kernels, q.qg_isa().decode()
 
 
@@ -213,6 +214,8 @@ class LeanDecode:
         rows = metadata.dispatch_rows or num_tokens  # a verify step: the batch plain decoding would run
         if table and table[min(rows, len(table) - 1)]:
             return None  # the measured plan dequantizes for torch's GEMM at this many rows
+        amx_table = self._probe.amx_bf16_table  # the plan's AMX bf16 products at this many rows, as the layers
+        amx = int(bool(amx_table) and amx_table[min(rows, len(amx_table) - 1)])
         if _weights_key(model.layers) != self._weights_key:  # parameters reallocated (RL wake-up): describe again
             described = _describe(list(model.layers), self.dtype)
             if isinstance(described, str):
@@ -237,7 +240,7 @@ class LeanDecode:
         start = time.perf_counter()
         rc = self._lib.ld_decode(ctypes.byref(self._desc), num_tokens, positions.data_ptr(), slot_mapping.data_ptr(),
                                  block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), ptrs,
-                                 hidden.data_ptr(), threads)
+                                 hidden.data_ptr(), threads, amx)
         if choice is not None and rc == 0:
             choice.record(threads, time.perf_counter() - start)
         if rc == -2:

@@ -17,6 +17,7 @@ from tokenmill.attention.kv_quant import SCALE_DTYPE, QuantizedKVCache, storage_
 from tokenmill.config import ConfigError
 from tokenmill.lora.mapping import build_lora_mapping
 from tokenmill.outputs import Logprob, PositionLogprobs
+from tokenmill.quantization.gguf_weight import dispatch_rows
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
 from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
 from tokenmill.sampling.grammar_mask import apply_token_bitmask_
@@ -158,7 +159,16 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Shapes: T = total scheduled tokens, B = scheduled requests."""
         requests, query_lens, num_computed, input_ids, block_table = self._gather_inputs(scheduler_output)
-        if self._verify_as_decode_rows(scheduler_output, requests, num_computed):
+        verify_rows = self._verify_as_decode_rows(scheduler_output, requests, num_computed)
+        with dispatch_rows(len(requests) if verify_rows else None):
+            return self._execute(scheduler_output, requests, query_lens, num_computed, input_ids, block_table,
+                                 verify_rows)
+
+    def _execute(self, scheduler_output: SchedulerOutput, requests, query_lens, num_computed, input_ids, block_table,
+                 verify_rows: bool) -> ModelRunnerOutput:
+        """execute_model's step once its inputs are gathered (``verify_rows``: drafts verified as decode rows,
+        every product choosing its kernel as the plain decode step of these requests would)."""
+        if verify_rows:
             metadata, positions = build_attention_metadata(*verify_rows_layout(query_lens, num_computed, block_table),
                                                            self.block_size)
             metadata = dataclasses.replace(metadata, dispatch_rows=len(requests))

@@ -34,6 +34,8 @@
 /* The kernels' exported signatures (qg_linear, bi_rms_norm_*, silu_and_mul_*, paged_decode_*). */
 typedef int (*ld_qlinear_fn)(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, int x_bf16, int64_t M,
                              void* y, int y_bf16, int64_t ldy, int num_threads);
+typedef int (*ld_qlinear_bf16_fn)(int qtype, const uint8_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M,
+                                  void* y, int y_bf16, int64_t ldy, int num_threads);
 typedef void (*ld_rms_norm_fn)(const void* x, const void* w, void* y, int64_t M, int64_t H, float eps, int num_threads);
 typedef void (*ld_silu_and_mul_fn)(const void* x, void* out, int64_t M, int64_t I, int num_threads);
 typedef void (*ld_attention_fn)(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
@@ -45,6 +47,7 @@ typedef struct {
     ld_rms_norm_fn rms_norm;            /* the model dtype's variant */
     ld_silu_and_mul_fn silu_and_mul;
     ld_attention_fn attention;
+    ld_qlinear_bf16_fn qlinear_bf16;    /* qg_linear_bf16 (AMX bf16 tiles; -2 where it does not apply), or NULL */
 } ld_kernels;
 
 typedef struct {
@@ -89,16 +92,22 @@ static int64_t ld_linear_out(const ld_linear* L) {
 }
 
 /* y [M, N] (model dtype) = x [M, K] @ W^T (+ bias): each segment into its column range, as
- * GGUFWeight.matmul does, then y += bias rounded to the dtype. Returns qg_linear's code. */
+ * GGUFWeight.matmul does (on AMX bf16 tiles when amx is set and the model is bf16, a segment the bf16
+ * product does not take on the int8 kernel), then y += bias rounded to the dtype. Returns qg_linear's code. */
 static int ld_linear_run(const ld_model* m, const ld_linear* L, const void* x, int64_t M, int64_t K, void* y,
-                         int num_threads) {
+                         int num_threads, int amx) {
     const int bf16 = m->bf16;
     const size_t elt = bf16 ? 2 : 4;
     const int64_t N = ld_linear_out(L);
     int64_t col = 0;
     for (int s = 0; s < L->num_segments; s++) {
-        const int rc = m->kernels.qlinear(L->qtype[s], L->data[s], L->rows[s], K, x, bf16, M, (char*)y + col * elt,
-                                          bf16, N, num_threads);
+        int rc = -2;
+        if (amx && bf16 && m->kernels.qlinear_bf16)
+            rc = m->kernels.qlinear_bf16(L->qtype[s], L->data[s], L->rows[s], K, (const uint16_t*)x, M,
+                                         (char*)y + col * elt, bf16, N, num_threads);
+        if (rc == -2)
+            rc = m->kernels.qlinear(L->qtype[s], L->data[s], L->rows[s], K, x, bf16, M, (char*)y + col * elt,
+                                    bf16, N, num_threads);
         if (rc != 0) return rc;
         col += L->rows[s];
     }
@@ -137,7 +146,7 @@ static void ld_residual(void* h, const void* y, int64_t n, int bf16) {
  * (here, or inside a product: the KV rows of the layers before may then hold this step's values). */
 int ld_decode(const ld_model* m, int64_t B, const int64_t* positions, const int64_t* slot_mapping,
               const int64_t* block_table, int64_t max_blocks, const int64_t* seq_lens, void* const* kv,
-              void* hidden, int num_threads) {
+              void* hidden, int num_threads, int amx_bf16) {
     const int bf16 = m->bf16;
     const size_t elt = bf16 ? 2 : 4;
     const int64_t Hd = m->hidden, H = m->num_heads, KVH = m->num_kv_heads, D = m->head_dim, I = m->intermediate;
@@ -168,7 +177,7 @@ int ld_decode(const ld_model* m, int64_t B, const int64_t* positions, const int6
         char* v_cache = kv[2 * l + 1];
         /* attention block */
         k->rms_norm(hidden, L->input_norm, xn, B, Hd, m->eps, num_threads);
-        if ((rc = ld_linear_run(m, &L->qkv, xn, B, Hd, qkv, num_threads))) break;
+        if ((rc = ld_linear_run(m, &L->qkv, xn, B, Hd, qkv, num_threads, amx_bf16))) break;
         for (int64_t b = 0; b < B; b++) { /* q | k of row b, contiguous: [H + KVH, D] */
             char* src = qkv + elt * (size_t)(b * nqkv);
             char* qb = q + elt * (size_t)(b * (q_size + kv_size));
@@ -190,13 +199,13 @@ int ld_decode(const ld_model* m, int64_t B, const int64_t* positions, const int6
         }
         k->attention(attn, k_cache, v_cache, block_table, seq_lens, xn, (int)B, (int)H, (int)KVH, (int)D,
                      (int)m->block_size, (int)max_blocks, m->scale, num_threads);
-        if ((rc = ld_linear_run(m, &L->o, xn, B, q_size, out, num_threads))) break;
+        if ((rc = ld_linear_run(m, &L->o, xn, B, q_size, out, num_threads, amx_bf16))) break;
         ld_residual(hidden, out, B * Hd, bf16);
         /* MLP block */
         k->rms_norm(hidden, L->post_norm, xn, B, Hd, m->eps, num_threads);
-        if ((rc = ld_linear_run(m, &L->gate_up, xn, B, Hd, gu, num_threads))) break;
+        if ((rc = ld_linear_run(m, &L->gate_up, xn, B, Hd, gu, num_threads, amx_bf16))) break;
         k->silu_and_mul(gu, act, B, I, num_threads);
-        if ((rc = ld_linear_run(m, &L->down, act, B, I, out, num_threads))) break;
+        if ((rc = ld_linear_run(m, &L->down, act, B, I, out, num_threads, amx_bf16))) break;
         ld_residual(hidden, out, B * Hd, bf16);
     }
     if (rc != 0) rc = -2; /* a product refused: only an allocation inside the kernel can fail here */
