@@ -132,6 +132,32 @@ def test_plan_tables_follow_the_ladder(monkeypatch):
         assert bool(calls) == expect_c, rows
 
 
+def test_amx_bf16_ladders_reach_the_layers_and_never_below_16_rows():
+    """The plan's AMX bf16 ladders become per-row tables on the quantized layers (the LM head its own):
+    the 16-row decision covers 16 rows but not the 9-15 rows it was never timed at; the describe line says so."""
+    from tokenmill.quantization import QuantizedTensor
+    from tokenmill.quantization.gguf_weight import GGUFWeight
+    from tokenmill.runner.cpu_kernels import _amx_table
+
+    layers_ladder = tuple(point >= 16 for point in ROW_LADDER)
+    head_ladder = tuple(point >= 64 for point in ROW_LADDER)
+    table = _amx_table(layers_ladder)
+    assert not any(table[:16]) and all(table[16:]) and len(table) == ROW_LADDER[-1] + 1
+    assert _amx_table((False,) * len(ROW_LADDER)) == ()
+    plan = KernelPlan(isa="avx512_bf16", dtype="bfloat16", amx_bf16=layers_ladder, amx_bf16_logits=head_ladder,
+                      source="measured")
+    assert "AMX bf16 products from 16 rows" in plan.describe() and "LM head on AMX bf16 from 64 rows" in plan.describe()
+    model = torch.nn.ModuleDict({"layer": Linear(32, 16), "head": Linear(32, 16)})
+    for m in model.values():
+        m.quant = GGUFWeight([QuantizedTensor(8, (16, 32), torch.zeros(16, 34, dtype=torch.uint8))])
+    apply_plan(model, plan, lm_head=model["head"])
+    assert model["layer"].quant.amx_bf16_table == table
+    assert model["head"].quant.amx_bf16_table == _amx_table(head_ladder)
+    assert not model["head"].quant.amx_bf16_table[32] and model["head"].quant.amx_bf16_table[33]  # point 64: 33-64
+    apply_plan(model, KernelPlan(isa=None), lm_head=model["head"])
+    assert model["layer"].quant.amx_bf16_table == () and model["head"].quant.amx_bf16_table == ()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 7, 33, 300])
 def test_switched_layers_match_the_torch_layers(dtype, rows):

@@ -488,12 +488,17 @@ def test_amx_bf16_products_are_the_float_products_of_the_bf16_weights():
                             torch.set_num_threads(num_threads)
                             got = qgemm.bf16_linear(x, t.data, t.qtype, n, k, out_dtype=out_dtype)
                             assert got is not None and got.dtype == out_dtype
+                            if out_dtype == torch.float32:
+                                got_f32 = got
                             name = f"{GGUF_QUANT_TYPES[qtype][0]} N={n} K={k} rows={rows} ->{out_dtype}"
                             if out_dtype == torch.float32:
                                 assert ((got.double() - ref).abs() <= bound).all(), name
                             else:  # one more rounding, to bf16
                                 assert torch.equal(got, ref.float().bfloat16()) or \
                                     ((got.double() - ref).abs() <= bound + ref.abs() * 2 ** -8).all(), name
+                    if rows > 1:  # each row's bits depend on that row only (not M, not the thread count)
+                        part = qgemm.bf16_linear(x[rows // 2:], t.data, t.qtype, n, k, out_dtype=torch.float32)
+                        assert torch.equal(part, got_f32[rows // 2:]), name
                     wide = torch.full((rows, n + 8), 7.0)  # a strided output: the columns past n stay as they were
                     qgemm.bf16_linear(x, t.data, t.qtype, n, k, out=wide[:, 4:4 + n])
                     assert ((wide[:, 4:4 + n].double() - ref).abs() <= bound).all()

@@ -56,7 +56,8 @@ def _setup(lib: ctypes.CDLL) -> None:
 def flags_for(isa: str) -> tuple[str, ...]:
     """The build flags for ``isa``: VNNI is added on the AVX-512 paths when this CPU has avx512_vnni, and
     AMX (int8 tiles, for products of 16 or more rows) when it also has amx_tile and amx_int8 and the
-    compiler knows the AMX flags (gcc 11+, clang 12+; an older one builds the VNNI path)."""
+    compiler knows the AMX flags (gcc 11+, clang 12+; an older one builds the VNNI path); on the
+    avx512_bf16 path also AMX bf16 tiles (``bf16_linear``) when the CPU has amx_bf16."""
     flags = csrc_build.cpu_flags()
     if isa.startswith("avx512") and "avx512_vnni" in flags:
         if {"amx_tile", "amx_int8"} <= flags and csrc_build.compiler_accepts(_AMX_FLAGS[:2]):
@@ -144,20 +145,23 @@ def bf16_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k: int,
     whole of k. ``data``: a Q4_0/Q4_1/Q8_0 weight in the tiled layout, n a multiple of 16. ``out`` /
     ``out_dtype`` as in ``quantized_linear``.
 
-    Unlike ``quantized_linear`` it does not quantize the activations (so its results differ from it by up
-    to that kernel's error bound) and its rows are not computed like those of a one-row call: callers
-    use it only outside deterministic mode. Returns None where it does not apply (no AMX bf16 here, x not
-    bf16, or another layout): the caller runs ``quantized_linear``.
+    Each row's result depends only on that row (not on M nor the thread count), but it is not the int8
+    kernel's: unlike ``quantized_linear`` it does not quantize the activations, so the two differ by up to
+    that kernel's error bound. A plan that switches between them by row count is therefore not batch
+    invariant, and deterministic mode never uses this. Returns None where it does not apply (no AMX bf16
+    here, x not a bf16 CPU tensor, or another layout): the caller runs ``quantized_linear``.
 
     Raises:
-        ValueError: wrong shapes.
+        ValueError: wrong shapes, or data that is not a contiguous uint8 [n, row bytes] tensor.
     """
     lib = library.built()
-    if lib is None or x.dtype != torch.bfloat16 or not is_tiled(qtype) or n % 16 or not lib.qg_amx_bf16():
+    if (lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not is_tiled(qtype) or n % 16
+            or not lib.qg_amx_bf16()):
         return None
-    if x.dim() != 2 or x.shape[1] != k or data.dtype != torch.uint8 or data.shape[0] != n:
-        raise ValueError(f"bf16_linear: x must be [M, {k}] and data uint8 [{n}, row bytes], got "
-                         f"{tuple(x.shape)} and {data.dtype} {tuple(data.shape)}")
+    if (x.dim() != 2 or x.shape[1] != k or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[0] != n
+            or not data.is_contiguous() or data.device.type != "cpu"):
+        raise ValueError(f"bf16_linear: x must be [M, {k}] and data contiguous uint8 [{n}, row bytes] on CPU, "
+                         f"got {tuple(x.shape)} and {data.dtype} {tuple(data.shape)}")
     x = x.contiguous()
     m = x.shape[0]
     if out is None:

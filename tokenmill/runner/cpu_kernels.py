@@ -63,9 +63,10 @@ class KernelPlan:
     (True) or dequantize-then-torch-GEMM (False), per ROW_LADDER point (empty: no such layers);
     ``prefill_attention``: prefill chunks in the C flash-style kernel (False: SDPA per chunk; one
     decision, the kernel only if it wins at each of ``_PREFILL_LENGTHS`` prompt tokens);
-    ``amx_bf16``: per ROW_LADDER point, True where quantized layers (the LM head included) multiply bf16
-    activations on qgemm's AMX bf16 tiles rather than quantizing them for the int8 kernel (empty: no
-    AMX bf16 here, or float32 activations; never in deterministic mode);
+    ``amx_bf16``: per ROW_LADDER point, True where quantized layers multiply bf16 activations on qgemm's
+    AMX bf16 tiles rather than quantizing them for the int8 kernel (empty: no AMX bf16 here, or float32
+    activations; never in deterministic mode); ``amx_bf16_logits``: the same for a quantized LM head,
+    timed apart (its huge weight is expanded per call, so it needs more rows to win);
     ``source``: "measured", "cache" or "off" (``--no-cpu-kernels``,
     TOKENMILL_DISABLE_CPU_KERNELS=1, no compiler, or a dtype the kernels do not take).
     """
@@ -80,6 +81,7 @@ class KernelPlan:
     quantized: tuple[bool, ...] = ()
     prefill_attention: bool = False
     amx_bf16: tuple[bool, ...] = ()
+    amx_bf16_logits: tuple[bool, ...] = ()
     source: str = "off"
 
     def describe(self) -> str:
@@ -97,9 +99,11 @@ class KernelPlan:
             parts.append("quantized weights: " + ("kernel" if text == "C" else "dequantized + torch GEMM"
                                                   if text == "torch" else text.replace("C at", "kernel at")
                                                   .replace("torch otherwise", "dequantized + torch GEMM otherwise")))
-        if any(self.amx_bf16):
-            parts.append("AMX bf16 products " + _rows_text(self.amx_bf16).removeprefix("C ").replace(
-                "torch otherwise", "int8 kernel otherwise"))
+        for name, ladder in (("AMX bf16 products", self.amx_bf16), ("LM head on AMX bf16", self.amx_bf16_logits)):
+            if any(ladder):
+                points = [rows for rows, use in zip(ROW_LADDER, ladder) if use]
+                parts.append(f"{name} from {points[0]} rows" if all(ladder[-len(points):])
+                             else f"{name} at the {'/'.join(map(str, points))}-row points")
         return f"C kernels ({self.isa} path, {self.source}): " + ", ".join(parts)
 
 
@@ -196,7 +200,7 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
     amx_bf16 = _measure_amx_bf16(quantized_linears, dtype)
     try:  # the kernel side of the next race runs as the plan would: on AMX bf16 where it won
         for m in quantized_linears:
-            m.quant.amx_bf16_table = row_table(amx_bf16) if amx_bf16 else ()
+            m.quant.amx_bf16_table = _amx_table(amx_bf16)
         quantized = _measure_quantized(quantized_linears, dtype)
     finally:
         for m in quantized_linears:
@@ -215,19 +219,24 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
     # The LM head's float32 logits from bf16 weights: the C GEMM against torch's chunked float32 path,
     # at one and eight rows (sampled rows per step). float32 weights follow the GEMM decisions.
     logits = False
+    amx_bf16_logits = ()
+    if isinstance(lm_head, Linear) and lm_head.quant is not None:
+        amx_bf16_logits = _measure_amx_bf16([lm_head], dtype, out_dtype=torch.float32)
     if isinstance(lm_head, Linear) and lm_head.quant is None and lm_head.weight.dtype == torch.bfloat16:
         logits = all(_race_layer(lm_head, torch.randn(rows, lm_head.in_features).to(dtype), "float32_logits_kernel",
                                  True, False, call=lm_head.forward_float32) for rows in (1, 8))
     return {"gemm": tuple(gemm), "rms_norm": tuple(rms), "silu_and_mul": tuple(silu), "paged_decode": decode,
-            "logits": logits, "quantized": quantized, "prefill_attention": prefill, "amx_bf16": amx_bf16}
+            "logits": logits, "quantized": quantized, "prefill_attention": prefill, "amx_bf16": amx_bf16,
+            "amx_bf16_logits": amx_bf16_logits}
 
 
-def _measure_amx_bf16(linears: list[Linear], dtype: torch.dtype) -> tuple[bool, ...]:
+def _measure_amx_bf16(linears: list[Linear], dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> tuple[bool, ...]:
     """qgemm's AMX bf16 product against its int8 kernel over every distinct quantized layer shape and
     format once, per ROW_LADDER point from ``_AMX_BF16_MIN_ROWS`` (below it the int8 kernel: a bf16 tile
     product costs the weight expansion whatever the rows). Empty where it cannot run (no AMX bf16 tiles,
     float32 activations, no tiled weights). Like ``_measure_quantized``, it keeps every point above the
-    smallest one from which it wins at every larger point."""
+    smallest one from which it wins at every larger point. ``out_dtype``: the products' output (float32
+    for an LM head's logits)."""
     by_kind = {}
     for m in linears:
         if all(is_tiled(p.qtype) and p.shape[0] % 16 == 0 for p in m.quant.parts):
@@ -245,7 +254,7 @@ def _measure_amx_bf16(linears: list[Linear], dtype: torch.dtype) -> tuple[bool, 
             out = []
             for quant in by_kind.values():
                 quant.amx_bf16_table = table
-                out.append(quant.matmul(xs[quant.in_features]))
+                out.append(quant.matmul(xs[quant.in_features], out_dtype=out_dtype))
             return out
 
         try:
@@ -331,6 +340,15 @@ def _race_prefill(attn: Attention, dtype: torch.dtype, length: int, block_size: 
     )
 
 
+def _amx_table(decisions: tuple[bool, ...]) -> tuple[bool, ...]:
+    """An AMX bf16 ladder as a per-row-count table (``row_table``), with the rows below
+    ``_AMX_BF16_MIN_ROWS`` on the int8 kernel: a ladder point stands for the rows down to the point below
+    it, but the decision at 16 rows does not extend to the 9-15 rows it never timed. Empty when no point uses it."""
+    if not any(decisions):
+        return ()
+    return tuple(use and rows >= _AMX_BF16_MIN_ROWS for rows, use in enumerate(row_table(decisions)))
+
+
 def _cache_key(model: nn.Module, dtype: torch.dtype) -> str:
     shapes = sorted({(type(m).__name__, tuple(p.shape), str(p.dtype)) for m in model.modules()
                      for p in (*m.parameters(recurse=False), *m.buffers(recurse=False))})
@@ -347,7 +365,7 @@ def _cache_key(model: nn.Module, dtype: torch.dtype) -> str:
 
 def _plan_from_json(fields: object, isa: str) -> KernelPlan:
     """A cached plan, checked field by field. Raises ValueError for anything but what ``asdict`` wrote."""
-    ladders = ("gemm", "rms_norm", "silu_and_mul", "quantized", "amx_bf16")
+    ladders = ("gemm", "rms_norm", "silu_and_mul", "quantized", "amx_bf16", "amx_bf16_logits")
     flags = ("paged_decode", "logits", "prefill_attention")
     if not isinstance(fields, dict) or set(fields) != {"isa", "dtype", *ladders, *flags}:
         raise ValueError("not a kernel plan")
@@ -430,11 +448,11 @@ def apply_plan(model: nn.Module, plan: KernelPlan, lm_head: nn.Module | None = N
     rms = row_table(plan.rms_norm) if plan.rms_norm else ()
     silu = row_table(plan.silu_and_mul) if plan.silu_and_mul else ()
     dequantize = tuple(not c for c in row_table(plan.quantized)) if plan.quantized else ()
-    amx_bf16 = row_table(plan.amx_bf16) if any(plan.amx_bf16) else ()
+    amx_bf16, amx_bf16_logits = _amx_table(plan.amx_bf16), _amx_table(plan.amx_bf16_logits)
     for module in model.modules():
         if isinstance(module, Linear) and module.quant is not None:  # the LM head: few rows, a huge weight
             module.quant.dequantize_table = () if module is lm_head else dequantize
-            module.quant.amx_bf16_table = amx_bf16
+            module.quant.amx_bf16_table = amx_bf16_logits if module is lm_head else amx_bf16
         if module is lm_head and isinstance(module, Linear):
             module.cpu_gemm_table = gemm
             module.float32_logits_kernel = plan.logits

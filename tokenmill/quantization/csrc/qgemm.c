@@ -1011,7 +1011,8 @@ int qg_amx(void);
  * runner uses it only outside deterministic mode). Each tile group is expanded once into the bf16 weights
  * qg_dequantize gives (w = D * u + o in float32, rounded to nearest even) as the B operand of TDPBF16PS:
  * 16 rows of 64 bytes, row j holding the 16 weight rows' pairs (w[2j], w[2j + 1]). The activations are
- * the A operand as they are (16 rows of 32 bf16; a last partial block of rows is copied zero-padded), and
+ * the A operand as they are (16 rows of 32 bf16; the rows of a last partial block are copied into a zero-padded
+ * 16-row buffer), and
  * C accumulates float32 over the whole K (no per-group float step, unlike the int8 paths): y is the
  * float32 product of the bf16 activations and the bf16-rounded weights, summed in the tile unit's order.
  * Blocking 2 x 2: tiles 0-3 are C of (2 blocks of 16 rows) x (2 weight tiles), 4-5 the two A blocks,
@@ -1086,14 +1087,16 @@ AI void amxb_store(void* y, int y_bf16, int64_t ldy, int64_t m0, int64_t n0, int
         amxb_store(y, y_bf16, ldy, (m0), (n0), (R), c);             \
     } while (0)
 
-/* Rows of x ([Mp, K] bf16, Mp a multiple of 16; the first M real) against weight tiles t0 and, when two,
- * t0 + 1 (w1 non-NULL), expanded at w0/w1 (G * 512 bf16 each). */
-AI void amxb_tiles(int64_t G, const uint16_t* x, int64_t K, int64_t M, int64_t Mp, void* y, int y_bf16,
+/* Rows of x ([M, K] bf16) against weight tiles t0 and, when two, t0 + 1 (w1 non-NULL), expanded at w0/w1
+ * (G * 512 bf16 each). Blocks of 16 rows; the last one, when M % 16 rows, read from xtail (those rows, then
+ * zero rows: [16, K]). */
+AI void amxb_tiles(int64_t G, const uint16_t* x, const uint16_t* xtail, int64_t K, int64_t M, void* y, int y_bf16,
                    int64_t ldy, int64_t n0, const uint16_t* w0, const uint16_t* w1) {
-    const int64_t lda = 2 * K;
+    const int64_t lda = 2 * K, Mp = (M + 15) / 16 * 16;
     _Alignas(64) float c[16 * 16];
     for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-        const uint16_t* xa = x + m0 * K;
+        const uint16_t* xa = M - m0 >= 16 ? x + m0 * K : xtail;          /* rows m0..m0+15 */
+        const uint16_t* xb = M - m0 - 16 >= 16 ? x + (m0 + 16) * K : xtail; /* rows m0+16..m0+31 */
         const int two_m = Mp - m0 >= 32;
         const int r0 = (int)(M - m0 < 16 ? M - m0 : 16), r1 = (int)(M - m0 - 16 < 16 ? M - m0 - 16 : 16);
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -1104,7 +1107,7 @@ AI void amxb_tiles(int64_t G, const uint16_t* x, int64_t K, int64_t M, int64_t M
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_loadd(7, w1 + 512 * g, 64);
                 _tile_dpbf16ps(1, 4, 7);
-                _tile_loadd(5, xa + 16 * K + g * QK, lda);
+                _tile_loadd(5, xb + g * QK, lda);
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
@@ -1113,7 +1116,7 @@ AI void amxb_tiles(int64_t G, const uint16_t* x, int64_t K, int64_t M, int64_t M
                 _tile_loadd(6, w0 + 512 * g, 64);
                 _tile_loadd(4, xa + g * QK, lda);
                 _tile_dpbf16ps(0, 4, 6);
-                _tile_loadd(5, xa + 16 * K + g * QK, lda);
+                _tile_loadd(5, xb + g * QK, lda);
                 _tile_dpbf16ps(2, 5, 6);
             }
         } else if (w1) {
@@ -1151,18 +1154,18 @@ int qg_linear_bf16(int qtype, const uint8_t* w, int64_t N, int64_t K, const uint
     const int base = tiled_base(qtype);
     if (!base || N % TP != 0 || K % QK != 0 || K <= 0 || !qg_amx()) return -2;
     if (M <= 0 || N <= 0) return 0;
-    const int64_t G = K / QK, NT = N / TP, tgb = TP * qg_block_bytes(base), Mp = (M + 15) / 16 * 16;
+    const int64_t G = K / QK, NT = N / TP, tgb = TP * qg_block_bytes(base), tail = M % 16;
     const int64_t pairs = (NT + 1) / 2;
-    uint16_t* xp = NULL; /* x with its rows padded to a multiple of 16 (zeros), when M is not one */
-    if (Mp != M) {
-        xp = (uint16_t*)aligned_alloc(64, (size_t)(Mp * K * 2));
-        if (!xp) return -1;
-        memcpy(xp, x, (size_t)(M * K * 2));
-        memset(xp + M * K, 0, (size_t)((Mp - M) * K * 2));
-        x = xp;
+    uint16_t* xtail = NULL; /* the last M % 16 rows of x, then zero rows: one whole block of 16 */
+    if (tail) {
+        xtail = (uint16_t*)aligned_alloc(64, (size_t)(16 * K * 2));
+        if (!xtail) return -1;
+        memcpy(xtail, x + (M - tail) * K, (size_t)(tail * K * 2));
+        memset(xtail + tail * K, 0, (size_t)((16 - tail) * K * 2));
     }
+    if (num_threads > pairs) num_threads = (int)pairs; /* a thread without a tile pair would only configure tiles */
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && pairs > 1)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         uint16_t* wbuf = (uint16_t*)aligned_alloc(64, (size_t)(2 * G * 512 * 2));
         if (!wbuf) {
@@ -1184,12 +1187,12 @@ int qg_linear_bf16(int qtype, const uint8_t* w, int64_t N, int64_t K, const uint
                     else amxb_group(Q8_0, tile + g * tgb, dst + 512 * g);
                 }
             }
-            amxb_tiles(G, x, K, M, Mp, y, y_bf16, ldy, 2 * t * TP, wbuf, two ? wbuf + G * 512 : NULL);
+            amxb_tiles(G, x, xtail, K, M, y, y_bf16, ldy, 2 * t * TP, wbuf, two ? wbuf + G * 512 : NULL);
         }
         if (amx_rows) { _tile_release(); amx_rows = 0; }
         free(wbuf);
     }
-    free(xp);
+    free(xtail);
     return failed ? -1 : 0;
 #else
     (void)qtype; (void)w; (void)N; (void)K; (void)x; (void)M; (void)y; (void)y_bf16; (void)ldy; (void)num_threads;
