@@ -82,10 +82,12 @@ available = library.available
 
 def isa() -> str:
     """The build's path: "portable", "avx2", "avx512" or "avx512_bf16", with "+vnni" where the AVX-512
-    VNNI product is built in and "+amx" where products of 16 or more rows run on AMX tiles. RuntimeError
+    VNNI product is built in, "+amx" where products of 16 or more rows run on AMX tiles and "+amx_bf16"
+    where ``bf16_linear`` runs on AMX bf16 tiles. RuntimeError
     when unavailable."""
     lib = library.get()
-    return lib.qg_isa().decode() + ("+vnni" if lib.qg_vnni() else "") + ("+amx" if lib.qg_amx() else "")
+    return (lib.qg_isa().decode() + ("+vnni" if lib.qg_vnni() else "") + ("+amx" if lib.qg_amx() else "")
+            + ("+amx_bf16" if lib.qg_amx_bf16() else ""))
 
 
 def quantized_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k: int,
