@@ -107,22 +107,33 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k:
     return _linear(library.get(), x, data, qtype, n, k, out, out_dtype)
 
 
-def _linear(lib: ctypes.CDLL, x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k: int,
-            out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    qtype_name(qtype)
+def _operands(name: str, x: torch.Tensor, data: torch.Tensor, n: int, k: int, out: torch.Tensor | None,
+              out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks both products make: x [M, k] (returned contiguous), data a contiguous CPU uint8 [n, row
+    bytes], and ``out`` (a new [M, n] tensor in ``out_dtype``, default x's, when None) float32/bf16 with a unit
+    column stride. Raises ValueError naming ``name``."""
     if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"quantized_linear: x must be [M, {k}], got {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
-        raise ValueError(f"quantized_linear: x must be float32 or bfloat16 on CPU, got {x.dtype} on {x.device}")
-    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[0] != n or not data.is_contiguous():
-        raise ValueError(f"quantized_linear: data must be contiguous uint8 [{n}, row bytes], got "
-                         f"{data.dtype} {tuple(data.shape)}")
+        raise ValueError(f"{name}: x must be [M, {k}], got {tuple(x.shape)}")
+    if (data.dtype != torch.uint8 or data.dim() != 2 or data.shape[0] != n or not data.is_contiguous()
+            or data.device.type != "cpu"):
+        raise ValueError(f"{name}: data must be contiguous uint8 [{n}, row bytes] on CPU, got "
+                         f"{data.dtype} {tuple(data.shape)} on {data.device}")
     x = x.contiguous()
     m = x.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype)
     if out.shape != (m, n) or out.dtype not in (torch.float32, torch.bfloat16) or out.stride(1) != 1:
-        raise ValueError(f"quantized_linear: out must be [{m}, {n}] float32/bf16 with unit column stride")
+        raise ValueError(f"{name}: out must be [{m}, {n}] float32/bf16 with unit column stride")
+    return x, out
+
+
+def _linear(lib: ctypes.CDLL, x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k: int,
+            out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    qtype_name(qtype)
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"quantized_linear: x must be float32 or bfloat16 on CPU, got {x.dtype} on {x.device}")
+    x, out = _operands("quantized_linear", x, data, n, k, out, out_dtype)
+    m = x.shape[0]
     if m == 0:
         return out
     rc = lib.qg_linear(qtype, data.data_ptr(), n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), m,
@@ -160,16 +171,8 @@ def bf16_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, k: int,
     if (lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not is_tiled(qtype) or n % 16
             or not lib.qg_amx_bf16()):
         return None
-    if (x.dim() != 2 or x.shape[1] != k or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[0] != n
-            or not data.is_contiguous() or data.device.type != "cpu"):
-        raise ValueError(f"bf16_linear: x must be [M, {k}] and data contiguous uint8 [{n}, row bytes] on CPU, "
-                         f"got {tuple(x.shape)} and {data.dtype} {tuple(data.shape)}")
-    x = x.contiguous()
+    x, out = _operands("bf16_linear", x, data, n, k, out, out_dtype)
     m = x.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype or x.dtype)
-    if out.shape != (m, n) or out.dtype not in (torch.float32, torch.bfloat16) or out.stride(1) != 1:
-        raise ValueError(f"bf16_linear: out must be [{m}, {n}] float32/bf16 with unit column stride")
     rc = lib.qg_linear_bf16(qtype, data.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
                             int(out.dtype == torch.bfloat16), out.stride(0), torch.get_num_threads())
     if rc == -2:
