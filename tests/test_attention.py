@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_cpu_isa_paths import build_for_isa
+from tests.test_cpu_isa_paths import bf16_dot_modes, bf16_dot_path, build_for_isa
 from tokenmill.attention import build_attention_metadata, cpu_decode
 from tokenmill.attention.torch_paged import paged_attention, reference_decode_attention, write_kv
 from tokenmill.csrc_build import ISAS
@@ -59,16 +59,17 @@ def test_decode_kernel_matches_reference(isa, dtype, block_size, heads):
     max_blocks = max(len(t) for t in tables)
     block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
     q = torch.randn(len(seqs), h, d).to(dtype)
-    out = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, torch.tensor(seqs), d**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for i, n in enumerate(seqs):
-        ref = dense_reference(q[i : i + 1], keys[i], values[i], d**-0.5)[0]
-        torch.testing.assert_close(out[i].double(), ref, atol=tol, rtol=tol)
-
-    # The torch reference decode path agrees too.
     meta, _ = build_attention_metadata(np.ones(len(seqs)), np.array(seqs) - 1, block_table.numpy(), block_size)
     ref_out = reference_decode_attention(q, k_cache, v_cache, meta, d**-0.5)
-    torch.testing.assert_close(ref_out.float(), out.float(), atol=tol, rtol=tol)
+    for dot in bf16_dot_modes(lib, "paged_decode_set_dp"):  # the AVX512_BF16 build: float FMAs and VDPBF16PS
+        with bf16_dot_path(lib, "paged_decode_set_dp", dot):
+            out = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, torch.tensor(seqs), d**-0.5)
+        for i, n in enumerate(seqs):
+            ref = dense_reference(q[i : i + 1], keys[i], values[i], d**-0.5)[0]
+            torch.testing.assert_close(out[i].double(), ref, atol=tol, rtol=tol)
+        # The torch reference decode path agrees too.
+        torch.testing.assert_close(ref_out.float(), out.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -91,6 +92,17 @@ def test_decode_rows_sharing_a_context_keep_the_bits_of_each_row_alone(isa, dtyp
     owner = [0, 0, 0, 0, 0, 1, 2, 2]
     q = torch.randn(len(row_lens), h, d).to(dtype)
     block_table, lens = torch.tensor(row_table), torch.tensor(row_lens)
+    outs = []
+    for dot in bf16_dot_modes(lib, "paged_decode_set_dp"):  # the AVX512_BF16 build: float FMAs and VDPBF16PS
+        with bf16_dot_path(lib, "paged_decode_set_dp", dot):
+            outs.append(check_grouped_rows(lib, q, k_cache, v_cache, block_table, lens, row_lens, owner, keys, values,
+                                           dtype, d))
+    if len(outs) == 2 and dtype == torch.bfloat16 and d % 32 == 0:  # the switch reaches the kernel
+        assert not torch.equal(outs[0], outs[1])
+
+
+def check_grouped_rows(lib, q, k_cache, v_cache, block_table, lens, row_lens, owner, keys, values, dtype, d):
+    """Grouped rows' bits equal each row alone, near the reference, and the same for any thread count."""
     out = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, lens, d**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (n, o) in enumerate(zip(row_lens, owner)):
@@ -112,6 +124,7 @@ def test_decode_rows_sharing_a_context_keep_the_bits_of_each_row_alone(isa, dtyp
                 assert torch.equal(got, want), f"rows {rows}: {num_threads} threads change the bits"
     finally:
         torch.set_num_threads(threads)
+    return out
 
 
 @pytest.mark.parametrize("cached,chunk", [(0, 7), (8, 5), (13, 1), (0, 1), (16, 16)])

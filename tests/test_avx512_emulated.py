@@ -6,8 +6,9 @@ first on the include path: its immintrin.h serves every _mm512_* intrinsic from 
 native AVX2/FMA), so the build holds no AVX-512 instruction and reports the AVX-512 path. Then:
 batch_invariant avx512 (FMA) and SiLU x up give the portable build's bits (NaN, inf, very negative
 gates included); the avx512_bf16 GEMM (vdpbf16ps, whose rounding SIMDe does not reproduce) is checked
-for accuracy against float64 and for row invariance only; paged decode is within the decode tests'
-tolerance of the torch reference and batch-invariant. A passing kernel is listed under its path,
+for accuracy against float64 and for row invariance only; paged decode (both AVX-512 builds, the
+avx512_bf16 one forced onto its VDPBF16PS path) is within the decode tests' tolerance of the torch
+reference and batch-invariant, and paged prefill's VDPBF16PS path within the prefill tests' tolerance. A passing kernel is listed under its path,
 marked "(SIMDe)", in the session's ISA report. Skipped without SIMDe (Debian: libsimde-dev).
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tests.test_bf16_nan import silu_inputs as silu_nan_inputs
 from tests.test_cpu_isa_paths import decode_inputs
 from tests.test_cpu_isa_paths import silu_inputs as silu_random_inputs
 from tokenmill import csrc_build
-from tokenmill.attention import build_attention_metadata, cpu_decode
+from tokenmill.attention import build_attention_metadata, cpu_decode, cpu_prefill
 from tokenmill.attention.torch_paged import reference_decode_attention
 from tokenmill.layers import batch_invariant as bi
 from tokenmill.layers import silu_and_mul_kernel as sk
@@ -47,9 +48,9 @@ COMPILER = csrc_build.c_compiler()
 
 # stem -> (loader module, the function reporting the build's path)
 KERNELS = {"batch_invariant": (bi, "bi_isa"), "silu_and_mul": (sk, "silu_and_mul_isa"),
-           "paged_decode": (cpu_decode, "paged_decode_isa")}
+           "paged_decode": (cpu_decode, "paged_decode_isa"), "paged_prefill": (cpu_prefill, "paged_prefill_isa")}
 BUILDS = [("batch_invariant", "avx512"), ("batch_invariant", "avx512_bf16"), ("silu_and_mul", "avx512"),
-          ("paged_decode", "avx512")]
+          ("paged_decode", "avx512"), ("paged_decode", "avx512_bf16"), ("paged_prefill", "avx512_bf16")]
 # -O1: at -O3 gcc spends about 5x longer on the inlined emulation (25 s of CPU for the four builds). The
 # level changes no result bit of a kernel built without reassociation (all but paged decode, which is
 # checked to a tolerance). -Wno-psabi: SIMDe passes __m512 by value, which gcc notes without -mavx512f.
@@ -116,7 +117,8 @@ def test_emulated_build_takes_the_avx512_branch_without_avx512_instructions(emul
     if objdump is None:
         pytest.skip("objdump not found: the build's instructions cannot be listed")
     listing = subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True, check=True).stdout
-    assert "vfmadd" in listing  # native FMA: SIMDe's own fmadd would round twice
+    if stem != "paged_prefill":  # its generic vectors contract a * b + c only above -O1; it is checked to a tolerance
+        assert "vfmadd" in listing  # native FMA: SIMDe's own fmadd would round twice
     hits = [line.strip() for line in listing.splitlines() if AVX512_REGISTER.search(line)]
     assert not hits, f"{len(hits)} AVX-512 instructions, first: {hits[0]}"
 
@@ -228,8 +230,11 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, scale) -> torch.Tensor
 
 @pytest.mark.parametrize("heads", HEADS, ids=[f"h{h}-kv{k}-d{d}" for h, k, d in HEADS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_avx512_paged_decode_matches_reference_and_is_batch_invariant(emulated, dtype, heads):
-    lib = build(emulated, "paged_decode", "avx512")
+@pytest.mark.parametrize("isa", ["avx512", "avx512_bf16"])
+def test_avx512_paged_decode_matches_reference_and_is_batch_invariant(emulated, isa, dtype, heads):
+    """avx512_bf16 takes the VDPBF16PS path for bf16 caches (head_dim a multiple of 32)."""
+    lib = build(emulated, "paged_decode", isa)
+    assert lib.paged_decode_set_dp(1) == (isa == "avx512_bf16")  # the VDPBF16PS path whatever the CPU's vendor
     h, kvh, d = heads
     q, k_cache, v_cache, block_table, seq_lens = decode_inputs(h, kvh, d, dtype)  # lengths 1 .. 130
     out = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, seq_lens, d**-0.5)
@@ -242,8 +247,10 @@ def test_avx512_paged_decode_matches_reference_and_is_batch_invariant(emulated, 
         assert torch.equal(alone, out[s : s + 1]), f"sequence {s} differs when run alone"
 
 
-def test_avx512_paged_decode_propagates_nan(emulated):
-    lib = build(emulated, "paged_decode", "avx512")
+@pytest.mark.parametrize("isa", ["avx512", "avx512_bf16"])
+def test_avx512_paged_decode_propagates_nan(emulated, isa):
+    lib = build(emulated, "paged_decode", isa)
+    lib.paged_decode_set_dp(1)  # the VDPBF16PS path whatever the CPU's vendor
     q, k_cache, v_cache, block_table, seq_lens = decode_inputs(4, 2, 64, torch.bfloat16)  # lengths 1, 7, 16, 45, 130
     bs = k_cache.shape[1]
     q[0, 1, 3] = float("nan")  # sequence 0, query head 1
@@ -254,3 +261,25 @@ def test_avx512_paged_decode_propagates_nan(emulated):
     v_cache[block_table[3, 40 // bs], 40 % bs, 1, 5] = float("nan")
     out = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, seq_lens, 0.125)
     assert_nan_like(out, reference(q, k_cache, v_cache, block_table, seq_lens, 0.125))
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128)], ids=["h9-kv3-d64", "h4-kv4-d32", "h8-kv2-d128"])
+def test_avx512_bf16_paged_prefill_matches_the_dense_reference(emulated, heads):
+    """The prefill kernel's VDPBF16PS path (bf16, head_dim a multiple of 32) on a CPU without AVX-512:
+    fresh prompts, a chunk after a cached prefix and decode rows in one batch, within the bf16 tolerance of
+    the dense float64 reference."""
+    from tests.test_attention import dense_reference
+    from tests.test_prefill_attention import spans_batch
+
+    lib = build(emulated, "paged_prefill", "avx512_bf16")
+    assert lib.paged_prefill_set_dp(1) == 1  # the VDPBF16PS path whatever the CPU's vendor
+    h, kvh, d = heads
+    q, k_cache, v_cache, meta, keys, values, query_lens = spans_batch(torch.bfloat16, h, kvh, d, 16, seed=d + h)
+    out = torch.zeros_like(q)
+    cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, out)
+    start = 0
+    for i, n in enumerate(query_lens):
+        if n > 1:
+            ref = dense_reference(q[start:start + n], keys[i], values[i], d**-0.5)
+            torch.testing.assert_close(out[start:start + n].double(), ref, atol=2e-2, rtol=2e-2)
+        start += n

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_cpu_isa_paths import build_for_isa
+from tests.test_cpu_isa_paths import bf16_dot_modes, bf16_dot_path, build_for_isa
 from tokenmill.attention import cpu_decode
 from tokenmill.csrc_build import ISAS
 from tokenmill.layers import batch_invariant as bi
@@ -137,7 +137,10 @@ def test_paged_decode_nan(isa, d):
 
     max_blocks = max(nblocks)
     block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-    out = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, torch.tensor(seqs), d**-0.5)
+    outs = []
+    for dot in bf16_dot_modes(lib, "paged_decode_set_dp"):  # the AVX512_BF16 build: float FMAs and VDPBF16PS
+        with bf16_dot_path(lib, "paged_decode_set_dp", dot):
+            outs.append(cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, torch.tensor(seqs), d**-0.5))
 
     refs = []
     for s, n in enumerate(seqs):
@@ -145,4 +148,5 @@ def test_paged_decode_nan(isa, d):
         v = torch.cat([v_cache[b] for b in tables[s]])[:n].float().repeat_interleave(h // kvh, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[s].float(), k) * d**-0.5
         refs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v).bfloat16())
-    assert_nan_like(out, torch.stack(refs))
+    for out in outs:
+        assert_nan_like(out, torch.stack(refs))

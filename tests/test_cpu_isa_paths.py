@@ -9,10 +9,11 @@ runs the NEON path under QEMU.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -23,8 +24,25 @@ from tokenmill.attention import cpu_decode
 from tokenmill.layers import silu_and_mul_kernel as sk
 
 NAN, INF = float("nan"), float("inf")
-# The path a build reports: these kernels have no AVX512-BF16 code, so that build compiles their AVX-512 code.
-COMPILED_PATH = {"avx512_bf16": "avx512"}
+# The path a build reports: SiLU has no AVX512-BF16 code, so that build compiles its AVX-512 code.
+COMPILED_PATH = {"avx512_bf16": "avx512"}  # kernels without an AVX512_BF16 branch of their own
+
+
+@contextlib.contextmanager
+def bf16_dot_path(lib: ctypes.CDLL, setter: str, on: bool) -> Iterator[bool]:
+    """The attention kernels' AVX512_BF16 (VDPBF16PS) path forced on or off in ``lib`` (``setter``:
+    paged_decode_set_dp / paged_prefill_set_dp; by default it runs on AMD CPUs only); yields whether bf16
+    now takes it (False where the build has none). Back to the automatic choice after."""
+    try:
+        yield bool(getattr(lib, setter)(int(on)))
+    finally:
+        getattr(lib, setter)(-1)
+
+
+def bf16_dot_modes(lib: ctypes.CDLL, setter: str) -> list[bool]:
+    """[False, True] where ``lib`` has the AVX512_BF16 attention path, else [False]: the modes to test."""
+    with bf16_dot_path(lib, setter, True) as has:
+        return [False, True] if has else [False]
 
 
 def build_for_isa(load: Callable[[str], ctypes.CDLL | None], isa: str) -> ctypes.CDLL:
@@ -45,7 +63,8 @@ def build_for_isa(load: Callable[[str], ctypes.CDLL | None], isa: str) -> ctypes
                          ids=["silu_and_mul", "paged_decode"])
 def test_build_reports_the_requested_path(load, isa_fn, isa):
     lib = build_for_isa(load, isa)
-    assert getattr(lib, isa_fn)().decode() == COMPILED_PATH.get(isa, isa)
+    own_bf16_branch = isa_fn == "paged_decode_isa"
+    assert getattr(lib, isa_fn)().decode() == (isa if own_bf16_branch else COMPILED_PATH.get(isa, isa))
 
 
 # ---------------------------------------------------------------- SiLU and multiply: bits of the portable path

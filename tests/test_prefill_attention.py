@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_attention import dense_reference, fill_cache
-from tests.test_cpu_isa_paths import build_for_isa
+from tests.test_cpu_isa_paths import bf16_dot_modes, bf16_dot_path, build_for_isa
 from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import Attention, build_attention_metadata, cpu_prefill
@@ -61,15 +61,47 @@ def test_prefill_kernel_matches_dense_reference(isa, dtype, block_size):
             with pytest.raises(ValueError, match="multiple"):
                 cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, out)
             continue
-        cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, out)
-        start = 0
-        for i, n in enumerate(query_lens):
-            if n > 1:
-                ref = dense_reference(q[start:start + n], keys[i], values[i], d**-0.5)
-                torch.testing.assert_close(out[start:start + n].double(), ref, atol=tol, rtol=tol)
-            else:  # decode rows are not the kernel's: left as they were
-                assert not out[start:start + n].any()
-            start += n
+        for dot in bf16_dot_modes(lib, "paged_prefill_set_dp"):  # the AVX512_BF16 build: FMAs and VDPBF16PS
+            out = torch.zeros_like(q)
+            with bf16_dot_path(lib, "paged_prefill_set_dp", dot):
+                cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, out)
+            start = 0
+            for i, n in enumerate(query_lens):
+                if n > 1:
+                    ref = dense_reference(q[start:start + n], keys[i], values[i], d**-0.5)
+                    torch.testing.assert_close(out[start:start + n].double(), ref, atol=tol, rtol=tol)
+                else:  # decode rows are not the kernel's: left as they were
+                    assert not out[start:start + n].any()
+                start += n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefill_rows_keep_their_bits_whatever_the_chunking(isa, dtype):
+    """A prompt token's output is the same bits whether its prompt runs as one span or as a chunk after a
+    cached prefix (prefix caching on or off, any chunk size): key tiles start at the same positions and
+    every query row is computed on its own (on AVX512_BF16 machines this covers the VDPBF16PS path)."""
+    lib = build_for_isa(cpu_prefill._load, isa)
+    h, kvh, d, bs, n = 9, 3, 64, 16, 150
+    rng = np.random.default_rng(7)
+    torch.manual_seed(7)
+    k_cache, v_cache, tables, _, _ = fill_cache([n], bs, 40, kvh, d, dtype, rng)
+    block_table = np.array(tables)
+    q = torch.randn(n, h, d).to(dtype)
+    wholes = []
+    for dot in bf16_dot_modes(lib, "paged_prefill_set_dp"):  # the AVX512_BF16 build: FMAs and VDPBF16PS
+        with bf16_dot_path(lib, "paged_prefill_set_dp", dot):
+            whole = torch.zeros_like(q)
+            meta, _ = build_attention_metadata(np.array([n]), np.array([0]), block_table, bs)
+            cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, whole)
+            for cached in (63, 64, 129):
+                chunk = torch.zeros(n - cached, h, d, dtype=dtype)
+                meta, _ = build_attention_metadata(np.array([n - cached]), np.array([cached]), block_table, bs)
+                cpu_prefill._paged_prefill(lib, q[cached:].contiguous(), k_cache, v_cache, meta, d**-0.5, chunk)
+                assert torch.equal(chunk, whole[cached:]), f"a chunk after {cached} cached tokens changes the bits"
+        wholes.append(whole)
+    if len(wholes) == 2 and dtype == torch.bfloat16:  # the switch reaches the kernel
+        assert not torch.equal(wholes[0], wholes[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

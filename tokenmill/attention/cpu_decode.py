@@ -28,6 +28,8 @@ def _setup(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = None
     lib.paged_decode_isa.argtypes = []
     lib.paged_decode_isa.restype = ctypes.c_char_p
+    lib.paged_decode_set_dp.argtypes = [ctypes.c_int]  # -1 auto, 0 off, 1 on: the AVX512_BF16 path (tests force it)
+    lib.paged_decode_set_dp.restype = ctypes.c_int
 
 
 library = CLibrary(_SOURCE, "paged_decode", _setup, _FLAGS)

@@ -30,6 +30,8 @@ def _setup(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = i32
     lib.paged_prefill_isa.argtypes = []
     lib.paged_prefill_isa.restype = ctypes.c_char_p
+    lib.paged_prefill_set_dp.argtypes = [ctypes.c_int]  # -1 auto, 0 off, 1 on: the AVX512_BF16 path (tests force it)
+    lib.paged_prefill_set_dp.restype = ctypes.c_int
     lib.paged_prefill_vector_width.argtypes = []
     lib.paged_prefill_vector_width.restype = i32
 

@@ -19,6 +19,7 @@ from tokenmill.lora.mapping import build_lora_mapping
 from tokenmill.outputs import Logprob, PositionLogprobs
 from tokenmill.quantization.gguf_weight import dispatch_rows
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
+from tokenmill.runner.huge_pages import zeros_on_huge_pages
 from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
 from tokenmill.sampling.grammar_mask import apply_token_bitmask_
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -113,7 +114,7 @@ class ModelRunner:
         shape = (loaded.num_layers, 2, num_kv_blocks + num_padding_blocks, block_size, loaded.num_kv_heads,
                  loaded.head_dim)
         try:
-            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            self.kv_cache = zeros_on_huge_pages(shape, self.kv_dtype, self.device)  # scattered block reads: fewer TLB misses
         except (RuntimeError, MemoryError) as exc:  # the allocator refused: the budget is larger than memory
             pool_gib = num_kv_blocks * block_size * self.bytes_per_token / GIB
             raise ConfigError(

@@ -9,7 +9,8 @@
  * twice the threads, OpenMP over tasks; a row's output depends
  * only on its own query, keys and values (see DEFINE_PAGED_DECODE for the groups). The sequence's row offsets are computed once from its block table; scores
  * are float32, softmaxed exactly (max-subtracted), and V is accumulated in float32.
- * ISA paths (csrc_build.py picks one): AVX-512 for head_dim % 16 == 0, AVX2+FMA for head_dim % 8 == 0,
+ * ISA paths (csrc_build.py picks one): AVX512_BF16 for bf16 caches with head_dim % 32 == 0 (VDPBF16PS on the
+ * cache's bf16 values, whole cache rows per task; see seq_dp_bf16), AVX-512 for head_dim % 16 == 0, AVX2+FMA for head_dim % 8 == 0,
  * NEON for head_dim % 4 == 0 (each at most 256, 64 and 128 specialised), plain C loops otherwise. The
  * SIMD paths share one chunked routine (each K/V row read once for every query head of its kv head).
  * Built at run time by tokenmill/attention/cpu_decode.py; the torch reference path in
@@ -21,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "cpu_vendor.h"
 
 static inline float f32_id(float x) { return x; }
 
@@ -35,7 +37,11 @@ static inline float f32_id(float x) { return x; }
 
 #elif defined(__AVX512F__)
 #include <immintrin.h>
+#if defined(__AVX512BF16__)
+#define ISA_PATH "avx512_bf16" /* the AVX-512 path, with VDPBF16PS for bf16 caches (seq_dp_bf16) */
+#else
 #define ISA_PATH "avx512"
+#endif
 #define LANES 16
 #define CHUNKED_SEQ 1
 typedef __m512 vf;
@@ -224,15 +230,25 @@ static inline const float* widen_bf16(const uint16_t* src, float* buf, int D) {
  * saved to acc between chunks. Nothing depends on other sequences or on the thread running this. */
 #define V_CHUNK 16
 /* Paged rows defeat the hardware prefetcher at every block boundary: ask for the rows PREFETCH_AHEAD
- * tokens ahead (all kv heads: the whole row is read in this pass). */
+ * tokens ahead (all kv heads: the whole row is read in this pass). On AMD CPUs into L2 (prefetcht2): on
+ * the project's Zen 4 the L1 form stalled the core once its miss buffers filled, and L2 prefetches read
+ * the cache 1.8x faster (benchmarks/RESULTS.md, "Decode attention"); an Intel Xeon measured the other
+ * way round earlier, so it keeps prefetcht0. */
 #define PREFETCH_AHEAD 32
-#define prefetch_rows(cache, rows, t_first, count, L, row_elems)                                         \
+static int prefetch_into_l2(void) { return tm_cpu_is_amd(); }
+#define prefetch_rows_hint(cache, rows, t_first, count, L, row_elems, HINT)                            \
     do {                                                                                                 \
         for (int t_ = (t_first); t_ < (t_first) + (count) && t_ < (L); t_++) {                           \
             const char* r_ = (const char*)((cache) + (rows)[t_]);                                        \
             for (size_t b_ = 0; b_ < sizeof(*(cache)) * (size_t)(row_elems); b_ += 64)                  \
-                __builtin_prefetch(r_ + b_);                                                             \
+                __builtin_prefetch(r_ + b_, 0, HINT);                                                    \
         }                                                                                                \
+    } while (0)
+/* `l2` is prefetch_into_l2(), read once per sequence */
+#define prefetch_rows(cache, rows, t_first, count, L, row_elems)                                         \
+    do {                                                                                                 \
+        if (l2) prefetch_rows_hint(cache, rows, t_first, count, L, row_elems, 1);                        \
+        else prefetch_rows_hint(cache, rows, t_first, count, L, row_elems, 3);                           \
     } while (0)
 #define TILE (64 / LANES)
 #define DEFINE_SEQ_FAST(NAME, T, WIDEN)                                                                  \
@@ -240,7 +256,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     const float* restrict qf, const T* restrict k_cache, const T* restrict v_cache,                      \
     const int64_t* restrict rows, int L, float* restrict scores, float* restrict acc,                    \
     const int H, const int KVH, const int D, const int* restrict lens) {                                 \
-    const int G = H / KVH;                                                                               \
+    const int G = H / KVH, l2 = prefetch_into_l2();                                                      \
     float buf[V_CHUNK * MAX_SIMD_DIM];                                                                   \
     const float* kr[V_CHUNK];                                                                            \
     for (int t0 = 0; t0 < L; t0 += LANES) {                                                              \
@@ -383,7 +399,194 @@ static int head_parts(int num_tasks, int max_heads_per_task, int num_threads) {
     return parts > 1 ? parts : 1;
 }
 
-#define DEFINE_PAGED_DECODE(NAME, SEQ, FAST, T, LOAD, STORE)                                             \
+#if defined(__AVX512BF16__)
+/* AVX512_BF16 path for bf16 caches (head_dim a multiple of 32, at most MAX_SIMD_DIM; a task reads at most
+ * DP_MAX_ROW elements of each cache row): VDPBF16PS on the cache's own bf16 values, nothing widened.
+ * Scores: the query's bf16 values (unscaled) dot each key, two dims per lane, float32 accumulation, then
+ * times scale (as torch's bf16 SDPA scales q.k after its bf16 GEMM). Values: the softmax numerators
+ * exp(s - max) rounded to bf16 (torch's CPU flash attention rounds them so before its P.V GEMM) weigh
+ * pairs of value rows interleaved by VPUNPCK{L,H}WD, float32 accumulation; the float sum of the numerators
+ * divides at the end. The interleave permutes dims inside each 128-bit lane; acc keeps that order until
+ * the last step. Each head's output is computed alone, so it depends only on its query, keys and values.
+ * qb: [H, D] bf16 queries; koff[h]: element offset of head h's kv head in a row slice of W elements
+ * (k_cache/v_cache point at the slice); rows[t]: element offset of token t's row; scores: [H, L]; acc: [H, D]. */
+#define DP_BF16 1
+#define DP_MAX_ROW 1024
+/* Whether bf16 decode takes this path: -1 auto (on AMD CPUs: 2.2x the per-kv-head float kernel's speed on a
+ * Zen 4, where VDPBF16PS does twice the work of an FMA in one slot; an Intel Xeon, with two FMA ports,
+ * measured a VDPBF16PS variant no faster earlier, so it keeps the float kernel), 0 off, 1 on (tests). */
+static int dp_mode = -1;
+static int use_dp(void) {
+    const int m = __atomic_load_n(&dp_mode, __ATOMIC_RELAXED);
+    return m < 0 ? tm_cpu_is_amd() : m;
+}
+/* 32 bf16 values from any address, typed as VDPBF16PS's operand (a cast of _mm512_loadu_si512's result made
+ * gcc 12 bounce every load through the stack). */
+typedef short bh_unaligned __attribute__((vector_size(64), aligned(2), may_alias));
+static inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)(*(const bh_unaligned*)p); }
+/* 16 floats rounded to bf16 as f32_to_bf16 rounds them (nearest even; NaN -> 0x7fc0). */
+static inline __m256i round_bf16x16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0)));
+}
+static inline __attribute__((always_inline)) void seq_dp_bf16(
+    const uint16_t* restrict qb, const int* restrict koff, const float scale, const uint16_t* restrict k_cache,
+    const uint16_t* restrict v_cache, const int64_t* restrict rows, const int L, float* restrict scores,
+    float* restrict acc, const int H, const int D, const int W, const int* restrict lens) {
+    const int DV = D / 32, l2 = prefetch_into_l2(); /* DV: 512-bit vectors per head row */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int t0 = 0; t0 < L; t0 += 16) {
+        const int n = L - t0 < 16 ? L - t0 : 16;
+        prefetch_rows(k_cache, rows, t0 + PREFETCH_AHEAD, 16, L, W);
+        const uint16_t* kr[16];
+        for (int i = 0; i < 16; i++) kr[i] = k_cache + rows[t0 + (i < n ? i : 0)];
+        for (int h = 0; h < H; h++) {
+            const uint16_t* qh = qb + (int64_t)h * D;
+            const int ko = koff[h];
+            __m512 a[16];
+            const __m512bh q0 = load_bh(qh);
+            for (int i = 0; i < 16; i++)
+                a[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), load_bh(kr[i] + ko), q0);
+            for (int j = 1; j < DV; j++) {
+                const __m512bh qv = load_bh(qh + 32 * j);
+                for (int i = 0; i < 16; i++)
+                    a[i] = _mm512_dpbf16_ps(a[i], load_bh(kr[i] + ko + 32 * j), qv);
+            }
+            _mm512_mask_storeu_ps(scores + (int64_t)h * L + t0, (__mmask16)((1u << n) - 1u),
+                                  _mm512_mul_ps(vf_reduce(a), vscale));
+        }
+    }
+    float inv[H];
+    for (int h = 0; h < H; h++) { /* head h attends to its first lens[h] keys; the rest weigh exactly 0 */
+        float* sh = scores + (int64_t)h * L;
+        const int n = lens[h];
+        inv[h] = softmax_exp(sh, n);
+        for (int t = n; t < L; t++) sh[t] = 0.f;
+    }
+    for (int i = 0; i < H * D; i++) acc[i] = 0.f;
+    uint16_t vb[8 * 2 * DP_MAX_ROW] __attribute__((aligned(64))); /* the chunk's 8 value-row pairs, interleaved */
+    for (int t0 = 0; t0 < L; t0 += 16) {
+        const int n = L - t0 < 16 ? L - t0 : 16, np = (n + 1) / 2;
+        prefetch_rows(v_cache, rows, t0 + PREFETCH_AHEAD, 16, L, W);
+        for (int ip = 0; ip < np; ip++) {
+            const uint16_t* x = v_cache + rows[t0 + 2 * ip];
+            const int has_y = 2 * ip + 1 < n; /* an odd last row pairs with zeros */
+            const uint16_t* y = v_cache + rows[t0 + 2 * ip + has_y];
+            for (int j = 0; j < W; j += 32) {
+                const __m512i xv = _mm512_loadu_si512(x + j);
+                const __m512i yv = has_y ? _mm512_loadu_si512(y + j) : _mm512_setzero_si512();
+                _mm512_store_si512(vb + ip * 2 * W + 2 * j, _mm512_unpacklo_epi16(xv, yv));
+                _mm512_store_si512(vb + ip * 2 * W + 2 * j + 32, _mm512_unpackhi_epi16(xv, yv));
+            }
+        }
+        for (int h = 0; h < H; h++) {
+            uint32_t pp[8] __attribute__((aligned(32)));
+            const __m512 p = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), scores + (int64_t)h * L + t0);
+            _mm256_store_si256((__m256i*)pp, round_bf16x16(p));
+            float* ah = acc + (int64_t)h * D;
+            const uint16_t* vh = vb + 2 * koff[h];
+            for (int d0 = 0; d0 < 2 * D; d0 += 128) { /* 64 dims (4 vectors of interleaved pairs) at a time */
+                const int nv = (2 * D - d0 < 128 ? 2 * D - d0 : 128) / 32;
+                __m512 o[4];
+                for (int k = 0; k < nv; k++) o[k] = _mm512_loadu_ps(ah + d0 / 2 + 16 * k);
+                for (int ip = 0; ip < np; ip++) {
+                    const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp[ip]);
+                    for (int k = 0; k < nv; k++)
+                        o[k] = _mm512_dpbf16_ps(o[k], load_bh(vh + ip * 2 * W + d0 + 32 * k), pv);
+                }
+                for (int k = 0; k < nv; k++) _mm512_storeu_ps(ah + d0 / 2 + 16 * k, o[k]);
+            }
+        }
+    }
+    /* undo the interleave's order: in dims 32j..32j+31, lo lane 4l+e holds dim 8l+e and hi lane 4l+e dim 8l+4+e */
+    float tmp[MAX_SIMD_DIM];
+    for (int h = 0; h < H; h++) {
+        float* ah = acc + (int64_t)h * D;
+        for (int j = 0; j < D; j += 32)
+            for (int l = 0; l < 4; l++)
+                for (int e = 0; e < 4; e++) {
+                    tmp[j + 8 * l + e] = ah[j + 4 * l + e];
+                    tmp[j + 8 * l + 4 + e] = ah[j + 16 + 4 * l + e];
+                }
+        for (int d = 0; d < D; d++) ah[d] = tmp[d] * inv[h];
+    }
+}
+
+/* paged_decode_bf16 on the AVX512_BF16 path. Tasks: one per group of rows with all its kv heads (each
+ * 16-token block is then one contiguous read) when the groups keep the threads busy; otherwise one per
+ * (group, kv head), split over its query heads as head_parts says. */
+static void paged_decode_bf16_dp(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                                 const int64_t* block_table, const int64_t* seq_lens, uint16_t* out,
+                                 const int* start, int num_groups, int max_rows, int H, int KVH, int D,
+                                 int block_size, int max_blocks, float scale, int num_threads) {
+    const int G = H / KVH;
+    const int whole = num_groups >= 2 * num_threads && KVH * D <= DP_MAX_ROW;
+    const int per_group = whole ? 1 : KVH;
+    const int parts = whole ? 1 : head_parts(num_groups * KVH, max_rows * G, num_threads);
+    _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")
+    for (int task = 0; task < num_groups * per_group * parts; task++) {
+        const int gi = task / (per_group * parts), part = task % parts;
+        const int kv0 = whole ? 0 : (task / parts) % KVH, nkv = whole ? KVH : 1;
+        const int g0 = start[gi], R = start[gi + 1] - g0;
+        /* the task's heads, row-major over (row, head): all of each row's heads, or part `part` of the
+         * R * G heads of kv head kv0 */
+        const int all = R * G * nkv, h0 = (int)((int64_t)all * part / parts), h1 = (int)((int64_t)all * (part + 1) / parts);
+        const int HG = h1 - h0;
+        if (HG == 0) continue;
+        const int L = (int)seq_lens[g0 + R - 1];
+        uint16_t* qb = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)HG * D);
+        float* acc = (float*)malloc(sizeof(float) * (size_t)HG * D);
+        float* scores = (float*)malloc(sizeof(float) * (size_t)HG * (L > 0 ? L : 1));
+        int* lens = (int*)malloc(sizeof(int) * (size_t)HG * 3);
+        int *koff = lens + HG, *head = lens + 2 * HG;
+        for (int j = 0; j < HG; j++) {
+            const int r = (h0 + j) / (G * nkv), hh = kv0 * G + (h0 + j) % (G * nkv); /* hh: head in the row */
+            head[j] = (g0 + r) * H + hh;
+            memcpy(qb + (int64_t)j * D, q + (int64_t)head[j] * D, sizeof(uint16_t) * (size_t)D);
+            koff[j] = (hh / G - kv0) * D;
+            lens[j] = (int)seq_lens[g0 + r];
+        }
+        const int64_t* bt = block_table + (int64_t)g0 * max_blocks;
+        int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * (size_t)(L > 0 ? L : 1));
+        const int64_t row = (int64_t)KVH * D;
+        for (int b = 0, t = 0; t < L; b++)
+            for (int i = 0; i < block_size && t < L; i++, t++) rows[t] = (bt[b] * block_size + i) * row;
+        const uint16_t* kc = k_cache + (int64_t)kv0 * D;
+        const uint16_t* vc = v_cache + (int64_t)kv0 * D;
+        const int W = nkv * D;
+        if (D == 64)
+            seq_dp_bf16(qb, koff, scale, kc, vc, rows, L, scores, acc, HG, 64, W, lens);
+        else if (D == 128)
+            seq_dp_bf16(qb, koff, scale, kc, vc, rows, L, scores, acc, HG, 128, W, lens);
+        else
+            seq_dp_bf16(qb, koff, scale, kc, vc, rows, L, scores, acc, HG, D, W, lens);
+        for (int j = 0; j < HG; j++)
+            for (int d = 0; d < D; d++) out[(int64_t)head[j] * D + d] = f32_to_bf16(acc[(int64_t)j * D + d]);
+        free(qb);
+        free(acc);
+        free(scores);
+        free(lens);
+        free(rows);
+    }
+}
+#else
+#define DP_BF16 0
+#define DP_MAX_ROW 0
+#define paged_decode_bf16_dp(...) ((void)0)
+static int dp_mode = -1;
+static int use_dp(void) { return 0; }
+#endif
+
+/* Set the AVX512_BF16 path's use for bf16 caches: -1 auto (by CPU vendor), 0 off, 1 on. Returns whether
+ * bf16 decode now takes it (always 0 in a build without it). */
+int paged_decode_set_dp(int mode) {
+    __atomic_store_n(&dp_mode, mode < 0 ? -1 : mode > 0, __ATOMIC_RELAXED);
+    return DP_BF16 && use_dp();
+}
+
+#define DEFINE_PAGED_DECODE(NAME, SEQ, FAST, DP, T, LOAD, STORE)                                             \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,                    \
           const int64_t* seq_lens, T* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,  \
           int block_size, int max_blocks, float scale, int num_threads) {                                \
@@ -398,6 +601,13 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
     int max_rows = 1;                                                                                    \
     for (int i = 0; i < num_groups; i++)                                                                 \
         max_rows = start[i + 1] - start[i] > max_rows ? start[i + 1] - start[i] : max_rows;              \
+    if (DP && D % 32 == 0 && D <= MAX_SIMD_DIM && D <= DP_MAX_ROW && use_dp()) {                         \
+        paged_decode_bf16_dp((const uint16_t*)q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, block_table, \
+                             seq_lens, (uint16_t*)out, start, num_groups, max_rows, H, KVH, D, block_size, \
+                             max_blocks, scale, num_threads);                                            \
+        free(start);                                                                                     \
+        return;                                                                                          \
+    }                                                                                                    \
     const int parts = head_parts(num_groups * KVH, max_rows * G, num_threads);                           \
     _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")                              \
     for (int task = 0; task < num_groups * KVH * parts; task++) {                                        \
@@ -450,5 +660,5 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
 /* Which path this build compiled: "portable", "avx2", "avx512" or "neon". */
 const char* paged_decode_isa(void) { return ISA_PATH; }
 
-DEFINE_PAGED_DECODE(paged_decode_f32, seq_f32, seq_fast_f32, float, f32_id, f32_id)
-DEFINE_PAGED_DECODE(paged_decode_bf16, seq_bf16, seq_fast_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_PAGED_DECODE(paged_decode_f32, seq_f32, seq_fast_f32, 0, float, f32_id, f32_id)
+DEFINE_PAGED_DECODE(paged_decode_bf16, seq_bf16, seq_fast_bf16, DP_BF16, uint16_t, bf16_to_f32, f32_to_bf16)

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "cpu_vendor.h"
 #include "exp_poly.h"
 #if !defined(TM_PORTABLE) && (defined(__AVX512F__) || defined(__AVX2__))
 #include <immintrin.h> /* only for the broadcasts: everything else is generic vectors */
@@ -44,7 +45,11 @@
 #define RR 2 /* rows per P.V micro-kernel */
 #define DC 4 /* head_dim vectors per P.V micro-kernel */
 #elif defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+#define ISA_PATH "avx512_bf16" /* the AVX-512 path, with VDPBF16PS for bf16 (paged_prefill_bf16_dp) */
+#else
 #define ISA_PATH "avx512"
+#endif
 #define VW 16
 #define KB 8
 #define NR 2
@@ -76,6 +81,7 @@
 #define RT 32 /* query rows per tile (a multiple of VW * NR and of RR) */
 #define BK 64 /* keys per tile (a multiple of KB) */
 #define NVR (RT / VW)
+#define MAX_DP_DIM 256 /* head_dim bound of the AVX512_BF16 path */
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
@@ -212,7 +218,239 @@ static int by_cost_desc(const void* a, const void* b) {
     return ka < kb ? 1 : ka > kb ? -1 : 0;
 }
 
-#define DEFINE_PAGED_PREFILL(NAME, T, LOAD, STORE)                                                       \
+#if defined(__AVX512BF16__) && VW == 16
+/* AVX512_BF16 path for bf16 queries and caches, head_dim a multiple of 32: the two products run as
+ * VDPBF16PS on bf16 pairs, half the float FMAs' instructions, and K/V are read as stored (no widening).
+ * Scores: a tile's queries are kept as their own bf16 values (unscaled), transposed into dim pairs
+ * (qp [D/2][RT] 32-bit words: lanes are query rows); each key's dim pair is broadcast against them and the
+ * float32 sums are times scale (as torch's bf16 SDPA scales q.k after its bf16 GEMM). The online softmax is
+ * the float one above. P.V: the numerators are rounded to bf16 (as torch's CPU flash attention rounds them
+ * before its P.V GEMM) and paired over keys (pt [BK/2][RT]); value rows are interleaved in pairs by
+ * VPUNPCK{L,H}WD (vp [BK/2][2D]), so the output rows hold their dims permuted inside each 128-bit lane (the
+ * same order as paged_decode.c's seq_dp_bf16) until they are written. A row's result depends only on its
+ * query and its keys: the key tiles start at multiples of BK whatever the chunk, as above. */
+#define DP_PREFILL 1
+/* Whether bf16 prefill takes this path: -1 auto (on AMD CPUs: 1.6x the float kernel on a Zen 4, where
+ * VDPBF16PS does twice an FMA's work in one slot; on an Intel Xeon, with two FMA ports, a VDPBF16PS variant
+ * measured slower than the FMAs earlier), 0 off, 1 on (tests). */
+static int dp_mode = -1;
+static int use_dp(void) {
+    const int m = __atomic_load_n(&dp_mode, __ATOMIC_RELAXED);
+    return m < 0 ? tm_cpu_is_amd() : m;
+}
+typedef short bh_unaligned __attribute__((vector_size(64), aligned(2), may_alias));
+static inline __m512bh load_bh(const void* p) { return (__m512bh)(*(const bh_unaligned*)p); }
+static inline __m512bh bcast_pair(const uint16_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+/* 16 floats rounded to bf16 as f32_to_bf16 rounds them (nearest even; NaN -> 0x7fc0), widened to 32 bits. */
+static inline __m512i round_bf16_lanes(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+}
+
+typedef struct {
+    uint32_t* qp;  /* [D/2][RT] query dim pairs */
+    float* st;     /* [BK][RT] scores, then numerators */
+    uint32_t* pt;  /* [BK/2][RT] numerator pairs (bf16) */
+    float* o;      /* [RT][D] output rows, dims permuted */
+    uint16_t* vp;  /* [BK/2][2D] interleaved value-row pairs */
+    const uint16_t* kp[BK]; /* the tile's key rows (a zero row past its end) */
+    float m[RT], l[RT], corr[RT];
+    int64_t qpos[RT];
+} ScratchDP;
+
+static inline __attribute__((always_inline)) void scores_tile_dp(ScratchDP* s, int D, float scale) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int j0 = 0; j0 < BK; j0 += KB) {
+        for (int v0 = 0; v0 < NVR; v0 += NR) {
+            __m512 acc[KB][NR];
+            for (int a = 0; a < KB; a++)
+                for (int i = 0; i < NR; i++) acc[a][i] = _mm512_setzero_ps();
+            for (int dp = 0; dp < D / 2; dp++) {
+                __m512bh qv[NR];
+                for (int i = 0; i < NR; i++) qv[i] = load_bh(s->qp + (int64_t)dp * RT + (v0 + i) * VW);
+                for (int a = 0; a < KB; a++) {
+                    const __m512bh b = bcast_pair(s->kp[j0 + a] + 2 * dp);
+                    for (int i = 0; i < NR; i++) acc[a][i] = _mm512_dpbf16_ps(acc[a][i], b, qv[i]);
+                }
+            }
+            for (int a = 0; a < KB; a++)
+                for (int i = 0; i < NR; i++)
+                    _mm512_storeu_ps(s->st + (j0 + a) * RT + (v0 + i) * VW, _mm512_mul_ps(acc[a][i], vscale));
+        }
+    }
+}
+
+/* O[r][c-th interleaved vector ...] += sum over key pairs of P pair . V pair, ND vectors (16 dims each) from
+ * interleaved vector dv0, RR rows at a time; np key pairs. */
+#define DEFINE_PV_DP(NAME, ND)                                                                           \
+static inline __attribute__((always_inline)) void NAME(const ScratchDP* s, int D, int np, int dv0) {     \
+    for (int r0 = 0; r0 < RT; r0 += RR) {                                                                \
+        __m512 acc[RR][ND];                                                                              \
+        for (int r = 0; r < RR; r++)                                                                     \
+            for (int c = 0; c < ND; c++) acc[r][c] = _mm512_loadu_ps(s->o + (int64_t)(r0 + r) * D + (dv0 + c) * VW); \
+        for (int jp = 0; jp < np; jp++) {                                                                \
+            __m512bh vv[ND];                                                                             \
+            for (int c = 0; c < ND; c++) vv[c] = load_bh(s->vp + (int64_t)jp * 2 * D + (dv0 + c) * 32);  \
+            for (int r = 0; r < RR; r++) {                                                               \
+                const __m512bh p = (__m512bh)_mm512_set1_epi32((int)s->pt[jp * RT + r0 + r]);            \
+                for (int c = 0; c < ND; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], p);          \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < RR; r++)                                                                     \
+            for (int c = 0; c < ND; c++) _mm512_storeu_ps(s->o + (int64_t)(r0 + r) * D + (dv0 + c) * VW, acc[r][c]); \
+    }                                                                                                    \
+}
+DEFINE_PV_DP(pv_dp_chunk, DC)
+DEFINE_PV_DP(pv_dp_one, 1)
+
+/* softmax_tile's online softmax on ScratchDP (the same float arithmetic), then the numerator pairs. */
+static inline void softmax_tile_dp(ScratchDP* s, int64_t k0, int n, int D) {
+    int64_t min_pos = s->qpos[0];
+    for (int r = 1; r < RT; r++) min_pos = s->qpos[r] < min_pos ? s->qpos[r] : min_pos;
+    if (k0 + BK - 1 > min_pos || n < BK) {
+        for (int j = 0; j < BK; j++) {
+            float* row = s->st + j * RT;
+            for (int r = 0; r < RT; r++)
+                if (j >= n || k0 + j > s->qpos[r]) row[r] = -INFINITY;
+        }
+    }
+    for (int i = 0; i < NVR; i++) {
+        const vf m_old = vload(s->m + i * VW);
+        vf mt = m_old;
+        for (int j = 0; j < n; j++) mt = vmax(mt, vload(s->st + j * RT + i * VW));
+        const vf corr = vexp(m_old - mt);
+        vf sum = vset1(0.0f);
+        for (int j = 0; j < n; j++) {
+            const vf p = vexp(vload(s->st + j * RT + i * VW) - mt);
+            vstore(s->st + j * RT + i * VW, p);
+            sum += p;
+        }
+        vstore(s->m + i * VW, mt);
+        vstore(s->l + i * VW, vload(s->l + i * VW) * corr + sum);
+        vstore(s->corr + i * VW, corr);
+    }
+    for (int r = 0; r < RT; r++) {
+        const float c = s->corr[r];
+        if (c == 1.0f) continue;
+        const vf cv = vset1(c);
+        float* orow = s->o + (int64_t)r * D;
+        for (int d = 0; d < D; d += VW) vstore(orow + d, vload(orow + d) * cv);
+    }
+    for (int jp = 0; jp < (n + 1) / 2; jp++) /* an odd last key pairs with weight 0 */
+        for (int i = 0; i < NVR; i++) {
+            const __m512i lo = round_bf16_lanes(_mm512_loadu_ps(s->st + 2 * jp * RT + i * VW));
+            const __m512i hi = 2 * jp + 1 < n ? round_bf16_lanes(_mm512_loadu_ps(s->st + (2 * jp + 1) * RT + i * VW))
+                                              : _mm512_setzero_si512();
+            _mm512_storeu_si512(s->pt + jp * RT + i * VW, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+}
+
+static int paged_prefill_bf16_dp(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                                 const int64_t* block_table, int max_blocks, const int64_t* q_start, const int64_t* q_len,
+                                 const int64_t* ctx_len, const Item* items, int num_items, uint16_t* out, int H, int KVH,
+                                 int D, int block_size, float scale, int num_threads) {
+    const int G = H / KVH;
+    const int64_t kv_row = (int64_t)KVH * D, q_row = (int64_t)H * D;
+    static const uint16_t zero_row[MAX_DP_DIM] __attribute__((aligned(64)));
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        ScratchDP sc;
+        char* mem = (char*)aligned_alloc(64, sizeof(uint32_t) * (size_t)D / 2 * RT + sizeof(float) * (size_t)BK * RT
+                                             + sizeof(uint32_t) * (size_t)BK / 2 * RT + sizeof(float) * (size_t)RT * D
+                                             + sizeof(uint16_t) * (size_t)BK * D + 64);
+        sc.qp = (uint32_t*)mem;
+        sc.st = (float*)(sc.qp + (size_t)D / 2 * RT);
+        sc.pt = (uint32_t*)(sc.st + (size_t)BK * RT);
+        sc.o = (float*)(sc.pt + (size_t)BK / 2 * RT);
+        sc.vp = (uint16_t*)(sc.o + (size_t)RT * D);
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int it = 0; it < num_items; it++) {
+            const Item item = items[it];
+            const int64_t qs = q_start[item.span], ql = q_len[item.span], ctx = ctx_len[item.span];
+            const int64_t* bt = block_table + (int64_t)item.span * max_blocks;
+            const int64_t rows = ql * G, first_pos = ctx - ql;
+            for (int r = 0; r < RT; r++) {
+                const int64_t row = item.row0 + r;
+                const int real = row < rows;
+                const int64_t tok = (real ? row : rows - 1) / G;
+                const int head = item.kvh * G + (int)((real ? row : rows - 1) % G);
+                sc.qpos[r] = first_pos + tok;
+                const uint16_t* qr = q + (qs + tok) * q_row + (int64_t)head * D;
+                for (int dp = 0; dp < D / 2; dp++) {
+                    uint32_t w = 0;
+                    if (real) memcpy(&w, qr + 2 * dp, 4);
+                    sc.qp[(int64_t)dp * RT + r] = w;
+                }
+                sc.m[r] = -INFINITY;
+                sc.l[r] = 0.0f;
+            }
+            memset(sc.o, 0, sizeof(float) * (size_t)RT * D);
+            for (int64_t k0 = 0; k0 < item.keys; k0 += BK) {
+                const int n = (int)(item.keys - k0 < BK ? item.keys - k0 : BK), np = (n + 1) / 2;
+                for (int j = 0; j < BK; j++) {
+                    const int64_t t = k0 + j;
+                    sc.kp[j] = j < n ? k_cache + (bt[t / block_size] * block_size + t % block_size) * kv_row
+                                           + (int64_t)item.kvh * D
+                                     : zero_row;
+                }
+                for (int jp = 0; jp < np; jp++) {
+                    const uint16_t* x = v_cache + (sc.kp[2 * jp] - k_cache);
+                    const int has_y = 2 * jp + 1 < n;
+                    const uint16_t* y = has_y ? v_cache + (sc.kp[2 * jp + 1] - k_cache) : zero_row;
+                    for (int d = 0; d < D; d += 32) {
+                        const __m512i xv = _mm512_loadu_si512(x + d), yv = _mm512_loadu_si512(y + d);
+                        _mm512_storeu_si512(sc.vp + (int64_t)jp * 2 * D + 2 * d, _mm512_unpacklo_epi16(xv, yv));
+                        _mm512_storeu_si512(sc.vp + (int64_t)jp * 2 * D + 2 * d + 32, _mm512_unpackhi_epi16(xv, yv));
+                    }
+                }
+                if (D == 64) scores_tile_dp(&sc, 64, scale);
+                else if (D == 128) scores_tile_dp(&sc, 128, scale);
+                else scores_tile_dp(&sc, D, scale);
+                softmax_tile_dp(&sc, k0, n, D);
+                int dv = 0;
+                for (; dv + DC <= D / VW; dv += DC) pv_dp_chunk(&sc, D, np, dv);
+                for (; dv < D / VW; dv++) pv_dp_one(&sc, D, np, dv);
+            }
+            for (int r = 0; r < RT && item.row0 + r < rows; r++) {
+                const int64_t row = item.row0 + r;
+                const int head = item.kvh * G + (int)(row % G);
+                uint16_t* op = out + (qs + row / G) * q_row + (int64_t)head * D;
+                const float inv = 1.0f / sc.l[r];
+                const float* orow = sc.o + (int64_t)r * D;
+                /* undo the interleave: in dims 32j.., lo lane 4l+e is dim 8l+e and hi lane 4l+e dim 8l+4+e */
+                for (int j = 0; j < D; j += 32)
+                    for (int l = 0; l < 4; l++)
+                        for (int e = 0; e < 4; e++) {
+                            op[j + 8 * l + e] = f32_to_bf16(orow[j + 4 * l + e] * inv);
+                            op[j + 8 * l + 4 + e] = f32_to_bf16(orow[j + 16 + 4 * l + e] * inv);
+                        }
+            }
+        }
+        free(mem);
+    }
+    return 0;
+}
+#else
+#define DP_PREFILL 0
+#define paged_prefill_bf16_dp(...) 0
+static int dp_mode = -1;
+static int use_dp(void) { return 0; }
+#endif
+
+/* Set the AVX512_BF16 path's use for bf16: -1 auto (by CPU vendor), 0 off, 1 on. Returns whether bf16
+ * prefill now takes it (always 0 in a build without it). */
+int paged_prefill_set_dp(int mode) {
+    __atomic_store_n(&dp_mode, mode < 0 ? -1 : mode > 0, __ATOMIC_RELAXED);
+    return DP_PREFILL && use_dp();
+}
+
+#define DEFINE_PAGED_PREFILL(NAME, T, LOAD, STORE, DP)                                                       \
 int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table, int max_blocks,     \
          const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len, int num_spans, T* out,    \
          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) {  \
@@ -230,6 +468,13 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
             }                                                                                            \
     }                                                                                                    \
     qsort(items, (size_t)num_items, sizeof(Item), by_cost_desc);                                         \
+    if (DP && D % 32 == 0 && D <= MAX_DP_DIM && use_dp()) {                                              \
+        const int rc = paged_prefill_bf16_dp((const uint16_t*)q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, \
+                                             block_table, max_blocks, q_start, q_len, ctx_len, items, num_items, \
+                                             (uint16_t*)out, H, KVH, D, block_size, scale, num_threads);  \
+        free(items);                                                                                     \
+        return rc;                                                                                       \
+    }                                                                                                    \
     const int64_t kv_row = (int64_t)KVH * D, q_row = (int64_t)H * D;                                     \
     _Pragma("omp parallel num_threads(num_threads)")                                                     \
     {                                                                                                    \
@@ -299,5 +544,5 @@ static inline float f32_id(float x) { return x; }
 const char* paged_prefill_isa(void) { return ISA_PATH; }
 int paged_prefill_vector_width(void) { return VW; }
 
-DEFINE_PAGED_PREFILL(paged_prefill_f32, float, f32_id, f32_id)
-DEFINE_PAGED_PREFILL(paged_prefill_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_PAGED_PREFILL(paged_prefill_f32, float, f32_id, f32_id, 0)
+DEFINE_PAGED_PREFILL(paged_prefill_bf16, uint16_t, bf16_to_f32, f32_to_bf16, DP_PREFILL)

@@ -1,0 +1,75 @@
+"""The CPU KV cache on transparent huge pages (tokenmill/runner/huge_pages.py): the advice reaches Linux,
+the pages it backs are 2 MiB ones, the tensor is zeroed like torch.zeros, and the engine's KV cache uses it."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.runner.huge_pages import advise_huge_pages, zeros_on_huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode() -> str | None:
+    """The bracketed choice of THP's "enabled" setting ("always", "madvise", "never"), None without THP."""
+    if not THP.exists():
+        return None
+    found = re.search(r"\[(\w+)\]", THP.read_text())
+    return found.group(1) if found else None
+
+
+def huge_kib_backing(ptr: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process that holds address ``ptr``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = int(head.group(1), 16) <= ptr < int(head.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_zeros_on_huge_pages_is_torch_zeros():
+    for shape, dtype in (((3, 5), torch.float32), ((2, 1024, 1024), torch.bfloat16), ((0, 7), torch.int8)):
+        t = zeros_on_huge_pages(shape, dtype, torch.device("cpu"))
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert not t.any()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() in (None, "never"),
+                    reason="needs Linux with transparent huge pages enabled (always or madvise)")
+def test_a_large_tensor_is_backed_by_huge_pages():
+    t = zeros_on_huge_pages((48, 1024, 1024), torch.uint8, torch.device("cpu"))  # 48 MiB
+    first_huge = -(-t.data_ptr() // (2 << 20)) * (2 << 20)  # the advice splits the mapping there
+    assert huge_kib_backing(first_huge) >= 2048, "no 2 MiB page backs the advised tensor"
+    small = torch.empty(4096, dtype=torch.uint8)
+    assert advise_huge_pages(small) == 0  # smaller than one huge page: nothing to advise
+    advised = advise_huge_pages(torch.empty(16, 1024, 1024, dtype=torch.uint8))
+    assert 14 << 20 <= advised <= 16 << 20  # the whole 2 MiB pages inside 16 MiB
+
+
+def test_the_engines_cpu_kv_cache_is_advised(monkeypatch, tmp_path):
+    """ModelRunner allocates its KV cache through zeros_on_huge_pages (a spy records the call)."""
+    from tests.tiny_models import make_tiny_model
+    from tokenmill import LLM
+    from tokenmill.runner import model_runner
+
+    calls = []
+    real = model_runner.zeros_on_huge_pages
+
+    def spy(shape, dtype, device):
+        calls.append(tuple(shape))
+        return real(shape, dtype, device)
+
+    monkeypatch.setattr(model_runner, "zeros_on_huge_pages", spy)
+    llm = LLM(model=str(make_tiny_model("llama", tmp_path)), num_kv_blocks=64)
+    try:
+        assert calls and calls[0][2] >= 64  # (layers, 2, blocks + padding, block_size, kv_heads, head_dim)
+        assert llm.generate([[1, 2, 3]])[0].outputs[0].token_ids
+    finally:
+        llm.close()
