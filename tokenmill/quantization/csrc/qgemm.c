@@ -820,6 +820,20 @@ AI void tile_avx2(int base, const uint8_t* tile, int h, const act_q* a, int64_t 
 #endif
 
 #if defined(QG_AVX512)
+#if defined(QG_VNNI)
+/* acc + u . (the 4 signed bytes at p, broadcast). Written as one VPDPBUSD with an embedded {1to16} memory
+ * broadcast: gcc emits a separate VPBROADCASTD for the intrinsic form, and the fused form made the tiled
+ * products 8-12% faster at 64-256 rows on a Zen 4 (same bits: integer sums). The SIMDe-emulated test
+ * builds (tests/csrc/simde_shim, no AVX-512 instructions) take the intrinsic form. */
+AI __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t* p) {
+#if defined(TOKENMILL_SIMDE_SHIM_IMMINTRIN_H)
+    return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(load_i32(p)));
+#else
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t*)p));
+    return acc;
+#endif
+}
+#endif
 AI __m512 half16(const uint8_t* p) { /* 16 fp16 to float32 (two F16C conversions) */
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))),
                               _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))), 1);
@@ -869,10 +883,10 @@ AI void tile_avx512(int base, const uint8_t* tile, const act_q* a, int64_t m0, i
              * products do not wait on one 8-deep dependency chain when few rows run */
             __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512(), s3 = _mm512_setzero_si512();
             for (int j = 0; j < 8; j += 4) {
-                s = _mm512_dpbusd_epi32(s, u[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
-                s1 = _mm512_dpbusd_epi32(s1, u[j + 1], _mm512_set1_epi32(load_i32(xq + 4 * j + 4)));
-                s2 = _mm512_dpbusd_epi32(s2, u[j + 2], _mm512_set1_epi32(load_i32(xq + 4 * j + 8)));
-                s3 = _mm512_dpbusd_epi32(s3, u[j + 3], _mm512_set1_epi32(load_i32(xq + 4 * j + 12)));
+                s = dpbusd_bcast(s, u[j], xq + 4 * j);
+                s1 = dpbusd_bcast(s1, u[j + 1], xq + 4 * j + 4);
+                s2 = dpbusd_bcast(s2, u[j + 2], xq + 4 * j + 8);
+                s3 = dpbusd_bcast(s3, u[j + 3], xq + 4 * j + 12);
             }
             s = _mm512_add_epi32(_mm512_add_epi32(s, s1), _mm512_add_epi32(s2, s3));
 #else
