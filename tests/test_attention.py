@@ -45,11 +45,13 @@ def fill_cache(seqs, block_size, num_blocks, kvh, d, dtype, rng):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("heads", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 1, 32), (4, 2, 48), (4, 2, 24), (2, 2, 8)])
+@pytest.mark.parametrize("heads", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 1, 32), (4, 2, 48), (4, 2, 24), (2, 2, 8),
+                                   (4, 2, 96), (2, 1, 160), (2, 1, 256)])
 @pytest.mark.parametrize("isa", ISAS)
 def test_decode_kernel_matches_reference(isa, dtype, block_size, heads):
     """Every ISA path's build (this CPU's; others skip naming the CPU flags they need), GQA and not,
-    head_dim on the specialised (64, 128), general SIMD (48, 32, 24, 8) and, for wide vectors, plain C loops."""
+    head_dim on the specialised (64, 128), general SIMD (48, 32, 24, 8, 96, 160, 256: the VDPBF16PS path's
+    generic width and its half 64-dim output tiles) and, for wide vectors, plain C loops."""
     lib = build_for_isa(cpu_decode._load, isa)
     h, kvh, d = heads
     rng = np.random.default_rng(0)

@@ -79,8 +79,10 @@ def test_prefill_kernel_matches_dense_reference(isa, dtype, block_size):
 @pytest.mark.parametrize("isa", ISAS)
 def test_prefill_rows_keep_their_bits_whatever_the_chunking(isa, dtype):
     """A prompt token's output is the same bits whether its prompt runs as one span or as a chunk after a
-    cached prefix (prefix caching on or off, any chunk size): key tiles start at the same positions and
-    every query row is computed on its own (on AVX512_BF16 machines this covers the VDPBF16PS path)."""
+    cached prefix (prefix caching on or off, chunks ending anywhere): key tiles start at the same positions and
+    every query row is computed on its own (on AVX512_BF16 machines this covers the VDPBF16PS path). Finite
+    caches: a masked key's value still meets a weight of 0, and 0 * inf is NaN in the kernels as in torch's
+    dense math, so an inf value just past a chunk's end is the one case a chunk boundary shows."""
     lib = build_for_isa(cpu_prefill._load, isa)
     h, kvh, d, bs, n = 9, 3, 64, 16, 150
     rng = np.random.default_rng(7)
@@ -94,11 +96,12 @@ def test_prefill_rows_keep_their_bits_whatever_the_chunking(isa, dtype):
             whole = torch.zeros_like(q)
             meta, _ = build_attention_metadata(np.array([n]), np.array([0]), block_table, bs)
             cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, whole)
-            for cached in (63, 64, 129):
-                chunk = torch.zeros(n - cached, h, d, dtype=dtype)
-                meta, _ = build_attention_metadata(np.array([n - cached]), np.array([cached]), block_table, bs)
-                cpu_prefill._paged_prefill(lib, q[cached:].contiguous(), k_cache, v_cache, meta, d**-0.5, chunk)
-                assert torch.equal(chunk, whole[cached:]), f"a chunk after {cached} cached tokens changes the bits"
+            # chunks running to the prompt's end, and chunks ending inside it (odd and even key counts)
+            for cached, end in ((63, n), (64, n), (129, n), (0, 37), (37, 101), (64, 128), (100, 103)):  # 1-token spans are decodes
+                chunk = torch.zeros(end - cached, h, d, dtype=dtype)
+                meta, _ = build_attention_metadata(np.array([end - cached]), np.array([cached]), block_table, bs)
+                cpu_prefill._paged_prefill(lib, q[cached:end].contiguous(), k_cache, v_cache, meta, d**-0.5, chunk)
+                assert torch.equal(chunk, whole[cached:end]), f"tokens {cached}..{end} as a chunk change the bits"
         wholes.append(whole)
     if len(wholes) == 2 and dtype == torch.bfloat16:  # the switch reaches the kernel
         assert not torch.equal(wholes[0], wholes[1])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -22,6 +23,7 @@ _MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
 _HUGE_PAGE = 2 << 20
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None

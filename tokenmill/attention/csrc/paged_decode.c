@@ -657,7 +657,7 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
     free(start);                                                                                         \
 }
 
-/* Which path this build compiled: "portable", "avx2", "avx512" or "neon". */
+/* Which path this build compiled: "portable", "avx2", "avx512", "avx512_bf16" or "neon". */
 const char* paged_decode_isa(void) { return ISA_PATH; }
 
 DEFINE_PAGED_DECODE(paged_decode_f32, seq_f32, seq_fast_f32, 0, float, f32_id, f32_id)

@@ -540,7 +540,7 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
 
 static inline float f32_id(float x) { return x; }
 
-/* Which path this build compiled ("portable", "avx2", "avx512", "neon") and its vector width. */
+/* Which path this build compiled ("portable", "avx2", "avx512", "avx512_bf16", "neon") and its vector width. */
 const char* paged_prefill_isa(void) { return ISA_PATH; }
 int paged_prefill_vector_width(void) { return VW; }
 
