@@ -420,17 +420,7 @@ static int use_dp(void) {
     const int m = __atomic_load_n(&dp_mode, __ATOMIC_RELAXED);
     return m < 0 ? tm_cpu_is_amd() : m;
 }
-/* 32 bf16 values from any address, typed as VDPBF16PS's operand (a cast of _mm512_loadu_si512's result made
- * gcc 12 bounce every load through the stack). */
-typedef short bh_unaligned __attribute__((vector_size(64), aligned(2), may_alias));
-static inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)(*(const bh_unaligned*)p); }
-/* 16 floats rounded to bf16 as f32_to_bf16 rounds them (nearest even; NaN -> 0x7fc0). */
-static inline __m256i round_bf16x16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0)));
-}
+#include "bf16_pairs.h"
 static inline __attribute__((always_inline)) void seq_dp_bf16(
     const uint16_t* restrict qb, const int* restrict koff, const float scale, const uint16_t* restrict k_cache,
     const uint16_t* restrict v_cache, const int64_t* restrict rows, const int L, float* restrict scores,
@@ -446,13 +436,13 @@ static inline __attribute__((always_inline)) void seq_dp_bf16(
             const uint16_t* qh = qb + (int64_t)h * D;
             const int ko = koff[h];
             __m512 a[16];
-            const __m512bh q0 = load_bh(qh);
+            const __m512bh q0 = tm_load_bh(qh);
             for (int i = 0; i < 16; i++)
-                a[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), load_bh(kr[i] + ko), q0);
+                a[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), tm_load_bh(kr[i] + ko), q0);
             for (int j = 1; j < DV; j++) {
-                const __m512bh qv = load_bh(qh + 32 * j);
+                const __m512bh qv = tm_load_bh(qh + 32 * j);
                 for (int i = 0; i < 16; i++)
-                    a[i] = _mm512_dpbf16_ps(a[i], load_bh(kr[i] + ko + 32 * j), qv);
+                    a[i] = _mm512_dpbf16_ps(a[i], tm_load_bh(kr[i] + ko + 32 * j), qv);
             }
             _mm512_mask_storeu_ps(scores + (int64_t)h * L + t0, (__mmask16)((1u << n) - 1u),
                                   _mm512_mul_ps(vf_reduce(a), vscale));
@@ -484,7 +474,7 @@ static inline __attribute__((always_inline)) void seq_dp_bf16(
         for (int h = 0; h < H; h++) {
             uint32_t pp[8] __attribute__((aligned(32)));
             const __m512 p = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), scores + (int64_t)h * L + t0);
-            _mm256_store_si256((__m256i*)pp, round_bf16x16(p));
+            _mm256_store_si256((__m256i*)pp, _mm512_cvtepi32_epi16(tm_round_bf16_lanes(p)));
             float* ah = acc + (int64_t)h * D;
             const uint16_t* vh = vb + 2 * koff[h];
             for (int d0 = 0; d0 < 2 * D; d0 += 128) { /* 64 dims (4 vectors of interleaved pairs) at a time */
@@ -494,22 +484,17 @@ static inline __attribute__((always_inline)) void seq_dp_bf16(
                 for (int ip = 0; ip < np; ip++) {
                     const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp[ip]);
                     for (int k = 0; k < nv; k++)
-                        o[k] = _mm512_dpbf16_ps(o[k], load_bh(vh + ip * 2 * W + d0 + 32 * k), pv);
+                        o[k] = _mm512_dpbf16_ps(o[k], tm_load_bh(vh + ip * 2 * W + d0 + 32 * k), pv);
                 }
                 for (int k = 0; k < nv; k++) _mm512_storeu_ps(ah + d0 / 2 + 16 * k, o[k]);
             }
         }
     }
-    /* undo the interleave's order: in dims 32j..32j+31, lo lane 4l+e holds dim 8l+e and hi lane 4l+e dim 8l+4+e */
+    /* undo the pair layout's order (bf16_pairs.h) */
     float tmp[MAX_SIMD_DIM];
     for (int h = 0; h < H; h++) {
         float* ah = acc + (int64_t)h * D;
-        for (int j = 0; j < D; j += 32)
-            for (int l = 0; l < 4; l++)
-                for (int e = 0; e < 4; e++) {
-                    tmp[j + 8 * l + e] = ah[j + 4 * l + e];
-                    tmp[j + 8 * l + 4 + e] = ah[j + 16 + 4 * l + e];
-                }
+        for (int i = 0; i < D; i++) tmp[tm_pair_dim(i)] = ah[i];
         for (int d = 0; d < D; d++) ah[d] = tmp[d] * inv[h];
     }
 }

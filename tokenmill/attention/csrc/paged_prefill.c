@@ -238,21 +238,12 @@ static int use_dp(void) {
     const int m = __atomic_load_n(&dp_mode, __ATOMIC_RELAXED);
     return m < 0 ? tm_cpu_is_amd() : m;
 }
-typedef short bh_unaligned __attribute__((vector_size(64), aligned(2), may_alias));
-static inline __m512bh load_bh(const void* p) { return (__m512bh)(*(const bh_unaligned*)p); }
+#include "bf16_pairs.h"
 static inline __m512bh bcast_pair(const uint16_t* p) {
     int32_t v;
     memcpy(&v, p, 4);
     return (__m512bh)_mm512_set1_epi32(v);
 }
-/* 16 floats rounded to bf16 as f32_to_bf16 rounds them (nearest even; NaN -> 0x7fc0), widened to 32 bits. */
-static inline __m512i round_bf16_lanes(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
-}
-
 typedef struct {
     uint32_t* qp;  /* [D/2][RT] query dim pairs */
     float* st;     /* [BK][RT] scores, then numerators */
@@ -273,7 +264,7 @@ static inline __attribute__((always_inline)) void scores_tile_dp(ScratchDP* s, i
                 for (int i = 0; i < NR; i++) acc[a][i] = _mm512_setzero_ps();
             for (int dp = 0; dp < D / 2; dp++) {
                 __m512bh qv[NR];
-                for (int i = 0; i < NR; i++) qv[i] = load_bh(s->qp + (int64_t)dp * RT + (v0 + i) * VW);
+                for (int i = 0; i < NR; i++) qv[i] = tm_load_bh(s->qp + (int64_t)dp * RT + (v0 + i) * VW);
                 for (int a = 0; a < KB; a++) {
                     const __m512bh b = bcast_pair(s->kp[j0 + a] + 2 * dp);
                     for (int i = 0; i < NR; i++) acc[a][i] = _mm512_dpbf16_ps(acc[a][i], b, qv[i]);
@@ -296,7 +287,7 @@ static inline __attribute__((always_inline)) void NAME(const ScratchDP* s, int D
             for (int c = 0; c < ND; c++) acc[r][c] = _mm512_loadu_ps(s->o + (int64_t)(r0 + r) * D + (dv0 + c) * VW); \
         for (int jp = 0; jp < np; jp++) {                                                                \
             __m512bh vv[ND];                                                                             \
-            for (int c = 0; c < ND; c++) vv[c] = load_bh(s->vp + (int64_t)jp * 2 * D + (dv0 + c) * 32);  \
+            for (int c = 0; c < ND; c++) vv[c] = tm_load_bh(s->vp + (int64_t)jp * 2 * D + (dv0 + c) * 32);  \
             for (int r = 0; r < RR; r++) {                                                               \
                 const __m512bh p = (__m512bh)_mm512_set1_epi32((int)s->pt[jp * RT + r0 + r]);            \
                 for (int c = 0; c < ND; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], p);          \
@@ -344,8 +335,8 @@ static inline void softmax_tile_dp(ScratchDP* s, int64_t k0, int n, int D) {
     }
     for (int jp = 0; jp < (n + 1) / 2; jp++) /* an odd last key pairs with weight 0 */
         for (int i = 0; i < NVR; i++) {
-            const __m512i lo = round_bf16_lanes(_mm512_loadu_ps(s->st + 2 * jp * RT + i * VW));
-            const __m512i hi = 2 * jp + 1 < n ? round_bf16_lanes(_mm512_loadu_ps(s->st + (2 * jp + 1) * RT + i * VW))
+            const __m512i lo = tm_round_bf16_lanes(_mm512_loadu_ps(s->st + 2 * jp * RT + i * VW));
+            const __m512i hi = 2 * jp + 1 < n ? tm_round_bf16_lanes(_mm512_loadu_ps(s->st + (2 * jp + 1) * RT + i * VW))
                                               : _mm512_setzero_si512();
             _mm512_storeu_si512(s->pt + jp * RT + i * VW, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
@@ -423,13 +414,7 @@ static int paged_prefill_bf16_dp(const uint16_t* q, const uint16_t* k_cache, con
                 uint16_t* op = out + (qs + row / G) * q_row + (int64_t)head * D;
                 const float inv = 1.0f / sc.l[r];
                 const float* orow = sc.o + (int64_t)r * D;
-                /* undo the interleave: in dims 32j.., lo lane 4l+e is dim 8l+e and hi lane 4l+e dim 8l+4+e */
-                for (int j = 0; j < D; j += 32)
-                    for (int l = 0; l < 4; l++)
-                        for (int e = 0; e < 4; e++) {
-                            op[j + 8 * l + e] = f32_to_bf16(orow[j + 4 * l + e] * inv);
-                            op[j + 8 * l + 4 + e] = f32_to_bf16(orow[j + 16 + 4 * l + e] * inv);
-                        }
+                for (int i = 0; i < D; i++) op[tm_pair_dim(i)] = f32_to_bf16(orow[i] * inv); /* bf16_pairs.h */
             }
         }
         free(mem);
