@@ -19,4 +19,14 @@ static int tm_cpu_is_amd(void) {
     return a;
 }
 
+/* A kernel's switch for a path it takes on AMD CPUs only: *mode is -1 (auto: by vendor), 0 (off) or 1 (on;
+ * tests force each path through the kernel's exported setter). */
+static inline int tm_amd_path_on(const int* mode) {
+    const int m = __atomic_load_n(mode, __ATOMIC_RELAXED);
+    return m < 0 ? tm_cpu_is_amd() : m;
+}
+static inline void tm_amd_path_set(int* mode, int value) {
+    __atomic_store_n(mode, value < 0 ? -1 : value > 0, __ATOMIC_RELAXED);
+}
+
 #endif /* TOKENMILL_CPU_VENDOR_H */

@@ -412,14 +412,6 @@ static int head_parts(int num_tasks, int max_heads_per_task, int num_threads) {
  * (k_cache/v_cache point at the slice); rows[t]: element offset of token t's row; scores: [H, L]; acc: [H, D]. */
 #define DP_BF16 1
 #define DP_MAX_ROW 1024
-/* Whether bf16 decode takes this path: -1 auto (on AMD CPUs: 2.2x the per-kv-head float kernel's speed on a
- * Zen 4, where VDPBF16PS does twice the work of an FMA in one slot; an Intel Xeon, with two FMA ports,
- * measured a VDPBF16PS variant no faster earlier, so it keeps the float kernel), 0 off, 1 on (tests). */
-static int dp_mode = -1;
-static int use_dp(void) {
-    const int m = __atomic_load_n(&dp_mode, __ATOMIC_RELAXED);
-    return m < 0 ? tm_cpu_is_amd() : m;
-}
 #include "bf16_pairs.h"
 static inline __attribute__((always_inline)) void seq_dp_bf16(
     const uint16_t* restrict qb, const int* restrict koff, const float scale, const uint16_t* restrict k_cache,
@@ -560,15 +552,18 @@ static void paged_decode_bf16_dp(const uint16_t* q, const uint16_t* k_cache, con
 #define DP_BF16 0
 #define DP_MAX_ROW 0
 #define paged_decode_bf16_dp(...) ((void)0)
-static int dp_mode = -1;
-static int use_dp(void) { return 0; }
 #endif
+
+/* Whether bf16 decode takes the AVX512_BF16 path: dp_mode -1 auto (on AMD CPUs: 2.2x the per-kv-head float kernel's speed on a
+ * Zen 4, where VDPBF16PS does twice the work of an FMA in one slot; an Intel Xeon, with two FMA ports,
+ * measured a VDPBF16PS variant no faster earlier, so it keeps the float kernel), 0 off, 1 on (tests). */
+static int dp_mode = -1;
 
 /* Set the AVX512_BF16 path's use for bf16 caches: -1 auto (by CPU vendor), 0 off, 1 on. Returns whether
  * bf16 decode now takes it (always 0 in a build without it). */
 int paged_decode_set_dp(int mode) {
-    __atomic_store_n(&dp_mode, mode < 0 ? -1 : mode > 0, __ATOMIC_RELAXED);
-    return DP_BF16 && use_dp();
+    tm_amd_path_set(&dp_mode, mode);
+    return DP_BF16 && tm_amd_path_on(&dp_mode);
 }
 
 #define DEFINE_PAGED_DECODE(NAME, SEQ, FAST, DP, T, LOAD, STORE)                                             \
@@ -586,7 +581,7 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
     int max_rows = 1;                                                                                    \
     for (int i = 0; i < num_groups; i++)                                                                 \
         max_rows = start[i + 1] - start[i] > max_rows ? start[i + 1] - start[i] : max_rows;              \
-    if (DP && D % 32 == 0 && D <= MAX_SIMD_DIM && D <= DP_MAX_ROW && use_dp()) {                         \
+    if (DP && D % 32 == 0 && D <= MAX_SIMD_DIM && D <= DP_MAX_ROW && tm_amd_path_on(&dp_mode)) {      \
         paged_decode_bf16_dp((const uint16_t*)q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, block_table, \
                              seq_lens, (uint16_t*)out, start, num_groups, max_rows, H, KVH, D, block_size, \
                              max_blocks, scale, num_threads);                                            \

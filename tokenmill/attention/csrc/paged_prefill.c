@@ -172,40 +172,46 @@ static inline __attribute__((always_inline)) void NAME(const Scratch* s, int D, 
 DEFINE_PV(pv_chunk, DC)
 DEFINE_PV(pv_one, 1)
 
-/* Online softmax over the tile's scores (transposed: lanes are query rows); masks keys past each
- * row's position (key k0 + j, j < n) first when the tile reaches past the smallest of them. */
-static inline void softmax_tile(Scratch* s, int64_t k0, int n, int D) {
-    int64_t min_pos = s->qpos[0];
-    for (int r = 1; r < RT; r++) min_pos = s->qpos[r] < min_pos ? s->qpos[r] : min_pos;
+/* Online softmax over a tile's scores st [BK][RT] (transposed: lanes are query rows), in place to the
+ * numerators; masks keys past each row's position (key k0 + j, j < n) first when the tile reaches past the
+ * smallest of them; updates the rows' max m, sum l and correction corr, and rescales the output rows o. */
+static inline void online_softmax(float* st, float* o, float* m, float* l, float* corr, const int64_t* qpos,
+                                  int64_t k0, int n, int D) {
+    int64_t min_pos = qpos[0];
+    for (int r = 1; r < RT; r++) min_pos = qpos[r] < min_pos ? qpos[r] : min_pos;
     if (k0 + BK - 1 > min_pos || n < BK) {
         for (int j = 0; j < BK; j++) {
-            float* row = s->st + j * RT;
+            float* row = st + j * RT;
             for (int r = 0; r < RT; r++)
-                if (j >= n || k0 + j > s->qpos[r]) row[r] = -INFINITY;
+                if (j >= n || k0 + j > qpos[r]) row[r] = -INFINITY;
         }
     }
     for (int i = 0; i < NVR; i++) {
-        const vf m_old = vload(s->m + i * VW);
+        const vf m_old = vload(m + i * VW);
         vf mt = m_old;
-        for (int j = 0; j < n; j++) mt = vmax(mt, vload(s->st + j * RT + i * VW));
-        const vf corr = vexp(m_old - mt);
+        for (int j = 0; j < n; j++) mt = vmax(mt, vload(st + j * RT + i * VW));
+        const vf c = vexp(m_old - mt);
         vf sum = vset1(0.0f);
         for (int j = 0; j < n; j++) {
-            const vf p = vexp(vload(s->st + j * RT + i * VW) - mt);
-            vstore(s->st + j * RT + i * VW, p);
+            const vf p = vexp(vload(st + j * RT + i * VW) - mt);
+            vstore(st + j * RT + i * VW, p);
             sum += p;
         }
-        vstore(s->m + i * VW, mt);
-        vstore(s->l + i * VW, vload(s->l + i * VW) * corr + sum);
-        vstore(s->corr + i * VW, corr);
+        vstore(m + i * VW, mt);
+        vstore(l + i * VW, vload(l + i * VW) * c + sum);
+        vstore(corr + i * VW, c);
     }
     for (int r = 0; r < RT; r++) {
-        const float c = s->corr[r];
+        const float c = corr[r];
         if (c == 1.0f) continue;
         const vf cv = vset1(c);
-        float* orow = s->o + (int64_t)r * D;
+        float* orow = o + (int64_t)r * D;
         for (int d = 0; d < D; d += VW) vstore(orow + d, vload(orow + d) * cv);
     }
+}
+
+static inline void softmax_tile(Scratch* s, int64_t k0, int n, int D) {
+    online_softmax(s->st, s->o, s->m, s->l, s->corr, s->qpos, k0, n, D);
 }
 
 typedef struct {
@@ -230,14 +236,6 @@ static int by_cost_desc(const void* a, const void* b) {
  * same order as paged_decode.c's seq_dp_bf16) until they are written. A row's result depends only on its
  * query and its keys: the key tiles start at multiples of BK whatever the chunk, as above. */
 #define DP_PREFILL 1
-/* Whether bf16 prefill takes this path: -1 auto (on AMD CPUs: 1.6x the float kernel on a Zen 4, where
- * VDPBF16PS does twice an FMA's work in one slot; on an Intel Xeon, with two FMA ports, a VDPBF16PS variant
- * measured slower than the FMAs earlier), 0 off, 1 on (tests). */
-static int dp_mode = -1;
-static int use_dp(void) {
-    const int m = __atomic_load_n(&dp_mode, __ATOMIC_RELAXED);
-    return m < 0 ? tm_cpu_is_amd() : m;
-}
 #include "bf16_pairs.h"
 static inline __m512bh bcast_pair(const uint16_t* p) {
     int32_t v;
@@ -300,39 +298,9 @@ static inline __attribute__((always_inline)) void NAME(const ScratchDP* s, int D
 DEFINE_PV_DP(pv_dp_chunk, DC)
 DEFINE_PV_DP(pv_dp_one, 1)
 
-/* softmax_tile's online softmax on ScratchDP (the same float arithmetic), then the numerator pairs. */
+/* The online softmax on ScratchDP, then the numerator pairs. */
 static inline void softmax_tile_dp(ScratchDP* s, int64_t k0, int n, int D) {
-    int64_t min_pos = s->qpos[0];
-    for (int r = 1; r < RT; r++) min_pos = s->qpos[r] < min_pos ? s->qpos[r] : min_pos;
-    if (k0 + BK - 1 > min_pos || n < BK) {
-        for (int j = 0; j < BK; j++) {
-            float* row = s->st + j * RT;
-            for (int r = 0; r < RT; r++)
-                if (j >= n || k0 + j > s->qpos[r]) row[r] = -INFINITY;
-        }
-    }
-    for (int i = 0; i < NVR; i++) {
-        const vf m_old = vload(s->m + i * VW);
-        vf mt = m_old;
-        for (int j = 0; j < n; j++) mt = vmax(mt, vload(s->st + j * RT + i * VW));
-        const vf corr = vexp(m_old - mt);
-        vf sum = vset1(0.0f);
-        for (int j = 0; j < n; j++) {
-            const vf p = vexp(vload(s->st + j * RT + i * VW) - mt);
-            vstore(s->st + j * RT + i * VW, p);
-            sum += p;
-        }
-        vstore(s->m + i * VW, mt);
-        vstore(s->l + i * VW, vload(s->l + i * VW) * corr + sum);
-        vstore(s->corr + i * VW, corr);
-    }
-    for (int r = 0; r < RT; r++) {
-        const float c = s->corr[r];
-        if (c == 1.0f) continue;
-        const vf cv = vset1(c);
-        float* orow = s->o + (int64_t)r * D;
-        for (int d = 0; d < D; d += VW) vstore(orow + d, vload(orow + d) * cv);
-    }
+    online_softmax(s->st, s->o, s->m, s->l, s->corr, s->qpos, k0, n, D);
     for (int jp = 0; jp < (n + 1) / 2; jp++) /* an odd last key pairs with weight 0 */
         for (int i = 0; i < NVR; i++) {
             const __m512i lo = tm_round_bf16_lanes(_mm512_loadu_ps(s->st + 2 * jp * RT + i * VW));
@@ -424,15 +392,18 @@ static int paged_prefill_bf16_dp(const uint16_t* q, const uint16_t* k_cache, con
 #else
 #define DP_PREFILL 0
 #define paged_prefill_bf16_dp(...) 0
-static int dp_mode = -1;
-static int use_dp(void) { return 0; }
 #endif
+
+/* Whether bf16 prefill takes the AVX512_BF16 path: dp_mode -1 auto (on AMD CPUs: 1.6x the float kernel on a Zen 4, where
+ * VDPBF16PS does twice an FMA's work in one slot; on an Intel Xeon, with two FMA ports, a VDPBF16PS variant
+ * measured slower than the FMAs earlier), 0 off, 1 on (tests). */
+static int dp_mode = -1;
 
 /* Set the AVX512_BF16 path's use for bf16: -1 auto (by CPU vendor), 0 off, 1 on. Returns whether bf16
  * prefill now takes it (always 0 in a build without it). */
 int paged_prefill_set_dp(int mode) {
-    __atomic_store_n(&dp_mode, mode < 0 ? -1 : mode > 0, __ATOMIC_RELAXED);
-    return DP_PREFILL && use_dp();
+    tm_amd_path_set(&dp_mode, mode);
+    return DP_PREFILL && tm_amd_path_on(&dp_mode);
 }
 
 #define DEFINE_PAGED_PREFILL(NAME, T, LOAD, STORE, DP)                                                       \
@@ -453,7 +424,7 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
             }                                                                                            \
     }                                                                                                    \
     qsort(items, (size_t)num_items, sizeof(Item), by_cost_desc);                                         \
-    if (DP && D % 32 == 0 && D <= MAX_DP_DIM && use_dp()) {                                              \
+    if (DP && D % 32 == 0 && D <= MAX_DP_DIM && tm_amd_path_on(&dp_mode)) {                           \
         const int rc = paged_prefill_bf16_dp((const uint16_t*)q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, \
                                              block_table, max_blocks, q_start, q_len, ctx_len, items, num_items, \
                                              (uint16_t*)out, H, KVH, D, block_size, scale, num_threads);  \
