@@ -108,7 +108,7 @@ def test_failures_are_counted_not_raised(server, tiny_path, tmp_path):
     assert bench(f"http://127.0.0.1:{free_port()}", tiny_path, *args, "--result-file", str(dead)) == 0
     record = json.loads(dead.read_text())
     assert (record["completed"], record["failed"], record["total_output_tokens"]) == (0, 4, 0)
-    assert all(e.startswith("APIConnectionError") for e in record["errors"])
+    assert all(e.startswith("ClientConnectorError") for e in record["errors"])
     assert record["ttfts"] == [None] * 4 and record["mean_ttft_ms"] is None
 
     wrong = tmp_path / "wrong.json"
