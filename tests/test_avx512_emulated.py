@@ -41,6 +41,7 @@ from tokenmill.attention import build_attention_metadata, cpu_decode, cpu_prefil
 from tokenmill.attention.torch_paged import reference_decode_attention
 from tokenmill.layers import batch_invariant as bi
 from tokenmill.layers import silu_and_mul_kernel as sk
+from tokenmill.sampling import argmax_kernel
 
 SIMDE_INCLUDE = Path("/usr/include/simde")
 SHIM_DIR = Path(__file__).parent / "csrc" / "simde_shim"
@@ -48,9 +49,11 @@ COMPILER = csrc_build.c_compiler()
 
 # stem -> (loader module, the function reporting the build's path)
 KERNELS = {"batch_invariant": (bi, "bi_isa"), "silu_and_mul": (sk, "silu_and_mul_isa"),
-           "paged_decode": (cpu_decode, "paged_decode_isa"), "paged_prefill": (cpu_prefill, "paged_prefill_isa")}
+           "paged_decode": (cpu_decode, "paged_decode_isa"), "paged_prefill": (cpu_prefill, "paged_prefill_isa"),
+           "argmax": (argmax_kernel, "argmax_isa")}
 BUILDS = [("batch_invariant", "avx512"), ("batch_invariant", "avx512_bf16"), ("silu_and_mul", "avx512"),
-          ("paged_decode", "avx512"), ("paged_decode", "avx512_bf16"), ("paged_prefill", "avx512_bf16")]
+          ("paged_decode", "avx512"), ("paged_decode", "avx512_bf16"), ("paged_prefill", "avx512_bf16"),
+          ("argmax", "avx512")]
 # -O1: at -O3 gcc spends about 5x longer on the inlined emulation (25 s of CPU for the four builds). The
 # level changes no result bit of a kernel built without reassociation (all but paged decode, which is
 # checked to a tolerance). -Wno-psabi: SIMDe passes __m512 by value, which gcc notes without -mavx512f.
@@ -117,7 +120,8 @@ def test_emulated_build_takes_the_avx512_branch_without_avx512_instructions(emul
     if objdump is None:
         pytest.skip("objdump not found: the build's instructions cannot be listed")
     listing = subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True, check=True).stdout
-    if stem != "paged_prefill":  # its generic vectors contract a * b + c only above -O1; it is checked to a tolerance
+    # paged prefill's generic vectors contract a * b + c only above -O1 (it is checked to a tolerance); argmax has no product
+    if stem not in ("paged_prefill", "argmax"):
         assert "vfmadd" in listing  # native FMA: SIMDe's own fmadd would round twice
     hits = [line.strip() for line in listing.splitlines() if AVX512_REGISTER.search(line)]
     assert not hits, f"{len(hits)} AVX-512 instructions, first: {hits[0]}"
@@ -283,3 +287,14 @@ def test_avx512_bf16_paged_prefill_matches_the_dense_reference(emulated, heads):
             ref = dense_reference(q[start:start + n], keys[i], values[i], d**-0.5)
             torch.testing.assert_close(out[start:start + n].double(), ref, atol=2e-2, rtol=2e-2)
         start += n
+
+
+# ---------------------------------------------------------------- greedy argmax
+
+
+def test_avx512_argmax_gives_torch_argmax(emulated):
+    from tests.test_argmax_kernel import argmax_cases
+
+    lib = build(emulated, "argmax", "avx512")
+    for name, logits in argmax_cases():
+        assert torch.equal(argmax_kernel._argmax_rows(lib, logits), logits.argmax(dim=-1)), name

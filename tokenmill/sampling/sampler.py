@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.sampling.argmax_kernel import argmax_rows
 from tokenmill.sampling.metadata import SamplingMetadata
 from tokenmill.sampling.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from tokenmill.sampling.top_k_top_p import apply_min_p, apply_top_k_top_p
@@ -58,7 +59,7 @@ class Sampler:
         if metadata.max_num_logprobs is not None:
             all_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V], a fresh tensor
 
-        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)  # [B]
+        greedy_ids = None if metadata.all_random else argmax_rows(logits)  # [B]; torch.argmax's answer
         if metadata.all_greedy:
             assert greedy_ids is not None
             sampled = greedy_ids
@@ -104,7 +105,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         noise[row].exponential_(generator=generator)
     # An exact 0 draw would make 0 / 0 = nan for a filtered token; nan wins argmax.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+    return argmax_rows(probs.div_(noise))
 
 
 def gather_logprobs(all_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> SamplerOutput:
