@@ -46,6 +46,24 @@ static int64_t first_nan(const float* x, int64_t n) {
     return -1;
 }
 
+#if !defined(TM_PORTABLE) && (defined(__AVX512F__) || defined(__AVX2__))
+/* The SIMD paths' end: the largest of the lanes' maxima mv[0..lanes) and the smallest index among the
+ * lanes holding it (iv), then the tail x[i..n) after the full vectors, where a later index wins only
+ * when larger (or a NaN, the row's first: the vectors held none). */
+static int64_t finish_lanes(const float* mv, const int32_t* iv, int lanes, const float* x, int64_t i, int64_t n) {
+    float bv = mv[0];
+    int64_t arg = iv[0];
+    for (int k = 1; k < lanes; k++)
+        if (mv[k] > bv || (mv[k] == bv && iv[k] < arg)) { bv = mv[k]; arg = iv[k]; }
+    for (; i < n; i++) {
+        const float v = x[i];
+        if (isnan(v)) return i;
+        if (v > bv) { bv = v; arg = i; }
+    }
+    return arg;
+}
+#endif
+
 #if !defined(TM_PORTABLE) && defined(__AVX512F__)
 static int64_t argmax_row(const float* x, int64_t n) {
     if (n < 16) return argmax_scalar(x, n);
@@ -69,16 +87,7 @@ static int64_t argmax_row(const float* x, int64_t n) {
     int32_t iv[16];
     _mm512_storeu_ps(mv, m);
     _mm512_storeu_si512((void*)iv, idx);
-    float bv = mv[0];
-    int64_t arg = iv[0];
-    for (int k = 1; k < 16; k++) /* the lanes' maximum, its smallest index among tied lanes */
-        if (mv[k] > bv || (mv[k] == bv && iv[k] < arg)) { bv = mv[k]; arg = iv[k]; }
-    for (; i < n; i++) { /* the tail, after every full vector: later indices win only when larger */
-        const float v = x[i];
-        if (isnan(v)) return i;
-        if (v > bv) { bv = v; arg = i; }
-    }
-    return arg;
+    return finish_lanes(mv, iv, 16, x, i, n);
 }
 #elif !defined(TM_PORTABLE) && defined(__AVX2__)
 static int64_t argmax_row(const float* x, int64_t n) {
@@ -102,16 +111,7 @@ static int64_t argmax_row(const float* x, int64_t n) {
     int32_t iv[8];
     _mm256_storeu_ps(mv, m);
     _mm256_storeu_si256((__m256i*)iv, idx);
-    float bv = mv[0];
-    int64_t arg = iv[0];
-    for (int k = 1; k < 8; k++)
-        if (mv[k] > bv || (mv[k] == bv && iv[k] < arg)) { bv = mv[k]; arg = iv[k]; }
-    for (; i < n; i++) {
-        const float v = x[i];
-        if (isnan(v)) return i;
-        if (v > bv) { bv = v; arg = i; }
-    }
-    return arg;
+    return finish_lanes(mv, iv, 8, x, i, n);
 }
 #else
 static int64_t argmax_row(const float* x, int64_t n) { return argmax_scalar(x, n); }
