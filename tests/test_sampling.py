@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
 from tokenmill.sampling.metadata import position_seed
+from tokenmill.sampling import top_k_top_p
 from tokenmill.sampling.penalties import apply_penalties
 from tokenmill.sampling.top_k_top_p import apply_min_p, apply_top_k_top_p
 from tokenmill.sampling_params import SamplingParams
@@ -139,6 +140,21 @@ def test_seeded_generation_resumes_exactly_from_prompt_plus_output(tmp_path):
     assert full.outputs[0].token_ids != full.outputs[1].token_ids
 
 
+def test_a_seeded_draw_survives_small_changes_in_the_logits():
+    """A request resumed on another worker (prompt + output prefilled) or verified by speculative
+    decoding sees logits that differ in their last bits; its seeded draws must not move. The race's
+    margin is of the order of the ratios, so 1e-3 of noise on flat logits changes none of 300 draws
+    (an inverse-CDF draw of the same seeds changed 20)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 32000, generator=gen) * 0.5
+    nudged = logits + 1e-3 * torch.randn(1, 32000, generator=gen)
+
+    def draws(x: torch.Tensor) -> list[int]:
+        return [int(sample([make_row(seed=s, temperature=1.0)], x).sampled_token_ids[0]) for s in range(300)]
+
+    assert draws(logits) == draws(nudged)
+
+
 def test_greedy_seeded_row_does_not_advance_its_generator():
     row = make_row(seed=3, temperature=0.0)
     state = row.generator.get_state().clone()
@@ -231,6 +247,35 @@ def test_vectorised_filters_match_slow_reference_over_grid():
                 kept = set(torch.nonzero(filtered[i].isfinite()).flatten().tolist())
                 assert kept == expected, (vocab, settings[i], use_top_p)
                 assert torch.equal(filtered[i][list(kept)], logits[i][list(kept)])
+
+
+def test_top_p_cut_from_a_few_candidates_equals_the_full_sort(monkeypatch):
+    """Rows whose nucleus runs past the candidates are sorted: any candidate count gives the same
+    tokens, and they match the slow reference (flat rows keep thousands of tokens, peaked rows few)."""
+    gen = torch.Generator().manual_seed(8)
+    vocab = 5000
+    scales = [0.05, 5.0, 0.3, 5.0, 1.0, 0.05, 2.0]
+    logits = torch.randn(len(scales), vocab, generator=gen) * torch.tensor(scales).unsqueeze(1)
+    top_p = torch.tensor([0.9, 0.9, 0.99, 0.3, 1.0, 0.5, 0.95])
+    top_k = torch.tensor([vocab, vocab, vocab, 40, vocab, 3000, 100])
+    results = {}
+    for candidates in (1, 4, 64, 256, vocab):
+        monkeypatch.setattr(top_k_top_p, "TOP_P_CANDIDATES", candidates)
+        results[candidates] = apply_top_k_top_p(logits.clone(), top_k, top_p, 3000).isfinite()
+    for candidates, kept in results.items():
+        assert torch.equal(kept, results[vocab]), candidates
+    for i in range(len(scales)):
+        k = int(top_k[i]) if top_k[i] < vocab else 0
+        expected = reference_keep(logits[i], k, float(top_p[i]), 0.0)
+        assert set(torch.nonzero(results[vocab][i]).flatten().tolist()) == expected, i
+    assert int(results[vocab][0].sum()) > 256 and int(results[vocab][1].sum()) < 64  # both paths ran
+    assert bool(results[vocab][4].all())  # top_p = 1 keeps every token
+
+
+def test_top_p_keeps_tokens_tied_with_the_last_one_of_the_nucleus():
+    logits = torch.tensor([[0.5, 0.2, 0.2, 0.1]]).log()
+    kept = apply_top_k_top_p(logits.clone(), None, torch.tensor([0.6])).isfinite()
+    assert kept.tolist() == [[True, True, True, False]]  # the nucleus ends at the first 0.2; its tie stays
 
 
 # ---------------------------------------------------------------- penalties
