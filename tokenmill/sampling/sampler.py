@@ -103,10 +103,9 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     ``u + 2^-54`` is never 0), the logarithm taken in the dtype of ``probs`` and capped at 54 ln 2.
     torch draws uniforms one at a time on a CPU as it does exponentials, but without the logarithm,
     which then runs vectorised and threaded: [64, 49152] took 60 ms with ``exponential_`` and takes
-    ~20 ms. Float32 uniforms were faster (11 ms) but are
-    multiples of 2^-24: u = 0 came up once in 2^24 draws, and its noise of 0 made that token win
-    whatever its probability (a wrong token in ~0.3% of rows of 49152 tokens); they also tie often
-    near 0, which favours low token ids.
+    ~20 ms. Float32 uniforms were faster (11 ms) but are multiples of 2^-24: u = 0 came up once in
+    2^24 draws, and its noise of 0 made that token win whatever its probability (a wrong token in
+    ~0.3% of rows of 49152 tokens); they also tie often near 0, which favours low token ids.
 
     Args:
         probs: [B, V] f32, rows summing to 1 (filtered tokens exactly 0).
@@ -121,7 +120,8 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         u[row].uniform_(generator=generator)
     # Exp(1) = -log(1 - u), u moved off 0: > 0 (so 0 / noise is 0 for a filtered token, never nan),
     # and finite (capped where u rounds to 1). The float32 copy of u keeps its relative precision
-    # near 0, where it matters; near 1 it rounds to a 2^-24 grid, which only touches noise above 16.
+    # near 0, where small noise decides the race; near 1 it rounds to a 2^-24 grid, which coarsens
+    # only large noise (a token with noise above ~10, probability e^-10, almost never wins).
     noise = u.add_(2.0**-54).to(probs.dtype).neg_().log1p_().neg_().clamp_(max=54 * math.log(2))
     return argmax_rows(probs.div_(noise))
 
