@@ -179,6 +179,14 @@ def health_latencies_during(server: ServerProcess, path: str, body: dict) -> tup
     return response, duration, latencies
 
 
+def assert_health_kept_answering(duration: float, latencies: list, context: object = None) -> None:
+    """/health answered all along a request that took ``duration`` seconds: polled at least 3 times and
+    never waited 0.5 s, or, on a loaded machine where the request itself ran slow, never more than half
+    the request's time (an event loop blocked by the request's CPU work waits about all of it)."""
+    limit = max(0.5, duration / 2)
+    assert len(latencies) >= 3 and max(latencies) < limit, (context, duration, sorted(latencies)[-3:])
+
+
 class LocalHTTPServer:
     """A ``ThreadingHTTPServer`` on 127.0.0.1 (a free port) serving ``handler`` (a BaseHTTPRequestHandler
     class) from a daemon thread: the fake workers of the router tests. ``url``; ``close()`` stops it."""
