@@ -1,12 +1,13 @@
-"""The lean decode step (tokenmill/runner/lean_decode.py) against the torch path it replaces.
+"""The lean step (tokenmill/runner/lean_decode.py) against the torch path it replaces.
 
-With the torch path's layers on the C kernels the lean step calls (RMSNorm, SiLU×up, paged decode, the
-quantized product), a decode step must give the same bits both ways: the hidden states after the final
-norm and every KV row written, for float32 and bf16, on tiny int8 Llama / Qwen2 (biases) / Qwen3 (q/k
-norms) models and on the embedded SmolLM2 Q4_1 GGUF; greedy generation then gives the same tokens and
-logprobs. The check is repeated in a subprocess on another ISA path (AVX2, or portable on an AVX2
-machine). Steps the lean step does not take (prefill, mixed, LoRA, quantized KV, deterministic mode,
-dense weights, --no-cpu-kernels) run the torch path.
+With the torch path's layers on the C kernels the lean step calls (RMSNorm, SiLU×up, paged decode and
+prefill attention, the quantized product), a decode step, a prefill and a mixed step (prompt chunks beside
+decode queries) must give the same bits both ways: the hidden states after the final norm and every KV row
+written, for float32 and bf16, on tiny int8 Llama / Qwen2 (biases) / Qwen3 (q/k norms) models and on the
+embedded SmolLM2 Q4_1 GGUF; greedy generation then gives the same tokens and logprobs. The check is repeated
+in a subprocess on another ISA path (AVX2, or portable on an AVX2 machine). Steps the lean step does not
+take (prompt chunks the plan keeps on SDPA, LoRA, quantized KV, deterministic mode, dense weights,
+--no-cpu-kernels) run the torch path.
 """
 from __future__ import annotations
 
@@ -38,33 +39,37 @@ def torch_path_on_c_kernels(model) -> None:
         if isinstance(module, (RMSNorm, SiluAndMul)):
             module.cpu_kernel_table = (True,)
         elif isinstance(module, Attention):
-            module.cpu_decode_kernel = True
+            module.cpu_decode_kernel = module.cpu_prefill_kernel = True
         elif isinstance(module, Linear) and module.quant is not None:
             module.quant.dequantize_table = ()
 
 
-def decode_step_both_ways(llm, context_lens: list[int], seed: int = 0):
-    """Prefill ``context_lens`` random sequences (torch path), then run one decode step of all of them through
-    the torch path and, from the same KV cache, through the lean step. Returns ((hidden, kv) torch,
-    (hidden, kv) lean); hidden [B, hidden] after the final norm, kv the runner's whole KV pool."""
+def step_both_ways(llm, context_lens: list[int], query_lens: list[int], seed: int = 0):
+    """Prefill ``context_lens`` random sequences (torch path; 0: a new sequence), then run one step of
+    ``query_lens`` new tokens of each (1: a decode query, more: a prompt chunk) through the torch path and,
+    from the same KV cache, through the lean step. Returns ((hidden, kv) torch, (hidden, kv) lean); hidden
+    [T, hidden] after the final norm, kv the runner's whole KV pool."""
     runner = llm.engine.runner
     model, lean = runner.model, runner.model.model.lean_decode
     assert lean is not None, runner.kernel_choice
     gen = np.random.default_rng(seed)
     block_size = runner.block_size
-    blocks = [-(-(n + 1) // block_size) for n in context_lens]
+    lens, queries = np.asarray(context_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
+    blocks = [-(-int(n) // block_size) for n in lens + queries]
     ids = gen.permutation(np.arange(1, runner.num_kv_blocks))[: sum(blocks)]  # scattered block ids
     table = np.zeros((len(context_lens), max(blocks)), dtype=np.int64)
     for i, start in enumerate(np.cumsum([0, *blocks[:-1]])):
         table[i, : blocks[i]] = ids[start : start + blocks[i]]
-    lens = np.asarray(context_lens, dtype=np.int64)
     with torch.inference_mode():
         lean.enabled = False
-        tokens = torch.from_numpy(gen.integers(3, runner.vocab_size, int(lens.sum()) + len(lens)))
-        metadata, positions = build_attention_metadata(lens, np.zeros_like(lens), table, block_size)
-        model(tokens[: int(lens.sum())], torch.from_numpy(positions), runner.kv_caches, metadata)
+        tokens = torch.from_numpy(gen.integers(3, runner.vocab_size, int(lens.sum() + queries.sum())))
+        cached = lens > 0
+        if cached.any():
+            metadata, positions = build_attention_metadata(lens[cached], np.zeros_like(lens[cached]), table[cached],
+                                                           block_size)
+            model(tokens[: int(lens.sum())], torch.from_numpy(positions), runner.kv_caches, metadata)
         before = runner.kv_cache.clone()
-        metadata, positions = build_attention_metadata(np.ones_like(lens), lens, table, block_size)
+        metadata, positions = build_attention_metadata(queries, lens, table, block_size)
         step = (tokens[int(lens.sum()):], torch.from_numpy(positions), runner.kv_caches, metadata)
         want = (model(*step), runner.kv_cache.clone())
         runner.kv_cache.copy_(before)
@@ -73,6 +78,11 @@ def decode_step_both_ways(llm, context_lens: list[int], seed: int = 0):
         got = (model(*step), runner.kv_cache.clone())
         assert lean.steps == steps + 1, "the lean step did not run"
     return want, got
+
+
+def decode_step_both_ways(llm, context_lens: list[int], seed: int = 0):
+    """``step_both_ways`` of one decode query per sequence."""
+    return step_both_ways(llm, context_lens, [1] * len(context_lens), seed)
 
 
 def assert_same_bits(want, got) -> None:
@@ -104,6 +114,9 @@ def test_a_decode_step_gives_the_torch_path_bits_on_tiny_int8_models(tiny_paths,
         assert_same_bits(*decode_step_both_ways(llm, [33], seed=1))  # batch 1
         llm.engine.runner.model.model.lean_decode.threads = 1  # what ThreadChoice may switch to: the same bits
         assert_same_bits(*decode_step_both_ways(llm, [5, 17, 40], seed=2))
+        llm.engine.runner.model.model.lean_decode.threads = None
+        # mixed: decode queries around a new prompt and a chunk after a cached prefix
+        assert_same_bits(*step_both_ways(llm, [5, 0, 17, 20, 40], [1, 11, 1, 7, 1], seed=3))
     finally:
         llm.close()
 
@@ -125,7 +138,7 @@ def test_embedded_q4_1_model_decodes_the_same_bits_and_greedy_tokens(smollm2):
     chats = [[{"role": "user", "content": "What is the capital of France?"}]]
     steps = lean.steps
     got = smollm2.chat(chats, params)
-    assert lean.steps - steps == 7  # one prefill step (torch), then 7 decode steps
+    assert lean.steps - steps == 8  # the prompt's step (on the C prefill kernel here), then 7 decode steps
     lean.enabled = False
     try:
         want = smollm2.chat(chats, params)
@@ -185,6 +198,7 @@ def check_tiny(path: str, isa: str) -> None:
         assert lean is not None and lean.isa == isa
         torch_path_on_c_kernels(llm.engine.runner.model)
         assert_same_bits(*decode_step_both_ways(llm, [5, 17, 40]))
+        assert_same_bits(*step_both_ways(llm, [5, 0, 17], [1, 9, 4], seed=1))
     finally:
         llm.close()
 
@@ -209,15 +223,38 @@ def test_engines_the_lean_step_does_not_serve_keep_the_torch_path(tiny_paths):
     assert dense.model.lean_decode is None
 
 
-def test_prefill_and_mixed_steps_take_the_torch_path(smollm2):
-    """A step with a multi-token query (prefill, or prefill + decode) is not the lean step's: it answers None."""
+def test_prefill_and_mixed_steps_give_the_torch_path_bits(smollm2):
+    """Steps with prompt chunks run in the lean step when the plan puts them on the C prefill kernel: a prefill
+    of new prompts, a chunk after a cached prefix, and chunked prefill beside decode queries (the tokens of
+    the decode queries before, between and after the chunks) give the torch path's bits."""
     runner = smollm2.engine.runner
     lean = runner.model.model.lean_decode
-    table = np.array([[1, 2], [3, 4]], dtype=np.int64)
-    for query_lens, computed in (([4, 1], [0, 7]), ([3, 3], [0, 0])):
-        metadata, positions = build_attention_metadata(np.array(query_lens), np.array(computed), table, 16)
-        ids = torch.ones(sum(query_lens), dtype=torch.int64)
-        assert lean(runner.model.model, ids, torch.from_numpy(positions), runner.kv_caches, metadata) is None
+    torch_path_on_c_kernels(runner.model)
+    mixed = lean.mixed_steps
+    for contexts, queries in (([0, 0], [9, 20]), ([33], [17]), ([12, 0, 40, 21], [1, 19, 1, 1]),
+                              ([0, 18, 7, 30], [5, 1, 1, 16])):
+        assert_same_bits(*step_both_ways(smollm2, contexts, queries, seed=len(contexts)))
+    assert lean.mixed_steps == mixed + 4
+
+
+def test_prompt_chunks_the_plan_keeps_on_sdpa_take_the_torch_path(smollm2):
+    """Where the plan runs prompt chunks on SDPA (the C prefill kernel measured slower), a step with prompt
+    chunks is not the lean step's: it answers None and the torch path runs; decode-only steps still run."""
+    runner = smollm2.engine.runner
+    lean = runner.model.model.lean_decode
+    torch_path_on_c_kernels(runner.model)
+    for module in runner.model.modules():
+        if isinstance(module, Attention):
+            module.cpu_prefill_kernel = False
+    try:
+        table = np.array([[1, 2], [3, 4]], dtype=np.int64)
+        for query_lens, computed in (([4, 1], [0, 7]), ([3, 3], [0, 0])):
+            metadata, positions = build_attention_metadata(np.array(query_lens), np.array(computed), table, 16)
+            ids = torch.ones(sum(query_lens), dtype=torch.int64)
+            assert lean(runner.model.model, ids, torch.from_numpy(positions), runner.kv_caches, metadata) is None
+        assert_same_bits(*decode_step_both_ways(smollm2, [20, 9], seed=5))
+    finally:
+        torch_path_on_c_kernels(runner.model)
 
 
 def test_parameters_moved_by_rl_sleep_and_wake_up_are_found_again(smollm2):

@@ -1,5 +1,6 @@
-"""Lean decode step: a decode-only step of a Llama-family model with GGUF/int8 weights runs every decoder
-layer in one C call (csrc/lean_decode.c) instead of ~15 torch ops and Python calls per layer.
+"""Lean decode step: a decode-only or mixed (prompt chunks beside decode queries) step of a Llama-family model
+with GGUF/int8 weights runs every decoder layer in one C call (csrc/lean_decode.c) instead of ~15 torch ops
+and Python calls per layer.
 
 At batch 1 a step's products read ~100 MB of 4-bit weights in a few milliseconds, so per-layer Python
 and torch dispatch (hundreds of calls per step) are a large share of it. ``install_lean_decode`` (called
@@ -8,8 +9,9 @@ the layers in C and returns the hidden states, or returns None and the torch pat
 ``tokenmill/models/llama.py``) runs. The C step calls the same compiled kernels as the torch path's
 layers (qgemm, RMSNorm, SiLU×up, paged decode attention: function pointers into their libraries, for one
 ISA path) and holds every intermediate in the model dtype, so the two agree bit for bit wherever the
-layers run those kernels. Taken only when the step is decode-only (every query one token) and the
-quantized kernel is the measured choice at that row count; never with LoRA, a quantized KV cache,
+layers run those kernels. Taken only when the quantized kernel is the measured choice at the step's row
+count and, for a step with prompt chunks, the C prefill attention kernel is (on large chunks the
+dequantized GEMM wins and the per-layer overhead is small beside it); never with LoRA, a quantized KV cache,
 deterministic mode (the runner does not install it) or dense weights. ``--no-cpu-kernels`` turns it off
 with the other C kernels (docs/lean_decode.md).
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.attention import cpu_decode
+from tokenmill.attention import cpu_decode, cpu_prefill
 from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 from tokenmill.layers import batch_invariant, silu_and_mul_kernel
 from tokenmill.quantization import qgemm
@@ -48,7 +50,16 @@ class _Layer(ctypes.Structure):
 
 class _Kernels(ctypes.Structure):
     _fields_ = [("qlinear", ctypes.c_void_p), ("rms_norm", ctypes.c_void_p), ("silu_and_mul", ctypes.c_void_p),
-                ("attention", ctypes.c_void_p), ("qlinear_bf16", ctypes.c_void_p)]
+                ("attention", ctypes.c_void_p), ("qlinear_bf16", ctypes.c_void_p), ("prefill", ctypes.c_void_p)]
+
+
+class _Batch(ctypes.Structure):
+    """ld_batch: a step's tokens and attention layout (pointers to int64 tensors the caller keeps alive)."""
+    _fields_ = [("num_tokens", ctypes.c_int64), ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p),
+                ("num_decodes", ctypes.c_int64), ("decode_idx", ctypes.c_void_p), ("block_table", ctypes.c_void_p),
+                ("max_blocks", ctypes.c_int64), ("seq_lens", ctypes.c_void_p), ("num_prefills", ctypes.c_int64),
+                ("q_start", ctypes.c_void_p), ("q_len", ctypes.c_void_p), ("ctx_len", ctypes.c_void_p),
+                ("prefill_table", ctypes.c_void_p), ("prefill_max_blocks", ctypes.c_int64)]
 
 
 class _Model(ctypes.Structure):
@@ -60,9 +71,9 @@ class _Model(ctypes.Structure):
 
 
 def _setup(lib: ctypes.CDLL) -> None:
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.ld_decode.argtypes = [ctypes.POINTER(_Model), i64, p, p, p, i64, p, p, p, ctypes.c_int, ctypes.c_int]
-    lib.ld_decode.restype = ctypes.c_int
+    p = ctypes.c_void_p
+    lib.ld_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch), p, p, ctypes.c_int, ctypes.c_int]
+    lib.ld_step.restype = ctypes.c_int
 
 
 # The step's library. It holds no SIMD code of its own: the kernels it calls carry the ISA path.
@@ -80,18 +91,18 @@ def kernel_set(dtype: torch.dtype, isa: str | None = None) -> tuple[_Kernels, st
     """The kernels the step calls for ``dtype`` and their ISA path: this process's builds (``isa`` None, the
     ones the torch path's layers call) or builds for ``isa`` (tests run the step on another path). None when
     one of them cannot be built."""
-    if isa is None:
-        libs = tuple(m.library.built() for m in (qgemm, batch_invariant, silu_and_mul_kernel, cpu_decode))
-    else:
-        libs = tuple(m.library.load(isa) for m in (qgemm, batch_invariant, silu_and_mul_kernel, cpu_decode))
+    modules = (qgemm, batch_invariant, silu_and_mul_kernel, cpu_decode)
+    libs = tuple(m.library.built() if isa is None else m.library.load(isa) for m in modules)
     if any(lib is None for lib in libs):
         return None
     q, bi, silu, attn = libs
+    prefill = cpu_prefill.library.built() if isa is None else cpu_prefill.library.load(isa)
     suffix = "bf16" if dtype == torch.bfloat16 else "f32"
     kernels = _Kernels(qlinear=_address(q.qg_linear), rms_norm=_address(getattr(bi, f"bi_rms_norm_{suffix}")),
                        silu_and_mul=_address(getattr(silu, f"silu_and_mul_{suffix}")),
                        attention=_address(getattr(attn, f"paged_decode_{suffix}")),
-                       qlinear_bf16=_address(q.qg_linear_bf16))
+                       qlinear_bf16=_address(q.qg_linear_bf16),
+                       prefill=_address(getattr(prefill, f"paged_prefill_{suffix}")) if prefill is not None else None)
     return kernels, q.qg_isa().decode()
 
 
@@ -161,21 +172,25 @@ class ThreadChoice:
 
 
 class LeanDecode:
-    """A LlamaModel's decode-only steps in one C call; built by ``install_lean_decode``.
+    """A LlamaModel's decode-only and mixed steps in one C call; built by ``install_lean_decode``.
 
     ``__call__(model, input_ids [T] int64, positions [T] int64, kv_caches, metadata)`` returns the final
     hidden states [T, hidden] (after the model's final norm, in the model dtype) or None when the step is
-    not one the lean path takes (the caller then runs the torch layers). ``enabled`` (default True)
-    switches it off without uninstalling (tests and benchmarks compare both paths on one engine);
-    ``steps`` counts the steps it ran. Batch sizes up to ``MAX_ADAPTIVE_ROWS`` pick their thread count with a
-    ``ThreadChoice`` each (``threads`` fixes it instead); larger ones use the engine's.
+    not one the lean path takes (the caller then runs the torch layers). A step with prompt chunks (a prefill,
+    or chunked prefill beside decode queries) is taken when the plan runs prompt chunks on the C prefill
+    kernel (``Attention.cpu_prefill_kernel``) and the quantized product at the step's row count, as its
+    layers would. ``enabled`` (default True) switches it off without uninstalling (tests and benchmarks
+    compare both paths on one engine); ``steps`` counts the steps it ran, ``mixed_steps`` those with prompt
+    chunks. Decode-only batches up to ``MAX_ADAPTIVE_ROWS`` pick their thread count with a ``ThreadChoice``
+    each (``threads`` fixes it instead); other steps use the engine's.
     """
 
     enabled = True
     threads: int | None = None  # a fixed thread count for the C call (tests, benchmarks); None: ThreadChoice
 
     def __init__(self, lib: ctypes.CDLL, desc: _Model, described: tuple[ctypes.Array, list[torch.Tensor]],
-                 cos_sin: torch.Tensor, dtype: torch.dtype, probe, isa: str, weights_key: tuple[int, int]) -> None:
+                 cos_sin: torch.Tensor, dtype: torch.dtype, probe, isa: str, weights_key: tuple[int, int],
+                 prefill_kernel: bool = False) -> None:
         self._lib = lib
         self.isa = isa  # the kernels' ISA path
         self._desc = desc
@@ -186,7 +201,9 @@ class LeanDecode:
         self._probe = probe  # a quantized layer: its dequantize_table says which row counts take the kernel
         self._kv_key = None
         self._kv_ptrs = None
-        self.steps = 0  # decode steps run here (tests check that the lean path was taken)
+        self.steps = 0  # steps run here (tests check that the lean path was taken)
+        self.mixed_steps = 0  # of which steps with prompt chunks
+        self.prefill_kernel = prefill_kernel  # whether prompt chunks may run here (the C prefill kernel takes them)
         self.thread_choice: dict[int, ThreadChoice] = {}  # by batch size, up to MAX_ADAPTIVE_ROWS
 
     def _kv_pointers(self, kv_caches) -> ctypes.Array | None:
@@ -207,9 +224,11 @@ class LeanDecode:
         if not self.enabled:
             return None
         num_tokens = input_ids.shape[0]
-        if (num_tokens == 0 or metadata.num_prefills or metadata.linear_state is not None
-                or metadata.query_start_loc.shape[0] != num_tokens + 1):
-            return None  # not decode-only
+        if num_tokens == 0 or metadata.linear_state is not None or metadata.prefill_count is not None:
+            return None
+        mixed = metadata.num_prefills > 0
+        if mixed and not (self.prefill_kernel and model.layers[0].self_attn.attn.cpu_prefill_kernel):
+            return None  # prompt chunks: the plan keeps them on SDPA (or the kernel does not take this head_dim)
         table = self._probe.dequantize_table
         rows = metadata.dispatch_rows or num_tokens  # a verify step: the batch plain decoding would run
         if table and table[min(rows, len(table) - 1)]:
@@ -228,26 +247,38 @@ class LeanDecode:
         if ptrs is None:
             return None
         hidden = model.embed_tokens(input_ids).contiguous()  # (T, hidden), overwritten by the C call
-        block_table = metadata.block_table.contiguous()
         positions = positions.contiguous()
         slot_mapping = metadata.slot_mapping.contiguous()
-        seq_lens = metadata.seq_lens.contiguous()
+        if mixed or metadata.query_start_loc.shape[0] != num_tokens + 1:
+            # decode queries through decode_* (gathered in C), prompt chunks through prefill_tables
+            keep = (metadata.decode_token_idx.contiguous(), metadata.decode_block_table.contiguous(),
+                    metadata.decode_seq_lens.contiguous(), *metadata.prefill_tables)
+            decode_idx, block_table, seq_lens, q_start, q_len, ctx_len, prefill_table = keep
+            batch = _Batch(num_decodes=decode_idx.shape[0], decode_idx=decode_idx.data_ptr(),
+                           num_prefills=q_start.shape[0], q_start=q_start.data_ptr(), q_len=q_len.data_ptr(),
+                           ctx_len=ctx_len.data_ptr(), prefill_table=prefill_table.data_ptr(),
+                           prefill_max_blocks=prefill_table.shape[1])
+        else:  # decode-only: query b is token b
+            keep = (metadata.block_table.contiguous(), metadata.seq_lens.contiguous())
+            block_table, seq_lens = keep
+            batch = _Batch(num_decodes=num_tokens)
+        batch.num_tokens, batch.positions, batch.slot_mapping = num_tokens, positions.data_ptr(), slot_mapping.data_ptr()
+        batch.block_table, batch.max_blocks, batch.seq_lens = block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr()
         pool = torch.get_num_threads()
         choice = None
-        if self.threads is None and num_tokens <= MAX_ADAPTIVE_ROWS:
+        if self.threads is None and num_tokens <= MAX_ADAPTIVE_ROWS and not mixed:
             choice = self.thread_choice.setdefault(num_tokens, ThreadChoice())
         threads = self.threads or (pool if choice is None else choice.pick(pool))
         start = time.perf_counter()
-        rc = self._lib.ld_decode(ctypes.byref(self._desc), num_tokens, positions.data_ptr(), slot_mapping.data_ptr(),
-                                 block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), ptrs,
-                                 hidden.data_ptr(), threads, amx)
+        rc = self._lib.ld_step(ctypes.byref(self._desc), ctypes.byref(batch), ptrs, hidden.data_ptr(), threads, amx)
         if choice is not None and rc == 0:
             choice.record(threads, time.perf_counter() - start)
         if rc == -2:
-            raise MemoryError("lean decode step: scratch memory could not be allocated")
+            raise MemoryError("lean step: scratch memory could not be allocated")
         if rc != 0:
             return None  # e.g. a position past the RoPE cache: the torch path raises its own error
         self.steps += 1
+        self.mixed_steps += mixed
         return model.norm(hidden)
 
 
@@ -316,11 +347,15 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
     kernels = kernel_set(dtype, isa)
     if lib is None or kernels is None:
         return "the lean decode library or a kernel it calls cannot be built here"
+    prefill = cpu_prefill.library.built() if isa is None else cpu_prefill.library.load(isa)
+    prefill_kernel = prefill is not None and attn0.head_dim % prefill.paged_prefill_vector_width() == 0
+    if not prefill_kernel:
+        kernels[0].prefill = None
     desc = _Model(num_layers=len(layers), hidden=inner.embed_tokens.embedding_dim, num_heads=attn0.num_heads,
                   num_kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim,
                   intermediate=layers[0].mlp.down_proj.in_features, block_size=block_size,
                   max_position=cache.shape[0], eps=eps, scale=attn0.attn.scale, bf16=int(dtype == torch.bfloat16),
                   cos_sin=cache.data_ptr(), layers=described[0], kernels=kernels[0])
     inner.lean_decode = LeanDecode(lib, desc, described, cache, dtype, layers[0].self_attn.qkv_proj.quant, kernels[1],
-                                   _weights_key(layers))
+                                   _weights_key(layers), prefill_kernel)
     return None

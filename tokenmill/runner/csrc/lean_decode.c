@@ -1,12 +1,14 @@
-/* A Llama-family decoder stack's decode step (one query token per sequence) in one C call.
+/* A Llama-family decoder stack's step in one C call: decode-only steps (one query token per sequence), and
+ * mixed steps where some sequences bring a chunk of prompt tokens (chunked prefill beside decoding).
  *
- * For each layer, over the B sequences of the step, exactly the operations of the torch path
+ * For each layer, over the T tokens of the step, exactly the operations of the torch path
  * (tokenmill/models/llama.py, the specification), in its order and with its roundings:
  *   xn = RMSNorm(h)                                 rms_norm kernel (batch_invariant.c)
  *   qkv = xn @ Wqkv^T (+ b)                         quantized product per format segment (qgemm.c)
  *   q, k = RMSNorm per head (Qwen3's q_norm/k_norm), then rotate-half RoPE from the float32 cos|sin cache
  *   k, v -> k_cache/v_cache[slot_mapping[b]]        the layer's paged KV cache
- *   a = attention of q over block_table[b]          paged decode kernel (paged_decode.c)
+ *   a = attention of q                              decode queries: paged decode kernel (paged_decode.c);
+ *                                                   prompt chunks: paged prefill kernel (paged_prefill.c)
  *   h = (a @ Wo^T (+ b)) + h
  *   h = (silu(gate) * up) @ Wdown^T (+ b) + h       over RMSNorm(h); silu_and_mul kernel
  * The kernels are the ones the torch path's layers call in default CPU mode, passed in as function
@@ -16,10 +18,10 @@
  * no contraction: -std=c11 turns it off). So when the torch path's layers run these kernels, the two
  * paths give the same bits. The final norm and the LM head stay with the caller.
  *
- * Layouts (row-major): hidden [B, hidden] in the model dtype (in: the embeddings; out: the residual
- * stream after the last layer); positions, slot_mapping, seq_lens [B] int64; block_table [B, max_blocks]
- * int64; kv[2 * l] / kv[2 * l + 1] the K / V cache of layer l, [num_blocks, block_size, kv_heads,
- * head_dim] in the model dtype. No SIMD here: the ISA paths are the kernels' (tokenmill/csrc_build.py).
+ * Layouts (row-major): hidden [T, hidden] in the model dtype (in: the embeddings; out: the residual
+ * stream after the last layer); the step's tokens and attention layout in an ld_batch (below);
+ * kv[2 * l] / kv[2 * l + 1] the K / V cache of layer l, [num_blocks, block_size, kv_heads, head_dim] in
+ * the model dtype. No SIMD here: the ISA paths are the kernels' (tokenmill/csrc_build.py).
  * Built at run time by tokenmill/runner/lean_decode.py; tests/test_lean_decode.py holds it to the torch path.
  */
 #include <math.h>
@@ -42,12 +44,18 @@ typedef void (*ld_attention_fn)(const void* q, const void* k_cache, const void* 
                                 const int64_t* seq_lens, void* out, int num_seqs, int num_heads, int num_kv_heads,
                                 int head_dim, int block_size, int max_blocks, float scale, int num_threads);
 
+typedef int (*ld_prefill_fn)(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
+                             int max_blocks, const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
+                             int num_spans, void* out, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                             float scale, int num_threads);
+
 typedef struct {
     ld_qlinear_fn qlinear;
     ld_rms_norm_fn rms_norm;            /* the model dtype's variant */
     ld_silu_and_mul_fn silu_and_mul;
     ld_attention_fn attention;
     ld_qlinear_bf16_fn qlinear_bf16;    /* qg_linear_bf16 (AMX bf16 tiles; -2 where it does not apply), or NULL */
+    ld_prefill_fn prefill;              /* paged_prefill_* (the model dtype's), or NULL: no prompt chunks */
 } ld_kernels;
 
 typedef struct {
@@ -75,6 +83,27 @@ typedef struct {
     const ld_layer* layers;    /* [num_layers] */
     ld_kernels kernels;
 } ld_model;
+
+/* A step's T tokens and how they attend (the runner's AttentionMetadata, vLLM's vocabulary): Bd decode
+ * queries (one token each) and P prompt chunks (spans of consecutive tokens). Every token is one decode
+ * query or in one span. */
+typedef struct {
+    int64_t num_tokens;                 /* T */
+    const int64_t* positions;           /* [T] each token's position in its sequence */
+    const int64_t* slot_mapping;        /* [T] where its K/V go: block_id * block_size + offset */
+    int64_t num_decodes;                /* Bd */
+    const int64_t* decode_idx;          /* [Bd] token index of each decode query; NULL: query b is token b
+                                         * (or Bd == 0) */
+    const int64_t* block_table;         /* [Bd, max_blocks] the decode queries' block ids */
+    int64_t max_blocks;
+    const int64_t* seq_lens;            /* [Bd] keys each decode query attends to */
+    int64_t num_prefills;               /* P */
+    const int64_t* q_start;             /* [P] first token of each span */
+    const int64_t* q_len;               /* [P] its query tokens */
+    const int64_t* ctx_len;             /* [P] its keys after this step (cached prefix + the chunk) */
+    const int64_t* prefill_table;       /* [P, prefill_max_blocks] the spans' block ids */
+    int64_t prefill_max_blocks;
+} ld_batch;
 
 /* A float as the model dtype holds it (bf16: round to nearest even; float32: unchanged). */
 static inline float rnd(float x, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
@@ -140,26 +169,49 @@ static void ld_residual(void* h, const void* y, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; i++) ld_store(h, i, ld_load(y, i, bf16) + ld_load(h, i, bf16), bf16);
 }
 
-/* One decode step of every layer for B sequences (see the top of the file). Returns 0; -1 for a bad
- * argument (B < 1, a position outside the RoPE cache, a sequence length outside 1..max_blocks * block_size,
- * a layer of the wrong shape), checked before anything is written; -2 when memory cannot be allocated
- * (here, or inside a product: the KV rows of the layers before may then hold this step's values). */
-int ld_decode(const ld_model* m, int64_t B, const int64_t* positions, const int64_t* slot_mapping,
-              const int64_t* block_table, int64_t max_blocks, const int64_t* seq_lens, void* const* kv,
-              void* hidden, int num_threads, int amx_bf16) {
+/* Whether a step's layout is one ld_step takes: positions inside the RoPE cache, decode queries within
+ * their block tables, spans inside the step and their tables, and Bd + sum(q_len) == T. */
+static int ld_batch_ok(const ld_model* m, const ld_batch* s) {
+    const int64_t T = s->num_tokens;
+    if (T < 1 || s->num_decodes < 0 || s->num_prefills < 0) return 0;
+    for (int64_t t = 0; t < T; t++)
+        if (s->positions[t] < 0 || s->positions[t] >= m->max_position) return 0;
+    if (s->decode_idx == NULL && s->num_decodes != T && s->num_decodes != 0) return 0;
+    int64_t covered = s->num_decodes;
+    for (int64_t b = 0; b < s->num_decodes; b++) {
+        if (s->seq_lens[b] < 1 || s->seq_lens[b] > s->max_blocks * m->block_size) return 0;
+        if (s->decode_idx && (s->decode_idx[b] < 0 || s->decode_idx[b] >= T)) return 0;
+    }
+    if (s->num_prefills && !m->kernels.prefill) return 0;
+    for (int64_t p = 0; p < s->num_prefills; p++) {
+        if (s->q_len[p] < 1 || s->q_start[p] < 0 || s->q_start[p] + s->q_len[p] > T || s->ctx_len[p] < s->q_len[p] ||
+            s->ctx_len[p] > s->prefill_max_blocks * m->block_size) return 0;
+        covered += s->q_len[p];
+    }
+    return covered == T;
+}
+
+/* One step of every layer for the T tokens of ``s`` (see the top of the file). Returns 0; -1 for a bad
+ * argument (a layout ld_batch_ok refuses, an odd head_dim, a layer of the wrong shape), checked before
+ * anything is written, or the prefill kernel refusing its shapes (head_dim not a multiple of its vector
+ * width: the layer's KV rows are then written, with the values the torch path writes); -2 when memory
+ * cannot be allocated (here, or inside a product: the KV rows of the layers before may then hold this
+ * step's values). */
+int ld_step(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden, int num_threads, int amx_bf16) {
     const int bf16 = m->bf16;
     const size_t elt = bf16 ? 2 : 4;
     const int64_t Hd = m->hidden, H = m->num_heads, KVH = m->num_kv_heads, D = m->head_dim, I = m->intermediate;
     const int64_t q_size = H * D, kv_size = KVH * D, nqkv = q_size + 2 * kv_size;
-    if (B < 1 || D % 2) return -1;
-    for (int64_t b = 0; b < B; b++)
-        if (positions[b] < 0 || positions[b] >= m->max_position || seq_lens[b] < 1 ||
-            seq_lens[b] > max_blocks * m->block_size) return -1;
+    const int64_t B = s->num_tokens, Bd = s->num_decodes;
+    if (D % 2 || !ld_batch_ok(m, s)) return -1;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const ld_layer* L = &m->layers[l];
         if (ld_linear_out(&L->qkv) != nqkv || ld_linear_out(&L->o) != Hd || ld_linear_out(&L->gate_up) != 2 * I ||
             ld_linear_out(&L->down) != Hd) return -1;
     }
+    /* decode queries gathered into rows of their own (and their outputs scattered back) unless they are
+     * the step's tokens in order */
+    const int gather = s->decode_idx != NULL && Bd > 0;
     const int64_t wide = Hd > q_size ? Hd : q_size;
     char* xn = malloc(elt * (size_t)(B * wide));            /* normed input / attention output */
     char* qkv = malloc(elt * (size_t)(B * nqkv));
@@ -168,8 +220,9 @@ int ld_decode(const ld_model* m, int64_t B, const int64_t* positions, const int6
     char* out = malloc(elt * (size_t)(B * Hd));
     char* gu = malloc(elt * (size_t)(B * 2 * I));
     char* act = malloc(elt * (size_t)(B * I));
+    char* dq = gather ? malloc(elt * (size_t)(2 * Bd * q_size)) : NULL; /* gathered decode queries | outputs */
     int rc = 0;
-    if (!xn || !qkv || !q || !attn || !out || !gu || !act) { rc = -2; goto done; }
+    if (!xn || !qkv || !q || !attn || !out || !gu || !act || (gather && !dq)) { rc = -2; goto done; }
     const ld_kernels* k = &m->kernels;
     for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
         const ld_layer* L = &m->layers[l];
@@ -191,14 +244,31 @@ int ld_decode(const ld_model* m, int64_t B, const int64_t* positions, const int6
         }
         for (int64_t b = 0; b < B; b++) {
             char* qb = q + elt * (size_t)(b * (q_size + kv_size));
-            ld_rope(qb, H + KVH, D, m->cos_sin + positions[b] * D, bf16);
+            ld_rope(qb, H + KVH, D, m->cos_sin + s->positions[b] * D, bf16);
             memcpy(attn + elt * (size_t)(b * q_size), qb, elt * (size_t)q_size); /* rotated q, for attention */
-            const size_t slot = elt * (size_t)(slot_mapping[b] * kv_size);
+            const size_t slot = elt * (size_t)(s->slot_mapping[b] * kv_size);
             memcpy(k_cache + slot, qb + elt * (size_t)q_size, elt * (size_t)kv_size);
             memcpy(v_cache + slot, qkv + elt * (size_t)(b * nqkv + q_size + kv_size), elt * (size_t)kv_size);
         }
-        k->attention(attn, k_cache, v_cache, block_table, seq_lens, xn, (int)B, (int)H, (int)KVH, (int)D,
-                     (int)m->block_size, (int)max_blocks, m->scale, num_threads);
+        /* attention: xn [T, q_size] */
+        if (Bd > 0 && !gather) {
+            k->attention(attn, k_cache, v_cache, s->block_table, s->seq_lens, xn, (int)Bd, (int)H, (int)KVH, (int)D,
+                         (int)m->block_size, (int)s->max_blocks, m->scale, num_threads);
+        } else if (Bd > 0) {
+            char* dout = dq + elt * (size_t)(Bd * q_size);
+            for (int64_t b = 0; b < Bd; b++)
+                memcpy(dq + elt * (size_t)(b * q_size), attn + elt * (size_t)(s->decode_idx[b] * q_size),
+                       elt * (size_t)q_size);
+            k->attention(dq, k_cache, v_cache, s->block_table, s->seq_lens, dout, (int)Bd, (int)H, (int)KVH, (int)D,
+                         (int)m->block_size, (int)s->max_blocks, m->scale, num_threads);
+            for (int64_t b = 0; b < Bd; b++)
+                memcpy(xn + elt * (size_t)(s->decode_idx[b] * q_size), dout + elt * (size_t)(b * q_size),
+                       elt * (size_t)q_size);
+        }
+        if (s->num_prefills > 0 &&
+            k->prefill(attn, k_cache, v_cache, s->prefill_table, (int)s->prefill_max_blocks, s->q_start, s->q_len,
+                       s->ctx_len, (int)s->num_prefills, xn, (int)H, (int)KVH, (int)D, (int)m->block_size, m->scale,
+                       num_threads) != 0) { rc = -1; goto done; }
         if ((rc = ld_linear_run(m, &L->o, xn, B, q_size, out, num_threads, amx_bf16))) break;
         ld_residual(hidden, out, B * Hd, bf16);
         /* MLP block */
@@ -210,6 +280,6 @@ int ld_decode(const ld_model* m, int64_t B, const int64_t* positions, const int6
     }
     if (rc != 0) rc = -2; /* a product refused: only an allocation inside the kernel can fail here */
 done:
-    free(xn); free(qkv); free(q); free(attn); free(out); free(gu); free(act);
+    free(xn); free(qkv); free(q); free(attn); free(out); free(gu); free(act); free(dq);
     return rc;
 }
