@@ -84,6 +84,8 @@ class SamplingMetadata:
         min_tokens_mask: (row ids [M] int64, token ids [M] int64) of stop tokens to mask, or None.
         generators: row index -> generator, for seeded rows that sample randomly.
         max_num_logprobs: max of ``params.logprobs`` over rows; None if no row asks.
+        seeds: row index -> the 64-bit seed of the row's draw (``position_seed``), for the rows in
+            ``generators`` (the C race keys its noise by it; the generators hold the same seed).
     """
 
     temperature: torch.Tensor
@@ -103,6 +105,7 @@ class SamplingMetadata:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     generators: dict[int, torch.Generator]
     max_num_logprobs: int | None
+    seeds: dict[int, int] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -191,11 +194,12 @@ class SamplingMetadata:
         if mask_rows:
             min_tokens_mask = (to_device(mask_rows, torch.int64), to_device(mask_tokens, torch.int64))
 
-        generators = {}
+        generators, seeds = {}, {}
         for i, (row, g) in enumerate(zip(rows, greedy)):
             if row.generator is not None and not g:
                 assert row.seed is not None, "a seeded row needs its seed"
-                row.generator.manual_seed(position_seed(row.seed, len(row.prompt_token_ids) + len(row.output_token_ids)))
+                seeds[i] = position_seed(row.seed, len(row.prompt_token_ids) + len(row.output_token_ids))
+                row.generator.manual_seed(seeds[i])
                 generators[i] = row.generator
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
@@ -216,6 +220,7 @@ class SamplingMetadata:
             min_tokens_mask=min_tokens_mask,
             generators=generators,
             max_num_logprobs=max(asked) if asked else None,
+            seeds=seeds,
         )
 
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.sampling import race_kernel
 from tokenmill.sampling.argmax_kernel import argmax_rows
-from tokenmill.sampling.metadata import SamplingMetadata
+from tokenmill.sampling.metadata import SamplingMetadata, position_seed
 from tokenmill.sampling.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from tokenmill.sampling.top_k_top_p import apply_min_p, apply_top_k_top_p
 
@@ -83,23 +84,30 @@ class Sampler:
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         probs = logits.softmax(dim=-1)  # [B, V]
-        return exponential_race(probs, metadata.generators)
+        return exponential_race(probs, metadata.generators, metadata.seeds)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                     seeds: dict[int, int] | None = None) -> torch.Tensor:
     """Sample one token per row: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d.
 
-    Equivalent to ``multinomial(probs, 1)`` but with no host sync. Rows listed in ``generators``
-    draw their V noise values from their own generator (one loop over seeded rows, never over
-    tokens), so a seeded row's draws do not depend on the rest of the batch; other rows use the
-    global RNG. The winner's margin over the runner-up is of the order of the ratios themselves, so
+    Equivalent to ``multinomial(probs, 1)`` but with no host sync. A seeded row's noise comes from
+    its seed alone, so its draws do not depend on the rest of the batch; other rows' noise comes from
+    the global RNG (``torch.manual_seed`` repeats it). On a CPU with the C kernel (and ``seeds``
+    holding every row of ``generators``), the noise is a counter-based hash of the row's seed and the
+    token index, and the race runs in C (``race_kernel``: [64, 49152] in under 1 ms); unseeded rows then
+    get ``position_seed(base, row)`` with one ``base`` drawn from the global RNG per call. Elsewhere
+    (CUDA, no compiler) rows listed in ``generators`` draw their V noise values from their own
+    generator (one loop over seeded rows, never over tokens) and the race runs in torch, as below.
+    The two paths draw from the same distribution, with different noise. The winner's margin over
+    the runner-up is of the order of the ratios themselves, so
     logits that differ in their last bits (a request resumed by prefilling prompt + output, a verify
     step of speculative decoding) almost never change a seeded draw. An inverse-CDF draw (one uniform
     per row) moves with every change in the cumulative sums below it: tried, it changed a resumed
     stream in tests/test_router_failover.py and 20 of 300 draws in tests/test_sampling.py's
     ``test_a_seeded_draw_survives_small_changes_in_the_logits``, where the race changes none.
 
-    The noise is ``-log1p(-(u + 2^-54))`` of float64 uniforms ``u`` in [0, 1) (multiples of 2^-53:
+    The torch path's noise is ``-log1p(-(u + 2^-54))`` of float64 uniforms ``u`` in [0, 1) (multiples of 2^-53:
     ``u + 2^-54`` is never 0), the logarithm taken in the dtype of ``probs`` and capped at 54 ln 2.
     torch draws uniforms one at a time on a CPU as it does exponentials, but without the logarithm,
     which then runs vectorised and threaded: [64, 49152] took 60 ms with ``exponential_`` and takes
@@ -108,11 +116,17 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     ~0.3% of rows of 49152 tokens); they also tie often near 0, which favours low token ids.
 
     Args:
-        probs: [B, V] f32, rows summing to 1 (filtered tokens exactly 0).
+        probs: [B, V] f32, rows summing to 1 (filtered tokens exactly 0); overwritten by the torch path.
         generators: row index -> generator on ``probs.device``.
+        seeds: row index -> the 64-bit seed its generator holds (``SamplingMetadata.seeds``); None
+            keeps the torch path.
     Returns:
         [B] int64 sampled token ids.
     """
+    if seeds is not None and race_kernel.takes(probs) and all(row in seeds for row in generators):
+        base = int(torch.randint(0, 2**62, ())) if len(seeds) < probs.shape[0] else 0  # the global RNG
+        values = [seeds[row] if row in seeds else position_seed(base, row) for row in range(probs.shape[0])]
+        return race_kernel.race_rows(probs, torch.tensor([v - 2**64 if v >= 2**63 else v for v in values]))
     u = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)  # [B, V]
     if len(generators) < probs.shape[0]:
         u.uniform_()
