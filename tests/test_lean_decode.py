@@ -11,6 +11,7 @@ take (prompt chunks the plan keeps on SDPA, LoRA, quantized KV, deterministic mo
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -255,6 +256,70 @@ def test_prompt_chunks_the_plan_keeps_on_sdpa_take_the_torch_path(smollm2):
         assert_same_bits(*decode_step_both_ways(smollm2, [20, 9], seed=5))
     finally:
         torch_path_on_c_kernels(runner.model)
+
+
+def test_layouts_that_cover_a_token_twice_or_leave_the_pool_are_refused(smollm2):
+    """ld_step refuses (-1, nothing written) a layout where a token is not exactly one decode query or one
+    prompt-chunk token, or a slot or block id outside the KV pool; the layout the runner builds runs."""
+    runner = smollm2.engine.runner
+    lean = runner.model.model.lean_decode
+    num_blocks = runner.kv_caches[0][0].shape[0]
+    table = np.array([[1, 2, 0], [3, 0, 0], [4, 5, 6]], dtype=np.int64)
+    query_lens, computed = np.array([1, 9, 1]), np.array([20, 0, 33])  # decode, a 9-token prompt, decode
+
+    def attempt(mutate) -> tuple[int, bool]:
+        metadata, positions = build_attention_metadata(query_lens, computed, table, runner.block_size)
+        positions = torch.from_numpy(positions)
+        batch, keep = lean_decode.step_batch(metadata, positions, num_blocks, True)
+        positions, slot_mapping, decode_idx, block_table, seq_lens, q_start, q_len, ctx_len, prefill_table = keep
+        mutate(locals())
+        before = runner.kv_cache.clone()
+        hidden = smollm2.engine.runner.model.model.embed_tokens(torch.ones(11, dtype=torch.int64)).contiguous()
+        rc = lean._lib.ld_step(ctypes.byref(lean._desc), ctypes.byref(batch), lean._kv_pointers(runner.kv_caches),
+                               hidden.data_ptr(), 1, 0)
+        return rc, torch.equal(before, runner.kv_cache)
+
+    assert attempt(lambda t: None) == (0, False)  # the runner's layout runs and writes its K/V
+    bad = {
+        "a decode query on a prompt token": lambda t: t["decode_idx"].__setitem__(0, 1),
+        "the same decode query twice": lambda t: t["decode_idx"].__setitem__(1, 0),
+        "a prompt chunk over a decode query": lambda t: t["q_start"].__setitem__(0, 0),
+        "a slot past the pool": lambda t: t["slot_mapping"].__setitem__(3, num_blocks * runner.block_size),
+        "a prompt block past the pool": lambda t: t["prefill_table"].__setitem__((0, 0), num_blocks),
+        "a decode block below 0": lambda t: t["block_table"].__setitem__((1, 2), -1),
+    }
+    for name, mutate in bad.items():
+        assert attempt(mutate) == (-1, True), name
+
+
+def test_greedy_tokens_and_logprobs_are_the_same_with_the_step_on_and_off_under_the_runners_plan():
+    """With the runner's own measured plan (not forced onto the C kernels), chunked prefill beside decoding
+    and prefix-cache hits give the same tokens and logprobs with the lean step on and off: the runner puts
+    the torch path's RMSNorm, SiLU×up and decode attention on the kernels the lean step calls."""
+    llm = LLM(dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory=0.05, max_num_batched_tokens=32)
+    try:
+        lean = llm.engine.runner.model.model.lean_decode
+        assert lean is not None and "RMSNorm C," in llm.engine.runner.kernel_choice
+        shared = "Here is a long shared instruction about answering briefly and politely. " * 3
+        chats = [[{"role": "user", "content": shared + q}] for q in
+                 ("What is 2 + 2?", "Name a colour.", "Say hello.", "What is the capital of Italy?")]
+        chats += [[{"role": "user", "content": q}] for q in ("Count to five.", "Hi!")]
+        params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
+        mixed = lean.mixed_steps
+        got = llm.chat(chats, params)
+        assert lean.mixed_steps > mixed
+        lean.enabled = False
+        try:
+            want = llm.chat(chats, params)
+        finally:
+            lean.enabled = True
+        for g, w in zip(got, want):
+            g, w = g.outputs[0], w.outputs[0]
+            assert g.token_ids == w.token_ids
+            assert [lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)] == \
+                   [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)]
+    finally:
+        llm.close()
 
 
 def test_parameters_moved_by_rl_sleep_and_wake_up_are_found_again(smollm2):

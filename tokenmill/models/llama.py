@@ -155,7 +155,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: forward(input_ids [T], positions [T], ...) -> [T, hidden].
 
-    ``lean_decode`` (set by the CPU runner, ``tokenmill.runner.lean_decode``): runs a decode-only step's
+    ``lean_decode`` (set by the CPU runner, ``tokenmill.runner.lean_decode``): runs a decode or mixed step's
     layers in one C call, or returns None and the layers below run; None (the default) costs nothing.
     """
 

@@ -59,7 +59,8 @@ class _Batch(ctypes.Structure):
                 ("num_decodes", ctypes.c_int64), ("decode_idx", ctypes.c_void_p), ("block_table", ctypes.c_void_p),
                 ("max_blocks", ctypes.c_int64), ("seq_lens", ctypes.c_void_p), ("num_prefills", ctypes.c_int64),
                 ("q_start", ctypes.c_void_p), ("q_len", ctypes.c_void_p), ("ctx_len", ctypes.c_void_p),
-                ("prefill_table", ctypes.c_void_p), ("prefill_max_blocks", ctypes.c_int64)]
+                ("prefill_table", ctypes.c_void_p), ("prefill_max_blocks", ctypes.c_int64),
+                ("num_blocks", ctypes.c_int64)]
 
 
 class _Model(ctypes.Structure):
@@ -171,6 +172,31 @@ class ThreadChoice:
         self.countdown -= 1
 
 
+def step_batch(metadata, positions: torch.Tensor, num_blocks: int, mixed: bool) -> tuple[_Batch, tuple]:
+    """The ld_batch of a step (``metadata``: its AttentionMetadata; ``positions`` [T] int64; ``num_blocks``: the
+    KV pool's blocks per layer; ``mixed``: it has prompt chunks) and the tensors it points into, which the
+    caller keeps alive over the C call."""
+    num_tokens = positions.shape[0]
+    positions, slot_mapping = positions.contiguous(), metadata.slot_mapping.contiguous()
+    if mixed or metadata.query_start_loc.shape[0] != num_tokens + 1:
+        # decode queries through decode_* (gathered in C), prompt chunks through prefill_tables
+        tables = (metadata.decode_token_idx.contiguous(), metadata.decode_block_table.contiguous(),
+                  metadata.decode_seq_lens.contiguous(), *metadata.prefill_tables)
+        decode_idx, block_table, seq_lens, q_start, q_len, ctx_len, prefill_table = tables
+        batch = _Batch(num_decodes=decode_idx.shape[0], decode_idx=decode_idx.data_ptr(),
+                       num_prefills=q_start.shape[0], q_start=q_start.data_ptr(), q_len=q_len.data_ptr(),
+                       ctx_len=ctx_len.data_ptr(), prefill_table=prefill_table.data_ptr(),
+                       prefill_max_blocks=prefill_table.shape[1])
+    else:  # decode-only: query b is token b
+        tables = (metadata.block_table.contiguous(), metadata.seq_lens.contiguous())
+        block_table, seq_lens = tables
+        batch = _Batch(num_decodes=num_tokens)
+    batch.num_tokens, batch.positions, batch.slot_mapping = num_tokens, positions.data_ptr(), slot_mapping.data_ptr()
+    batch.num_blocks = num_blocks
+    batch.block_table, batch.max_blocks, batch.seq_lens = block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr()
+    return batch, (positions, slot_mapping, *tables)
+
+
 class LeanDecode:
     """A LlamaModel's decode-only and mixed steps in one C call; built by ``install_lean_decode``.
 
@@ -247,23 +273,7 @@ class LeanDecode:
         if ptrs is None:
             return None
         hidden = model.embed_tokens(input_ids).contiguous()  # (T, hidden), overwritten by the C call
-        positions = positions.contiguous()
-        slot_mapping = metadata.slot_mapping.contiguous()
-        if mixed or metadata.query_start_loc.shape[0] != num_tokens + 1:
-            # decode queries through decode_* (gathered in C), prompt chunks through prefill_tables
-            keep = (metadata.decode_token_idx.contiguous(), metadata.decode_block_table.contiguous(),
-                    metadata.decode_seq_lens.contiguous(), *metadata.prefill_tables)
-            decode_idx, block_table, seq_lens, q_start, q_len, ctx_len, prefill_table = keep
-            batch = _Batch(num_decodes=decode_idx.shape[0], decode_idx=decode_idx.data_ptr(),
-                           num_prefills=q_start.shape[0], q_start=q_start.data_ptr(), q_len=q_len.data_ptr(),
-                           ctx_len=ctx_len.data_ptr(), prefill_table=prefill_table.data_ptr(),
-                           prefill_max_blocks=prefill_table.shape[1])
-        else:  # decode-only: query b is token b
-            keep = (metadata.block_table.contiguous(), metadata.seq_lens.contiguous())
-            block_table, seq_lens = keep
-            batch = _Batch(num_decodes=num_tokens)
-        batch.num_tokens, batch.positions, batch.slot_mapping = num_tokens, positions.data_ptr(), slot_mapping.data_ptr()
-        batch.block_table, batch.max_blocks, batch.seq_lens = block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr()
+        batch, keep = step_batch(metadata, positions, kv_caches[0][0].shape[0], mixed)  # keep: alive over the call
         pool = torch.get_num_threads()
         choice = None
         if self.threads is None and num_tokens <= MAX_ADAPTIVE_ROWS and not mixed:
@@ -312,7 +322,7 @@ def _weights_key(layers) -> tuple[int, int]:
 
 
 def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | None = None) -> str | None:
-    """Give ``model`` (a ``LlamaForCausalLM`` or subclass) a ``LeanDecode`` for its decode-only steps.
+    """Give ``model`` (a ``LlamaForCausalLM`` or subclass) a ``LeanDecode`` for its decode and mixed steps.
 
     ``isa``: run the step on the kernels built for that path (tests; default: this process's builds, which
     the torch path's layers call). Returns None when installed, else why not (a dense or oddly fused layer,

@@ -133,12 +133,19 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / GIB, self.bytes_per_token, self.kv_dtype,
         )
         if (self.kernel_plan is not None and self.kernel_plan.isa is not None and lora_manager is None
-                and self.kv_dtype == loaded.dtype):  # decode-only steps in one C call (runner/lean_decode.py)
+                and self.kv_dtype == loaded.dtype):  # decode and mixed steps in one C call (runner/lean_decode.py)
+            from tokenmill.runner.cpu_kernels import ROW_LADDER, apply_plan
             from tokenmill.runner.lean_decode import install_lean_decode
 
             why_not = install_lean_decode(self.model, loaded.dtype, block_size)
             if why_not is None:
-                self.kernel_choice += ", lean decode step"
+                # The torch path (steps the lean step refuses) on the kernels the lean step calls at every row
+                # count: which of the two runs a step never changes its bits.
+                every = (True,) * len(ROW_LADDER)
+                self.kernel_plan = dataclasses.replace(self.kernel_plan, rms_norm=every, silu_and_mul=every,
+                                                       paged_decode=True)
+                apply_plan(self.model, self.kernel_plan, getattr(self.model, "lm_head", None))
+                self.kernel_choice = self.kernel_plan.describe() + ", lean decode step"
             logger.info("lean decode step: %s", why_not or "on")
         self.sampler = Sampler(self.vocab_size)
         self.verify_as_decode_rows = True  # verify steps of decoding requests as decode rows (spec_decode.verify_rows)

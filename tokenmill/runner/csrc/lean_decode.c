@@ -103,6 +103,7 @@ typedef struct {
     const int64_t* ctx_len;             /* [P] its keys after this step (cached prefix + the chunk) */
     const int64_t* prefill_table;       /* [P, prefill_max_blocks] the spans' block ids */
     int64_t prefill_max_blocks;
+    int64_t num_blocks;                 /* blocks in each layer's K/V cache: every id used is below it */
 } ld_batch;
 
 /* A float as the model dtype holds it (bf16: round to nearest even; float32: unchanged). */
@@ -169,26 +170,44 @@ static void ld_residual(void* h, const void* y, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; i++) ld_store(h, i, ld_load(y, i, bf16) + ld_load(h, i, bf16), bf16);
 }
 
-/* Whether a step's layout is one ld_step takes: positions inside the RoPE cache, decode queries within
- * their block tables, spans inside the step and their tables, and Bd + sum(q_len) == T. */
+/* Whether block ids [0, used) of a table row are inside the pool. */
+static int ld_blocks_ok(const int64_t* row, int64_t used, int64_t num_blocks) {
+    for (int64_t i = 0; i < used; i++)
+        if (row[i] < 0 || row[i] >= num_blocks) return 0;
+    return 1;
+}
+
+/* Whether a step's layout is one ld_step takes: positions inside the RoPE cache, slots and the block ids
+ * the step reads inside the pool, decode queries within their block tables, spans inside the step and
+ * their tables, and every token a decode query or in a span exactly once. */
 static int ld_batch_ok(const ld_model* m, const ld_batch* s) {
-    const int64_t T = s->num_tokens;
-    if (T < 1 || s->num_decodes < 0 || s->num_prefills < 0) return 0;
+    const int64_t T = s->num_tokens, bs = m->block_size;
+    if (T < 1 || s->num_decodes < 0 || s->num_prefills < 0 || s->num_blocks < 1) return 0;
     for (int64_t t = 0; t < T; t++)
-        if (s->positions[t] < 0 || s->positions[t] >= m->max_position) return 0;
+        if (s->positions[t] < 0 || s->positions[t] >= m->max_position || s->slot_mapping[t] < 0 ||
+            s->slot_mapping[t] >= s->num_blocks * bs) return 0;
     if (s->decode_idx == NULL && s->num_decodes != T && s->num_decodes != 0) return 0;
-    int64_t covered = s->num_decodes;
-    for (int64_t b = 0; b < s->num_decodes; b++) {
-        if (s->seq_lens[b] < 1 || s->seq_lens[b] > s->max_blocks * m->block_size) return 0;
-        if (s->decode_idx && (s->decode_idx[b] < 0 || s->decode_idx[b] >= T)) return 0;
-    }
     if (s->num_prefills && !m->kernels.prefill) return 0;
+    for (int64_t b = 0; b < s->num_decodes; b++) {
+        if (s->seq_lens[b] < 1 || s->seq_lens[b] > s->max_blocks * bs) return 0;
+        if (s->decode_idx && (s->decode_idx[b] < 0 || s->decode_idx[b] >= T)) return 0;
+        if (!ld_blocks_ok(s->block_table + b * s->max_blocks, (s->seq_lens[b] + bs - 1) / bs, s->num_blocks)) return 0;
+    }
     for (int64_t p = 0; p < s->num_prefills; p++) {
         if (s->q_len[p] < 1 || s->q_start[p] < 0 || s->q_start[p] + s->q_len[p] > T || s->ctx_len[p] < s->q_len[p] ||
-            s->ctx_len[p] > s->prefill_max_blocks * m->block_size) return 0;
-        covered += s->q_len[p];
+            s->ctx_len[p] > s->prefill_max_blocks * bs) return 0;
+        if (!ld_blocks_ok(s->prefill_table + p * s->prefill_max_blocks, (s->ctx_len[p] + bs - 1) / bs, s->num_blocks))
+            return 0;
     }
-    return covered == T;
+    if (s->decode_idx == NULL && s->num_prefills == 0) return 1; /* decode-only: query b is token b */
+    unsigned char* seen = calloc((size_t)T, 1);
+    int ok = seen != NULL;
+    for (int64_t b = 0; ok && b < s->num_decodes; b++) ok = seen[s->decode_idx ? s->decode_idx[b] : b]++ == 0;
+    for (int64_t p = 0; ok && p < s->num_prefills; p++)
+        for (int64_t t = s->q_start[p]; ok && t < s->q_start[p] + s->q_len[p]; t++) ok = seen[t]++ == 0;
+    for (int64_t t = 0; ok && t < T; t++) ok = seen[t] == 1;
+    free(seen);
+    return ok;
 }
 
 /* One step of every layer for the T tokens of ``s`` (see the top of the file). Returns 0; -1 for a bad
