@@ -87,7 +87,7 @@ def test_greedy_sampler_tokens_are_torch_argmax():
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
     logits[2, [10, 900]] = 50.0  # a tie: the first wins
     rows = [SamplingRow(params=SamplingParams(temperature=0.0).with_defaults({}), prompt_token_ids=[1], output_token_ids=[],
-                        generator=None, seed=None, stop_token_ids=set(), min_tokens_exempt=False)
+                        seed=None, stop_token_ids=set(), min_tokens_exempt=False)
             for _ in range(5)]
     expected = logits.argmax(dim=-1)
     out = Sampler(vocab)(logits.clone(), SamplingMetadata.build(rows, vocab, device=torch.device("cpu")))

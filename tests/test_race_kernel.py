@@ -12,7 +12,7 @@ from tests.test_cpu_isa_paths import build_for_isa
 from tokenmill import csrc_build
 from tokenmill.sampling import race_kernel
 from tokenmill.sampling.metadata import position_seed
-from tokenmill.sampling.sampler import exponential_race
+from tokenmill.sampling.sampler import exponential_race, race_noise_torch
 
 pytestmark = pytest.mark.skipif(csrc_build.kernels_disabled() or csrc_build.c_compiler() is None,
                                 reason="no C compiler, or TOKENMILL_DISABLE_CPU_KERNELS=1")
@@ -107,21 +107,26 @@ def test_draws_follow_the_probabilities():
     assert 30 <= others <= 95, others
 
 
-def test_the_sampler_races_in_c_with_the_rows_seeds():
+def test_the_sampler_races_in_c_with_the_rows_seeds_and_torch_draws_the_same_noise():
     """exponential_race on a CPU takes the kernel: a seeded row draws race_rows under its position seed, an
-    unseeded batch under seeds from the global RNG (torch.manual_seed repeats it)."""
+    unseeded batch under seeds from the global RNG (torch.manual_seed repeats it). Without the kernel (CUDA,
+    no compiler) race_noise_torch computes the same noise, so a seeded request draws the same tokens on
+    workers of either kind (the router resumes streams across workers)."""
     g = torch.Generator().manual_seed(2)
     probs = (torch.randn(3, 5000, generator=g) * 4).softmax(-1)
     seeds = {1: position_seed(99, 17)}
-    generators = {1: torch.Generator().manual_seed(seeds[1])}
-    got = exponential_race(probs.clone(), generators, seeds)
+    got = exponential_race(probs.clone(), seeds)
     noise = race_kernel.race_noise(seeds[1], 5000)
     assert int(got[1]) == int((probs[1] / noise).argmax())
     torch.manual_seed(5)
-    first = exponential_race(probs.clone(), {}, {})
+    first = exponential_race(probs.clone(), {})
     torch.manual_seed(5)
-    assert torch.equal(exponential_race(probs.clone(), {}, {}), first)
-    # without seeds (or a generator whose seed is unknown) the torch path runs: it overwrites probs
-    copy = probs.clone()
-    exponential_race(copy, {}, None)
-    assert not torch.equal(copy, probs)
+    assert torch.equal(exponential_race(probs.clone(), {}), first)
+
+    row_seeds = [position_seed(7, k) for k in range(40)] + [0, 2**32, 2**64 - 1]
+    signed_seeds = torch.tensor([signed(s) for s in row_seeds])
+    by_torch = race_noise_torch(signed_seeds, 3000, torch.device("cpu"))
+    by_c = torch.stack([race_kernel.race_noise(s, 3000) for s in row_seeds])
+    assert torch.equal(by_torch, by_c)
+    rows = (torch.randn(len(row_seeds), 3000, generator=g) * 3).softmax(-1)
+    assert torch.equal(race_kernel.race_rows(rows, signed_seeds), (rows / by_torch).argmax(dim=-1))

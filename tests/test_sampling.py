@@ -27,12 +27,10 @@ def make_row(
     stop: set[int] | None = None,
     **kwargs,
 ) -> SamplingRow:
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return SamplingRow(
         params=resolved(**kwargs),
         prompt_token_ids=prompt or [],
         output_token_ids=output or [],
-        generator=generator,
         seed=seed,
         stop_token_ids=stop or set(),
     )
@@ -65,7 +63,7 @@ def test_unused_features_leave_metadata_fields_none():
     assert metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
     assert metadata.repetition_penalties is None and metadata.output_token_ids is None
     assert metadata.logit_bias is None and metadata.min_tokens_mask is None
-    assert metadata.max_num_logprobs is None and metadata.generators == {}
+    assert metadata.max_num_logprobs is None and metadata.seeds == {}
     used = SamplingMetadata.build([make_row(top_k=3, top_p=0.5, min_p=0.1, logprobs=2), make_row(logprobs=4)], 50)
     assert used.top_k.tolist() == [3, 50] and used.max_top_k == 3
     assert used.top_p.tolist() == [0.5, 1.0] and used.max_num_logprobs == 4
@@ -166,11 +164,10 @@ def test_a_token_of_negligible_probability_is_never_drawn():
         assert sample(rows, logits).sampled_token_ids.tolist() == [7] * 50, batch
 
 
-def test_greedy_seeded_row_does_not_advance_its_generator():
-    row = make_row(seed=3, temperature=0.0)
-    state = row.generator.get_state().clone()
-    sample([row, make_row(temperature=1.0)], torch.randn(2, 32))
-    assert torch.equal(row.generator.get_state(), state)
+def test_greedy_seeded_row_draws_nothing_and_seeded_rows_key_by_position():
+    rows = [make_row(seed=3, temperature=0.0), make_row(temperature=1.0), make_row(seed=3, temperature=1.0, output=[5])]
+    metadata = SamplingMetadata.build(rows, 32)
+    assert metadata.seeds == {2: position_seed(3, 1)}  # the greedy row has no seed to draw with
 
 
 # ---------------------------------------------------------------- filtering

@@ -45,8 +45,8 @@ class Request:
     ``all_token_ids`` = prompt + output. ``num_computed_tokens`` counts tokens whose K/V is in the
     cache; the scheduler schedules ``num_tokens - num_computed_tokens`` more (a prefill chunk, or
     the last sampled token during decode). ``max_tokens`` is already resolved (never None).
-    ``generator`` is a torch.Generator owned by the sampler (None = global RNG), re-seeded from ``seed``
-    (``params.seed`` + the sequence's index among ``n``) and the position before every draw.
+    ``seed`` (``params.seed`` + the sequence's index among ``n``; None = the global RNG) and the position
+    key the noise of every draw (``sampling.metadata.position_seed``).
     ``grammar`` is the structured-output matcher (``tokenmill.structured_output.Matcher``) of a
     constrained request, advanced on each accepted token; None when unconstrained.
     ``lora_request`` is the adapter the request runs with (None: the base model); ``lora_digest`` the
@@ -64,7 +64,6 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
-        generator: object | None = None,
         seed: int | None = None,
         grammar: object | None = None,
         lora_request: LoRARequest | None = None,
@@ -78,7 +77,6 @@ class Request:
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
-        self.generator = generator
         self.seed = seed
         self.grammar = grammar
         self.lora_request = lora_request

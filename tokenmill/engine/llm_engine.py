@@ -268,14 +268,12 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            generator, seed = None, None
-            if params.seed is not None:  # re-seeded by position before each draw (sampling/metadata.py)
-                seed = (params.seed + i) % 2**64
-                generator = torch.Generator(device=self.runner.device)
+            # each draw keyed by seed and position (sampling/metadata.py)
+            seed = None if params.seed is None else (params.seed + i) % 2**64
             grammar = None if constraint is None else self.structured_output_manager.new_matcher(constraint)
             children.append(
                 Request(child_id, token_ids, params, self.loaded.eos_token_ids, max_tokens,
-                        arrival_time=arrival_time, cache_salt=cache_salt, generator=generator, seed=seed, grammar=grammar,
+                        arrival_time=arrival_time, cache_salt=cache_salt, seed=seed, grammar=grammar,
                         lora_request=lora_request, lora_digest=lora_digest, kv_transfer_params=kv_transfer_params)
             )
         self.output_processor.add_request(request_id, text, children)

@@ -317,14 +317,10 @@ class ModelRunner:
         for j, i in enumerate(row_req):
             request = requests[i]
             prefix = draft_prefixes[j] if draft_prefixes is not None else []
-            generator = request.generator
-            if prefix and generator is not None:  # its own generator: it is seeded for its own position
-                generator = torch.Generator(device=self.device)
             rows.append(SamplingRow(
                 params=request.sampling_params,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids + prefix if prefix else request.output_token_ids,
-                generator=generator,
                 seed=request.seed,
                 stop_token_ids=request.eos_token_ids | set(request.sampling_params.stop_token_ids or ()),
                 min_tokens_exempt=j in exempt,

@@ -41,10 +41,9 @@ class SamplingRow:
         params: the request's SamplingParams, already resolved with ``with_defaults``.
         prompt_token_ids: the prompt, used by the repetition penalty.
         output_token_ids: tokens generated so far (before this step).
-        generator: set iff the request has a seed; it lives on the logits' device. Before a
-            non-greedy row draws, it is re-seeded with ``position_seed(seed, position)`` where
-            position = len(prompt) + len(output) (greedy rows draw nothing).
-        seed: the sequence's seed (``params.seed + child index``); set with ``generator``.
+        seed: the sequence's seed (``params.seed + child index``), or None. A non-greedy seeded row
+            draws with ``position_seed(seed, position)`` where position = len(prompt) + len(output)
+            (greedy rows draw nothing).
         stop_token_ids: EOS ids plus ``params.stop_token_ids``; masked to ``-inf`` while
             ``len(output_token_ids) < params.min_tokens``.
         min_tokens_exempt: the row's output constraint allows only end-of-sequence tokens now, so
@@ -54,7 +53,6 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None = None
     seed: int | None = None
     stop_token_ids: set[int] = field(default_factory=set)
     min_tokens_exempt: bool = False
@@ -82,10 +80,9 @@ class SamplingMetadata:
         output_token_ids: [B, max_output_len] int64 padded with V; only when a penalty is used.
         logit_bias: (row ids [N] int64, token ids [N] int64, biases [N] f32), or None.
         min_tokens_mask: (row ids [M] int64, token ids [M] int64) of stop tokens to mask, or None.
-        generators: row index -> generator, for seeded rows that sample randomly.
         max_num_logprobs: max of ``params.logprobs`` over rows; None if no row asks.
-        seeds: row index -> the 64-bit seed of the row's draw (``position_seed``), for the rows in
-            ``generators`` (the C race keys its noise by it; the generators hold the same seed).
+        seeds: row index -> the 64-bit seed of the row's draw (``position_seed``), for seeded rows that
+            sample randomly (the race keys its noise by it).
     """
 
     temperature: torch.Tensor
@@ -103,7 +100,6 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
-    generators: dict[int, torch.Generator]
     max_num_logprobs: int | None
     seeds: dict[int, int] = field(default_factory=dict)
 
@@ -194,13 +190,8 @@ class SamplingMetadata:
         if mask_rows:
             min_tokens_mask = (to_device(mask_rows, torch.int64), to_device(mask_tokens, torch.int64))
 
-        generators, seeds = {}, {}
-        for i, (row, g) in enumerate(zip(rows, greedy)):
-            if row.generator is not None and not g:
-                assert row.seed is not None, "a seeded row needs its seed"
-                seeds[i] = position_seed(row.seed, len(row.prompt_token_ids) + len(row.output_token_ids))
-                row.generator.manual_seed(seeds[i])
-                generators[i] = row.generator
+        seeds = {i: position_seed(row.seed, len(row.prompt_token_ids) + len(row.output_token_ids))
+                 for i, (row, g) in enumerate(zip(rows, greedy)) if row.seed is not None and not g}
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=to_device([p.temperature for p in params], torch.float32),
@@ -218,7 +209,6 @@ class SamplingMetadata:
             output_token_ids=output_ids,
             logit_bias=logit_bias,
             min_tokens_mask=min_tokens_mask,
-            generators=generators,
             max_num_logprobs=max(asked) if asked else None,
             seeds=seeds,
         )

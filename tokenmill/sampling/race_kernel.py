@@ -4,7 +4,8 @@
 counter-based hash of the row's 64-bit seed and the token index: a draw from the row's distribution that
 depends on the seed and the probabilities only. torch's CPU path draws its uniforms one at a time and
 then runs three elementwise passes over a float64 buffer (~20 ms at [64, 49152] on 2 Zen 4 threads);
-this kernel takes under a millisecond, computing a logarithm only for the tokens that can still win.
+this kernel takes about a millisecond, computing a logarithm only for the tokens that can still win.
+``sampler.race_noise_torch`` computes the same noise with tensor ops (CUDA, no compiler).
 Built on first use like the other CPU kernels; ``available()`` is False without a C compiler (or with
 TOKENMILL_DISABLE_CPU_KERNELS=1), and the sampler then races on torch's uniforms.
 """
@@ -37,8 +38,8 @@ available = library.available
 def takes(probs: torch.Tensor) -> bool:
     """Whether ``race_rows`` runs ``probs`` in C: [B, V] float32 on CPU, rows contiguous, 0 < V < 2^31."""
     return (probs.dim() == 2 and probs.dtype == torch.float32 and probs.device.type == "cpu"
-            and probs.stride(1) == 1 and 0 < probs.shape[1] < 2**31 and probs.shape[0] > 0
-            and library.built() is not None)
+            and probs.stride(1) == 1 and probs.stride(0) >= probs.shape[1] and 0 < probs.shape[1] < 2**31
+            and probs.shape[0] > 0 and library.built() is not None)
 
 
 def race_rows(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
@@ -58,6 +59,10 @@ def race_rows(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     lib = library.built()
     if lib is None:
         raise RuntimeError("the C race kernel is unavailable")
+    if not (probs.dim() == 2 and probs.dtype == torch.float32 and probs.device.type == "cpu"
+            and probs.stride(1) == 1 and probs.stride(0) >= 0):
+        raise ValueError(f"race_rows: takes [B, V] float32 CPU rows with contiguous columns, got {probs.dtype} "
+                         f"{tuple(probs.shape)} on {probs.device} with strides {probs.stride()}")
     return _race_rows(lib, probs, seeds)
 
 

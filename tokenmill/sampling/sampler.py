@@ -7,7 +7,6 @@ check for a nucleus larger than its candidates, top_k_top_p.py).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -84,60 +83,70 @@ class Sampler:
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         probs = logits.softmax(dim=-1)  # [B, V]
-        return exponential_race(probs, metadata.generators, metadata.seeds)
+        return exponential_race(probs, metadata.seeds)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
-                     seeds: dict[int, int] | None = None) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
     """Sample one token per row: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d.
 
-    Equivalent to ``multinomial(probs, 1)`` but with no host sync. A seeded row's noise comes from
-    its seed alone, so its draws do not depend on the rest of the batch; other rows' noise comes from
-    the global RNG (``torch.manual_seed`` repeats it). On a CPU with the C kernel (and ``seeds``
-    holding every row of ``generators``), the noise is a counter-based hash of the row's seed and the
-    token index, and the race runs in C (``race_kernel``: [64, 49152] in under 1 ms); unseeded rows then
-    get ``position_seed(base, row)`` with one ``base`` drawn from the global RNG per call. Elsewhere
-    (CUDA, no compiler) rows listed in ``generators`` draw their V noise values from their own
-    generator (one loop over seeded rows, never over tokens) and the race runs in torch, as below.
-    The two paths draw from the same distribution, with different noise. The winner's margin over
-    the runner-up is of the order of the ratios themselves, so
-    logits that differ in their last bits (a request resumed by prefilling prompt + output, a verify
-    step of speculative decoding) almost never change a seeded draw. An inverse-CDF draw (one uniform
-    per row) moves with every change in the cumulative sums below it: tried, it changed a resumed
-    stream in tests/test_router_failover.py and 20 of 300 draws in tests/test_sampling.py's
-    ``test_a_seeded_draw_survives_small_changes_in_the_logits``, where the race changes none.
+    Equivalent to ``multinomial(probs, 1)`` but with no host sync. The noise is a counter-based hash of
+    the row's 64-bit seed and the token index (``race_kernel``): a seeded row uses ``seeds[row]``
+    (``position_seed`` of its seed and position), so its draws depend on the seed, the position and the
+    probabilities only, never on the rest of the batch; other rows use ``position_seed(base, row)`` with
+    one ``base`` drawn from the global RNG per call (``torch.manual_seed`` repeats them). On a CPU with
+    the C kernel the race runs in C, taking a logarithm only for tokens that can still win ([64, 49152]:
+    ~1 ms on 2 threads, against ~20 ms for torch's float64 uniforms); elsewhere (CUDA, no compiler)
+    ``race_noise_torch`` computes the same noise with tensor ops. So CPU workers with and without the
+    kernel, and GPU workers, draw the same tokens for a seeded request (a stream the router resumes
+    elsewhere continues as it would have), up to the last bit of a double-precision logarithm.
 
-    The torch path's noise is ``-log1p(-(u + 2^-54))`` of float64 uniforms ``u`` in [0, 1) (multiples of 2^-53:
-    ``u + 2^-54`` is never 0), the logarithm taken in the dtype of ``probs`` and capped at 54 ln 2.
-    torch draws uniforms one at a time on a CPU as it does exponentials, but without the logarithm,
-    which then runs vectorised and threaded: [64, 49152] took 60 ms with ``exponential_`` and takes
-    ~20 ms. Float32 uniforms were faster (11 ms) but are multiples of 2^-24: u = 0 came up once in
-    2^24 draws, and its noise of 0 made that token win whatever its probability (a wrong token in
-    ~0.3% of rows of 49152 tokens); they also tie often near 0, which favours low token ids.
+    The winner's margin over the runner-up is of the order of the ratios themselves, so logits that
+    differ in their last bits (a request resumed by prefilling prompt + output, a verify step of
+    speculative decoding) almost never change a seeded draw. An inverse-CDF draw (one uniform per row)
+    moves with every change in the cumulative sums below it: tried, it changed a resumed stream in
+    tests/test_router_failover.py and 20 of 300 draws in tests/test_sampling.py's
+    ``test_a_seeded_draw_survives_small_changes_in_the_logits``, where the race changes none. Uniforms
+    that can be 0 must be avoided: float32 uniforms in [0, 1) gave a noise of 0 once in 2^24 tokens,
+    and that token won whatever its probability (~0.3% of rows of 49152 tokens); the hash's uniforms
+    lie in [2^-32, 1 - 2^-24].
 
     Args:
-        probs: [B, V] f32, rows summing to 1 (filtered tokens exactly 0); overwritten by the torch path.
-        generators: row index -> generator on ``probs.device``.
-        seeds: row index -> the 64-bit seed its generator holds (``SamplingMetadata.seeds``); None
-            keeps the torch path.
+        probs: [B, V] f32, rows summing to 1 (filtered tokens exactly 0); overwritten off the C path.
+        seeds: row index -> the 64-bit seed of a seeded row's draw (``SamplingMetadata.seeds``).
     Returns:
         [B] int64 sampled token ids.
     """
-    if seeds is not None and race_kernel.takes(probs) and all(row in seeds for row in generators):
-        base = int(torch.randint(0, 2**62, ())) if len(seeds) < probs.shape[0] else 0  # the global RNG
-        values = [seeds[row] if row in seeds else position_seed(base, row) for row in range(probs.shape[0])]
-        return race_kernel.race_rows(probs, torch.tensor([v - 2**64 if v >= 2**63 else v for v in values]))
-    u = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)  # [B, V]
-    if len(generators) < probs.shape[0]:
-        u.uniform_()
-    for row, generator in generators.items():
-        u[row].uniform_(generator=generator)
-    # Exp(1) = -log(1 - u), u moved off 0: > 0 (so 0 / noise is 0 for a filtered token, never nan),
-    # and finite (capped where u rounds to 1). The float32 copy of u keeps its relative precision
-    # near 0, where small noise decides the race; near 1 it rounds to a 2^-24 grid, which coarsens
-    # only large noise (a token with noise above ~10, probability e^-10, almost never wins).
-    noise = u.add_(2.0**-54).to(probs.dtype).neg_().log1p_().neg_().clamp_(max=54 * math.log(2))
-    return argmax_rows(probs.div_(noise))
+    batch = probs.shape[0]
+    base = int(torch.randint(0, 2**62, ())) if len(seeds) < batch else 0  # the global RNG
+    values = [seeds[row] if row in seeds else position_seed(base, row) for row in range(batch)]
+    row_seeds = torch.tensor([v - 2**64 if v >= 2**63 else v for v in values], dtype=torch.int64)  # [B]
+    if race_kernel.takes(probs):
+        return race_kernel.race_rows(probs, row_seeds)
+    return argmax_rows(probs.div_(race_noise_torch(row_seeds, probs.shape[1], probs.device)))
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """race.c's mix32 (Wellons' lowbias32) on int64 tensors holding 32-bit values (products wrap; masked)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def race_noise_torch(seeds: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """The race's Exp(1) noise [B, vocab] float32 for rows seeded ``seeds`` ([B] int64, two's complement),
+    with tensor ops on ``device``: race.c's hash, uniform and ``(float)-log1p(-(double)w)``, value for
+    value (the logarithm up to its last double bit)."""
+    s = seeds.to(device=device, dtype=torch.int64)
+    k1, k2 = (s & _M32).unsqueeze(1), ((s >> 32) & _M32).unsqueeze(1)  # [B, 1]
+    index = torch.arange(vocab, device=device, dtype=torch.int64)  # [V]
+    h = _mix32(_mix32((index * 0x9E3779B9 + k1) & _M32) ^ k2)  # [B, V], 32-bit values
+    w = ((h >> 1).to(torch.float32) * 2.0**-31 + 2.0**-32).clamp_(max=1.0 - 2.0**-24)
+    return w.double().neg_().log1p_().neg_().float()
 
 
 def gather_logprobs(all_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> SamplerOutput:

@@ -14,13 +14,19 @@
  * Only the tokens that can still win take a logarithm: -log(1 - w) >= w, so probs / E <= probs / w,
  * and a token with probs <= best * w cannot beat the best score so far. A block of 256 tokens first
  * computes its uniforms and that bound (a loop the compiler vectorises for each ISA path), and only
- * flagged tokens compute the exact score p / E, with E in float32 as torch's log1p would give it. On a
+ * flagged tokens compute the exact score p / E, E = -log1p(-w) in double rounded to float32 (what the torch
+ * fallback, sampler.race_noise_torch, computes from the same hash: the two paths draw the same tokens). On a
  * [64, 49152] step this replaces torch's drawing of 3 M float64 uniforms (one at a time), a float64
  * buffer and three elementwise passes.
  *
  * Ties go to the first index (torch.argmax's rule); a row holding a NaN gives its first NaN's index
- * (torch.argmax ranks NaN above every number); tokens of probability 0 never win unless all are 0.
- * Rows run in parallel (OpenMP).
+ * (torch.argmax ranks NaN above every number); tokens of probability 0 never win unless all are 0 (then
+ * token 0; rows are probabilities: no negative values). Seeds must already be mixed (position_seed's
+ * SplitMix64 output): two raw seeds whose low halves differ by a multiple of 0x9E3779B9 give shifted
+ * copies of one noise. The smallest noise is 2^-32, so a token below ~2^-33 of the leader's probability
+ * is almost never drawn (total variation at most ~V 2^-33; torch's float64 uniforms reached ~1e-16).
+ * Pruning stops where best * w could be subnormal (best < 2^-94), whose rounding the margin does not
+ * cover. Rows run in parallel (OpenMP).
  */
 #include <math.h>
 #include <stdint.h>
@@ -53,9 +59,10 @@ static inline float race_uniform(uint32_t k1, uint32_t k2, uint32_t i) {
 }
 
 /* noise[i] = the E of token i < n under ``seed`` (what race_row compares against; tests). */
+static inline float race_exp(float w) { return (float)-log1p(-(double)w); }
+
 void race_noise(uint64_t seed, int64_t n, float* noise) {
-    for (int64_t i = 0; i < n; i++)
-        noise[i] = -log1pf(-race_uniform((uint32_t)seed, (uint32_t)(seed >> 32), (uint32_t)i));
+    for (int64_t i = 0; i < n; i++) noise[i] = race_exp(race_uniform((uint32_t)seed, (uint32_t)(seed >> 32), (uint32_t)i));
 }
 
 static int64_t race_row(const float* p, int64_t n, uint64_t seed) {
@@ -68,7 +75,7 @@ static int64_t race_row(const float* p, int64_t n, uint64_t seed) {
     for (int64_t i0 = 0; i0 < n; i0 += RACE_BLOCK) {
         const int m = n - i0 < RACE_BLOCK ? (int)(n - i0) : RACE_BLOCK;
         const float* pb = p + i0;
-        const float thr = best * margin;
+        const float thr = best >= 0x1p-94f ? best * margin : 0.0f;
         int any = 0;
         for (int j = 0; j < m; j++) {
             w[j] = race_uniform(k1, k2, (uint32_t)(i0 + j));
@@ -77,9 +84,9 @@ static int64_t race_row(const float* p, int64_t n, uint64_t seed) {
         if (!any) continue;
         for (int j = 0; j < m; j++) {
             const float v = pb[j];
-            if (v <= best * margin * w[j]) continue;
+            if (v <= (best >= 0x1p-94f ? best * margin : 0.0f) * w[j]) continue;
             if (isnan(v)) return i0 + j; /* the row's first NaN: earlier blocks held none */
-            const float s = v / -log1pf(-w[j]);
+            const float s = v / race_exp(w[j]);
             if (s > best) { best = s; arg = i0 + j; }
         }
     }
