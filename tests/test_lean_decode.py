@@ -93,6 +93,25 @@ def assert_same_bits(want, got) -> None:
     assert torch.equal(kv_got, kv_want), "the KV rows written differ"
 
 
+def chat_with_the_step_off(llm, chats, params):
+    """``llm.chat(chats, params)`` with the lean step switched off (the torch path runs every step)."""
+    lean = llm.engine.runner.model.model.lean_decode
+    lean.enabled = False
+    try:
+        return llm.chat(chats, params)
+    finally:
+        lean.enabled = True
+
+
+def assert_same_tokens_and_logprobs(got, want) -> None:
+    """The same generated token ids and the same logprob of each, output by output."""
+    for g, w in zip(got, want, strict=True):
+        g, w = g.outputs[0], w.outputs[0]
+        assert g.token_ids == w.token_ids
+        assert [lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)] == \
+               [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)]
+
+
 @pytest.fixture(scope="module")
 def tiny_paths(tmp_path_factory):
     from tests.tiny_models import make_tiny_model
@@ -140,16 +159,7 @@ def test_embedded_q4_1_model_decodes_the_same_bits_and_greedy_tokens(smollm2):
     steps = lean.steps
     got = smollm2.chat(chats, params)
     assert lean.steps - steps == 8  # the prompt's step (on the C prefill kernel here), then 7 decode steps
-    lean.enabled = False
-    try:
-        want = smollm2.chat(chats, params)
-    finally:
-        lean.enabled = True
-    for g, w in zip(got, want):
-        g, w = g.outputs[0], w.outputs[0]
-        assert g.token_ids == w.token_ids
-        assert [lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)] == \
-               [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)]
+    assert_same_tokens_and_logprobs(got, chat_with_the_step_off(smollm2, chats, params))
 
 
 def test_amx_bf16_products_give_the_torch_path_bits():
@@ -308,16 +318,7 @@ def test_greedy_tokens_and_logprobs_are_the_same_with_the_step_on_and_off_under_
         mixed = lean.mixed_steps
         got = llm.chat(chats, params)
         assert lean.mixed_steps > mixed
-        lean.enabled = False
-        try:
-            want = llm.chat(chats, params)
-        finally:
-            lean.enabled = True
-        for g, w in zip(got, want):
-            g, w = g.outputs[0], w.outputs[0]
-            assert g.token_ids == w.token_ids
-            assert [lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)] == \
-                   [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)]
+        assert_same_tokens_and_logprobs(got, chat_with_the_step_off(llm, chats, params))
     finally:
         llm.close()
 
