@@ -250,7 +250,8 @@ def load_c_library(
     flags = (*flags, *ISA_FLAGS[isa])
     compiler = c_compiler()
     code = source.read_bytes()
-    headers = b"".join(h.read_bytes() for h in sorted(SHARED_INCLUDE_DIR.glob("*.h")))
+    # the shared headers and the kernel's own (headers beside its source, e.g. qgemm.c's qg_tiles_kq.h)
+    headers = b"".join(h.read_bytes() for h in (*sorted(SHARED_INCLUDE_DIR.glob("*.h")), *sorted(source.parent.glob("*.h"))))
     key = code + headers + " ".join(flags).encode() + _machine_key(compiler)
     target = kernel_cache_dir() / f"{stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if not target.exists():

@@ -3,7 +3,8 @@
 Block layouts follow the GGUF file format (ggml type ids, block sizes and bytes per block below);
 ``csrc/qgemm.c`` reads them. Q4_0, Q4_1 and Q8_0 also have a tiled layout (type id + ``TILED``): the
 same bytes regrouped at load by ``qgemm.repack`` into tiles of ``TILE_ROWS`` rows for the SIMD
-kernels (described in qgemm.c). Pure metadata: no kernels here.
+kernels (described in qgemm.c), and so do Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (csrc/qg_tiles_kq.h). Pure
+metadata: no kernels here.
 """
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import torch
 GGUF_QUANT_TYPES: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
     12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
 # --quantization values: "gguf" (a GGUF file's own blocks, the default for GGUF models), "int8"
@@ -24,7 +28,9 @@ GGUF_QUANT_TYPES: dict[int, tuple[str, int, int]] = {
 QUANTIZATION_METHODS: tuple[str, ...] = ("gguf", "int8", "none")
 TILED = 256  # added to a format's type id: its tiled layout (qgemm.c's QG_TILED)
 TILE_ROWS = 16  # weight rows per tile of the tiled layout (qgemm.c's TP)
-TILED_FORMATS: tuple[int, ...] = (2, 3, 8)  # the formats with a tiled layout: Q4_0, Q4_1, Q8_0
+# the formats with a tiled layout: Q4_0, Q4_1, Q8_0 (qgemm.c) and Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (qg_tiles_kq.h)
+TILED_FORMATS: tuple[int, ...] = (2, 3, 8, 6, 7, 12, 13, 14)
+AMX_TILED_FORMATS: tuple[int, ...] = (2, 3, 8)  # the tiled formats with AMX int8 and AMX bf16 products
 
 
 def base_qtype(qtype: int) -> int:

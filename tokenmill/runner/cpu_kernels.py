@@ -38,7 +38,7 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import Linear
 from tokenmill.quantization import qgemm
-from tokenmill.quantization.formats import is_tiled
+from tokenmill.quantization.formats import AMX_TILED_FORMATS, base_qtype, is_tiled
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +239,8 @@ def _measure_amx_bf16(linears: list[Linear], dtype: torch.dtype, out_dtype: torc
     for an LM head's logits)."""
     by_kind = {}
     for m in linears:
-        if all(is_tiled(p.qtype) and p.shape[0] % 16 == 0 for p in m.quant.parts):
+        if all(is_tiled(p.qtype) and base_qtype(p.qtype) in AMX_TILED_FORMATS and p.shape[0] % 16 == 0
+               for p in m.quant.parts):
             by_kind.setdefault((m.in_features, m.out_features, m.quant.describe()), m.quant)
     if dtype != torch.bfloat16 or not by_kind or not qgemm.amx_bf16():
         return ()

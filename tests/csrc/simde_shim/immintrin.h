@@ -169,6 +169,19 @@ static inline __m512i tm_shim_mm512_cvtepu16_epi32(__m256i a) {
 #undef _mm512_cvtepu16_epi32
 #define _mm512_cvtepu16_epi32 tm_shim_mm512_cvtepu16_epi32
 
+/* vpmovsxwd: each 16-bit lane sign-extended to 32 bits. */
+static inline __m512i tm_shim_mm512_cvtepi16_epi32(__m256i a) {
+    int16_t x[16];
+    int32_t r[16];
+    memcpy(x, &a, sizeof x);
+    for (int i = 0; i < 16; i++) r[i] = x[i];
+    __m512i v;
+    memcpy(&v, r, sizeof v);
+    return v;
+}
+#undef _mm512_cvtepi16_epi32
+#define _mm512_cvtepi16_epi32 tm_shim_mm512_cvtepi16_epi32
+
 /* vextractf32x8: the 256-bit half selected by imm8 bit 0. */
 static inline __m256 tm_shim_mm512_extractf32x8_ps(__m512 a, int imm8) {
     __m256 h[2];

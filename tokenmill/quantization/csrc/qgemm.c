@@ -66,7 +66,7 @@
 #define ISA_PATH "portable"
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 #define QK 32    /* weights per group */
 #define QKK 256  /* weights per K-quant super block */
 #define ROW_TILE 4
@@ -101,8 +101,8 @@ static inline float rd_half(const uint8_t* p) { return half_to_f32((uint16_t)(p[
 
 int64_t qg_block_size(int qtype) {
     switch (qtype) {
-    case Q4_0: case Q4_1: case Q8_0: return QK;
-    case Q4_K: case Q6_K: return QKK;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return QK;
+    case Q4_K: case Q5_K: case Q6_K: return QKK;
     default: return 0;
     }
 }
@@ -111,8 +111,11 @@ int64_t qg_block_bytes(int qtype) {
     switch (qtype) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
     case Q4_K: return 144;
+    case Q5_K: return 176;
     case Q6_K: return 210;
     default: return 0;
     }
@@ -161,8 +164,18 @@ AI group_info group_params(int qtype, const uint8_t* row, int64_t g) {
         gi.D = rd_half(b); gi.s0 = gi.s1 = 1; gi.o0 = gi.o1 = 0.0f;
         break;
     }
-    case Q4_K: {
-        const uint8_t* b = row + (g / 8) * 144;
+    case Q5_0: {
+        const uint8_t* b = row + g * 22;
+        gi.D = rd_half(b); gi.s0 = gi.s1 = 1; gi.o0 = gi.o1 = -16.0f * gi.D;
+        break;
+    }
+    case Q5_1: {
+        const uint8_t* b = row + g * 24;
+        gi.D = rd_half(b); gi.s0 = gi.s1 = 1; gi.o0 = gi.o1 = rd_half(b + 2);
+        break;
+    }
+    case Q4_K: case Q5_K: {
+        const uint8_t* b = row + (g / 8) * (qtype == Q4_K ? 144 : 176);
         int sc, mn;
         k4_scale_min(b + 4, (int)(g % 8), &sc, &mn);
         gi.D = rd_half(b); gi.s0 = gi.s1 = sc; gi.o0 = gi.o1 = -rd_half(b + 2) * (float)mn;
@@ -183,9 +196,25 @@ AI group_info group_params(int qtype, const uint8_t* row, int64_t g) {
     return gi;
 }
 
-/* The 32 codes of group g (plain C): unsigned 4/6-bit codes, or Q8_0's signed q (its offset is 0). */
+/* The 32 codes of group g (plain C): unsigned 4/5/6-bit codes, or Q8_0's signed q (its offset is 0). */
 static inline void group_codes(int qtype, const uint8_t* row, int64_t g, int* u) {
     switch (qtype) {
+    case Q5_0: case Q5_1: { /* low nibbles as Q4_0/Q4_1, bit k of the 32-bit qh the fifth bit of code k */
+        const uint8_t* b = row + g * (qtype == Q5_0 ? 22 : 24) + (qtype == Q5_0 ? 2 : 4);
+        const uint32_t qh = (uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16) | ((uint32_t)b[3] << 24);
+        for (int i = 0; i < 16; i++) {
+            u[i] = (b[4 + i] & 15) | (int)(((qh >> i) & 1) << 4);
+            u[i + 16] = (b[4 + i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4);
+        }
+        break;
+    }
+    case Q5_K: { /* sub-block j: nibble j % 2 of qs[32 (j / 2) + i], fifth bit: bit j of qh[i] */
+        const uint8_t* b = row + (g / 8) * 176;
+        const int j = (int)(g % 8), shift = (j % 2) * 4;
+        const uint8_t* qs = b + 48 + (j / 2) * 32;
+        for (int i = 0; i < 32; i++) u[i] = ((qs[i] >> shift) & 15) | (((b[16 + i] >> j) & 1) << 4);
+        break;
+    }
     case Q4_0: case Q4_1: {
         const uint8_t* qs = row + g * (qtype == Q4_0 ? 18 : 20) + (qtype == Q4_0 ? 2 : 4);
         for (int i = 0; i < 16; i++) { u[i] = qs[i] & 15; u[i + 16] = qs[i] >> 4; }
@@ -289,6 +318,7 @@ typedef struct {
     float* s;     /* [M, 2G]: dx * (sum of q per half group) */
     float* t;     /* [M, G]: dx * (sum of q over the group) */
     int32_t* i;   /* [M, G]: sum of q over the group (the tiled kernels' integer offset term) */
+    int32_t* h;   /* [M, 2G]: sum of q per half group (Q6_K tiles: one scale per half) */
     int64_t K, G;
 } act_q;
 
@@ -358,6 +388,8 @@ static inline void store_group(act_q* a, int64_t idx, float d, int s0, int s1) {
     a->s[idx * 2 + 1] = d * (float)s1;
     a->t[idx] = d * (float)(s0 + s1);
     a->i[idx] = s0 + s1;
+    a->h[idx * 2] = s0;
+    a->h[idx * 2 + 1] = s1;
 }
 
 static void quantize_row(const void* x, int x_bf16, int64_t m, act_q* a) {
@@ -408,6 +440,15 @@ static inline void store_out(void* y, int y_bf16, int64_t idx, float v) {
 AI void codes_neon(int qtype, const uint8_t* row, int64_t g, int8x16_t* c0, int8x16_t* c1) {
     const uint8x16_t m4 = vdupq_n_u8(15);
     switch (qtype) {
+    case Q5_0: case Q5_1: case Q5_K: { /* 5-bit codes (tail rows and the stored layout only) */
+        int u[32];
+        int8_t b[32];
+        group_codes(qtype, row, g, u);
+        for (int i = 0; i < 32; i++) b[i] = (int8_t)u[i];
+        *c0 = vld1q_s8(b);
+        *c1 = vld1q_s8(b + 16);
+        break;
+    }
     case Q4_0: case Q4_1: {
         const uint8x16_t q = vld1q_u8(row + g * (qtype == Q4_0 ? 18 : 20) + (qtype == Q4_0 ? 2 : 4));
         *c0 = vreinterpretq_s8_u8(vandq_u8(q, m4));
@@ -495,6 +536,13 @@ AI void rows_portable(int qtype, const uint8_t* row, const act_q* a, int64_t m0,
 AI __m256i codes_avx2(int qtype, const uint8_t* row, int64_t g, __m256i* sign) {
     const __m256i m4 = _mm256_set1_epi8(15);
     switch (qtype) {
+    case Q5_0: case Q5_1: case Q5_K: { /* 5-bit codes, written out in plain C (the tiled layout is the fast one) */
+        int u[32];
+        uint8_t b[32];
+        group_codes(qtype, row, g, u);
+        for (int i = 0; i < 32; i++) b[i] = (uint8_t)u[i];
+        return _mm256_loadu_si256((const __m256i*)b);
+    }
     case Q4_0: case Q4_1: {
         const uint8_t* qs = row + g * (qtype == Q4_0 ? 18 : 20) + (qtype == Q4_0 ? 2 : 4);
         const __m128i q = _mm_loadu_si128((const __m128i*)qs);
@@ -637,6 +685,9 @@ DEFINE_TASK(task_q4_1, Q4_1)
 DEFINE_TASK(task_q8_0, Q8_0)
 DEFINE_TASK(task_q4_k, Q4_K)
 DEFINE_TASK(task_q6_k, Q6_K)
+DEFINE_TASK(task_q5_0, Q5_0)
+DEFINE_TASK(task_q5_1, Q5_1)
+DEFINE_TASK(task_q5_k, Q5_K)
 
 /* ---------------------------------------------------------------- tiled layout (Q4_0, Q4_1, Q8_0)
  *
@@ -681,7 +732,14 @@ AI int32_t load_i32(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* src: N rows of a Q4_0/Q4_1/Q8_0 weight as stored; dst: the same bytes in the tiled layout (not
  * overlapping src). Returns 0, or -1 for another format or a K that is not a whole number of groups. */
+static void kt_repack(int fmt, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst);
+static int kt_base(int qtype);
 int qg_repack(int qtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+    if (kt_base(QG_TILED + qtype)) { /* Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: qg_tiles_kq.h */
+        if (K <= 0 || K % qg_block_size(qtype)) return -1;
+        kt_repack(qtype, src, N, K, dst);
+        return 0;
+    }
     if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K <= 0 || K % QK) return -1;
     const int64_t G = K / QK, bb = qg_block_bytes(qtype), rb = G * bb, NT = N / TP;
     const int hdr = qtype == Q4_1 ? 4 : 2, co = codes_offset(qtype);
@@ -1331,6 +1389,8 @@ AI void task_tile(int base, const uint8_t* w, const act_q* a, int64_t t, int64_t
     }
 }
 
+#include "qg_tiles_kq.h"
+
 #define DEFINE_TILE_TASK(NAME, QT) \
     static void NAME(const uint8_t* w, const act_q* a, int64_t t, int64_t M, void* y, int y_bf16, int64_t ldy, \
                      int amx) { task_tile(QT, w, a, t, M, y, y_bf16, ldy, amx); }
@@ -1352,8 +1412,8 @@ int qg_tiled_preferred(void) {
  * a K that is not a whole number of blocks, or a failed allocation. */
 int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, int x_bf16, int64_t M, void* y,
               int y_bf16, int64_t ldy, int num_threads) {
-    const int base = tiled_base(qtype);
-    const int64_t bs = qg_block_size(base ? base : qtype);
+    const int base = tiled_base(qtype), kbase = kt_base(qtype);
+    const int64_t bs = qg_block_size(base ? base : kbase ? kbase : qtype);
     if (bs == 0 || K % bs != 0 || K <= 0) return -1;
     if (M <= 0 || N <= 0) return 0;
     act_q a;
@@ -1364,21 +1424,28 @@ int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, 
     a.s = (float*)malloc(sizeof(float) * (size_t)(M * a.G * 2));
     a.t = (float*)malloc(sizeof(float) * (size_t)(M * a.G));
     a.i = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * a.G));
-    if (!a.q || !a.d || !a.s || !a.t || !a.i) { free(a.q); free(a.d); free(a.s); free(a.t); free(a.i); return -1; }
+    a.h = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * a.G * 2));
+    if (!a.q || !a.d || !a.s || !a.t || !a.i || !a.h) {
+        free(a.q); free(a.d); free(a.s); free(a.t); free(a.i); free(a.h);
+        return -1;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && M * K >= 32768)
     for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, &a);
-    const int fmt = base ? base : qtype;
+    const int fmt = base ? base : kbase ? kbase : qtype;
     const int64_t rb = row_bytes(fmt, K);
     void (*task)(const uint8_t*, int64_t, const act_q*, int64_t, int64_t, int64_t, void*, int, int64_t) =
         fmt == Q4_0 ? task_q4_0 : fmt == Q4_1 ? task_q4_1 : fmt == Q8_0 ? task_q8_0 :
-        fmt == Q4_K ? task_q4_k : task_q6_k;
+        fmt == Q4_K ? task_q4_k : fmt == Q5_0 ? task_q5_0 : fmt == Q5_1 ? task_q5_1 : fmt == Q5_K ? task_q5_k :
+        task_q6_k;
     const int parallel = num_threads > 1 && N * K * (M < 8 ? M : 8) >= 65536;
-    if (base) { /* tiles of TP rows, then the tail rows (as stored) as one more task */
+    if (base || kbase) { /* tiles of TP rows, then the tail rows (as stored) as one more task */
         void (*tile_task)(const uint8_t*, const act_q*, int64_t, int64_t, void*, int, int64_t, int) =
-            base == Q4_0 ? tile_task_q4_0 : base == Q4_1 ? tile_task_q4_1 : tile_task_q8_0;
+            base == Q4_0 ? tile_task_q4_0 : base == Q4_1 ? tile_task_q4_1 : base == Q8_0 ? tile_task_q8_0 :
+            kbase == Q5_0 ? kt_task_q5_0 : kbase == Q5_1 ? kt_task_q5_1 : kbase == Q4_K ? kt_task_q4_k :
+            kbase == Q5_K ? kt_task_q5_k : kt_task_q6_k;
         const int64_t NT = N / TP, tasks = NT + (N % TP != 0);
 #if defined(QG_AMX)
-        const int amx = M >= AMX_MIN_ROWS && qg_amx();
+        const int amx = base && M >= AMX_MIN_ROWS && qg_amx(); /* the K-quant tiles have no AMX path */
 #else
         const int amx = 0;
 #endif
@@ -1407,7 +1474,7 @@ int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, 
             task(w, rb, &a, t * NB, n1, M, y, y_bf16, ldy);
         }
     }
-    free(a.q); free(a.d); free(a.s); free(a.t); free(a.i);
+    free(a.q); free(a.d); free(a.s); free(a.t); free(a.i); free(a.h);
     return 0;
 }
 
@@ -1415,7 +1482,7 @@ int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, 
  * any format, tiled ones included (N says which rows are tail rows). */
 void qg_dequantize_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t n, void* out,
                         int out_bf16, int num_threads) {
-    const int base = tiled_base(qtype), fmt = base ? base : qtype;
+    const int base = tiled_base(qtype), kbase = kt_base(qtype), fmt = base ? base : kbase ? kbase : qtype;
     const int64_t rb = row_bytes(fmt, K), G = K / QK;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && n * K >= 65536)
     for (int64_t r = 0; r < n; r++) {
@@ -1429,6 +1496,12 @@ void qg_dequantize_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const
         case Q8_0: dequantize_row(Q8_0, row, G, of, ob); break;
         case Q4_K: dequantize_row(Q4_K, row, G, of, ob); break;
         case Q6_K: dequantize_row(Q6_K, row, G, of, ob); break;
+        case Q5_0: dequantize_row(Q5_0, row, G, of, ob); break;
+        case Q5_1: dequantize_row(Q5_1, row, G, of, ob); break;
+        case Q5_K: dequantize_row(Q5_K, row, G, of, ob); break;
+        case QG_TILED + Q5_0: case QG_TILED + Q5_1: case QG_TILED + Q4_K: case QG_TILED + Q5_K: case QG_TILED + Q6_K:
+            kt_dequantize_row(kbase, w, N, G, row_id, of, ob);
+            break;
         case QG_TILED + Q4_0: dequantize_tiled_row(Q4_0, w, N, G, row_id, of, ob); break;
         case QG_TILED + Q4_1: dequantize_tiled_row(Q4_1, w, N, G, row_id, of, ob); break;
         default: dequantize_tiled_row(Q8_0, w, N, G, row_id, of, ob); break;
@@ -1439,7 +1512,7 @@ void qg_dequantize_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const
 /* The same for the stored formats only (a tiled type needs N: use qg_dequantize_rows). */
 void qg_dequantize(int qtype, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, void* out, int out_bf16,
                    int num_threads) {
-    if (tiled_base(qtype)) return;
+    if (tiled_base(qtype) || kt_base(qtype)) return;
     qg_dequantize_rows(qtype, w, 0, K, ids, n, out, out_bf16, num_threads);
 }
 
