@@ -12,6 +12,7 @@ rounds.
 
     python benchmarks/qgemm.py                    # both parts
     python benchmarks/qgemm.py --no-decode --repeats 9
+    python benchmarks/qgemm.py --formats --threads 1,2   # every GGUF format, stored vs tiled, GB/s and roofline share
 """
 from __future__ import annotations
 
@@ -25,19 +26,68 @@ SHAPES = (("Q4_1", 3, 1536, 576), ("Q4_1", 3, 576, 1536), ("Q4_1", 3, 576, 576),
 ROWS = (1, 2, 4, 5, 8, 32)
 
 
+# float16 fields (byte offsets in a block) of each format: set to small finite values
+HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2),
+               14: (208,), 20: (0,), 23: (0,)}
+
+
 def random_weight(qtype: int, n: int, k: int):
+    """A [n, k] weight of random blocks in GGUF format ``qtype`` (codes and sub-scales random, fp16 scales small)."""
     import numpy as np
 
     from tokenmill.quantization.formats import GGUF_QUANT_TYPES, QuantizedTensor
 
-    _, _, bb = GGUF_QUANT_TYPES[qtype]
+    _, bs, bb = GGUF_QUANT_TYPES[qtype]
     rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, size=(n, k // 32, bb), dtype=np.uint8)
-    half_fields = 2 if qtype == 3 else 1
-    for f in range(half_fields):
-        raw[:, :, 2 * f:2 * f + 2] = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16).view(
-            np.uint8).reshape(n, k // 32, 2)
+    raw = rng.integers(0, 256, size=(n, k // bs, bb), dtype=np.uint8)
+    for off in HALF_FIELDS[qtype]:
+        raw[:, :, off:off + 2] = (rng.standard_normal((n, k // bs)) * 0.01).astype(np.float16).view(
+            np.uint8).reshape(n, k // bs, 2)
     return QuantizedTensor(qtype, (n, k), torch.from_numpy(raw.reshape(n, -1).copy()))
+
+
+def read_bandwidth(threads: int, mb: int = 1024) -> float:
+    """This machine's read bandwidth in GB/s: the best of 5 sums over a ``mb`` MB float32 array."""
+    torch.set_num_threads(threads)
+    a = torch.ones(mb * 2**20 // 4)
+    a.sum()
+    best = min(time_call(lambda: a.sum(), 1) for _ in range(5))
+    return a.numel() * 4 / best / 1e9
+
+
+# a 1-2 B model's MLP projections (gate/up fused: 2 x 8192 rows of 2048; down: 2048 rows of 8192)
+FORMAT_SHAPES = ((16384, 2048), (2048, 8192))
+
+
+def bench_formats(repeats: int, threads: tuple[int, ...], rows: tuple[int, ...]) -> None:
+    """Every GGUF format tokenmill runs, stored layout against tiled, at FORMAT_SHAPES: median per call and,
+    for the tiled layout, weight bytes read per second and that as a share of the measured read bandwidth."""
+    from tokenmill.quantization import qgemm
+    from tokenmill.quantization.formats import GGUF_QUANT_TYPES, TILED_FORMATS
+
+    print(f"qgemm ISA path: {qgemm.isa()}; per-call median of {repeats} repeats (alternated), milliseconds")
+    for nt in threads:
+        bw = read_bandwidth(nt)
+        print(f"{nt} thread(s): read bandwidth {bw:.1f} GB/s")
+        print(f"{'format':<8}{'N x K':>12}{'M':>4}{'stored':>9}{'tiled':>9}{'speedup':>9}{'GB/s':>7}{'roofline':>9}")
+        for qtype, (name, _, _) in sorted(GGUF_QUANT_TYPES.items(), key=lambda kv: kv[1][0]):
+            for n, k in FORMAT_SHAPES:
+                stored = random_weight(qtype, n, k)
+                tiled = qgemm.repack(stored) if qtype in TILED_FORMATS else stored
+                torch.set_num_threads(nt)
+                for m in rows:
+                    x = torch.randn(m, k)
+                    y = torch.empty(m, n)
+                    times = {"stored": [], "tiled": []}
+                    for rep in range(repeats):
+                        for label in (("stored", "tiled") if rep % 2 == 0 else ("tiled", "stored")):
+                            w = stored if label == "stored" else tiled
+                            times[label].append(time_call(
+                                lambda w=w: qgemm.quantized_linear(x, w.data, w.qtype, n, k, out=y), 3))
+                    a, b = statistics.median(times["stored"]), statistics.median(times["tiled"])
+                    gbs = stored.nbytes / b / 1e9
+                    print(f"{name:<8}{f'{n}x{k}':>12}{m:>4}{a * 1e3:>9.3f}{b * 1e3:>9.3f}{a / b:>8.2f}x{gbs:>7.1f}"
+                          f"{gbs / bw:>8.0%}", flush=True)
 
 
 def time_call(fn, calls: int) -> float:
@@ -119,8 +169,14 @@ def main() -> None:
     parser.add_argument("--no-decode", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--formats", action="store_true",
+                        help="only the per-format table (every GGUF format, stored vs tiled, at 1-2 B model shapes)")
+    parser.add_argument("--rows", default="1,8,32", help="activation rows of the --formats table")
     args = parser.parse_args()
     threads = tuple(int(t) for t in args.threads.split(","))
+    if args.formats:
+        bench_formats(args.repeats, threads, tuple(int(r) for r in args.rows.split(",")))
+        return
     if not args.no_calls:
         bench_calls(args.repeats, threads)
     if not args.no_decode:

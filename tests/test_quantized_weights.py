@@ -37,9 +37,11 @@ QTYPES = sorted(GGUF_QUANT_TYPES)
 ROWS = (1, 7, 33, 300)
 N = 37  # output rows: off every tile of the kernels
 # in_features per format: 3 and 17 groups of 32, or 3 super blocks of 256 for the K-quants
-KS = {2: (96, 544), 3: (96, 544), 6: (96, 544), 7: (96, 544), 8: (96, 544), 12: (768,), 13: (768,), 14: (768,)}
+KS = {2: (96, 544), 3: (96, 544), 6: (96, 544), 7: (96, 544), 8: (96, 544), 20: (96, 544),
+      10: (768,), 11: (768,), 12: (768,), 13: (768,), 14: (768,), 23: (768,)}
 # float16 fields of each block (byte offsets): scales and mins that must stay finite and small
-HALF_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+HALF_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2),
+                14: (208,), 20: (0,), 23: (0,)}
 TILED_NS = (37, 48, 5)  # tiled layout: 2 tiles + 5 tail rows, 3 whole tiles, only tail rows
 MARGIN = 0.5  # nats: a top-2 gap above this must not flip under Q4_1 execution
 

@@ -3,7 +3,7 @@
 Block layouts follow the GGUF file format (ggml type ids, block sizes and bytes per block below);
 ``csrc/qgemm.c`` reads them. Q4_0, Q4_1 and Q8_0 also have a tiled layout (type id + ``TILED``): the
 same bytes regrouped at load by ``qgemm.repack`` into tiles of ``TILE_ROWS`` rows for the SIMD
-kernels (described in qgemm.c), and so do Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (csrc/qg_tiles_kq.h). Pure
+kernels (described in qgemm.c), and so do the other formats (csrc/qg_tiles_kq.h). Pure
 metadata: no kernels here.
 """
 from __future__ import annotations
@@ -19,17 +19,21 @@ GGUF_QUANT_TYPES: dict[int, tuple[str, int, int]] = {
     6: ("Q5_0", 32, 22),
     7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    20: ("IQ4_NL", 32, 18),
+    23: ("IQ4_XS", 256, 136),
 }
 # --quantization values: "gguf" (a GGUF file's own blocks, the default for GGUF models), "int8"
 # (weight-only int8 with per-output-channel scales, for HF checkpoints), "none" (dense weights).
 QUANTIZATION_METHODS: tuple[str, ...] = ("gguf", "int8", "none")
 TILED = 256  # added to a format's type id: its tiled layout (qgemm.c's QG_TILED)
 TILE_ROWS = 16  # weight rows per tile of the tiled layout (qgemm.c's TP)
-# the formats with a tiled layout: Q4_0, Q4_1, Q8_0 (qgemm.c) and Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (qg_tiles_kq.h)
-TILED_FORMATS: tuple[int, ...] = (2, 3, 8, 6, 7, 12, 13, 14)
+# the formats with a tiled layout: Q4_0, Q4_1, Q8_0 (qgemm.c) and the others (qg_tiles_kq.h)
+TILED_FORMATS: tuple[int, ...] = (2, 3, 8, 6, 7, 10, 11, 12, 13, 14, 20, 23)
 AMX_TILED_FORMATS: tuple[int, ...] = (2, 3, 8)  # the tiled formats with AMX int8 and AMX bf16 products
 
 

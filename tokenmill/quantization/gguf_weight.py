@@ -49,9 +49,9 @@ def dispatch_rows(rows: int | None) -> Iterator[None]:
 # The formats whose segments are repacked into the tiled layout in weights built from now on: None for
 # the default (_DEFAULT_TILED where qgemm.tiled_preferred()), else any of TILED_FORMATS (() for none).
 TILED_LAYOUT: tuple[int, ...] | None = None
-# Q4_0, Q4_1, Q8_0: batch-1 decode 1.40x the stored layout (benchmarks/qgemm.py); Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
-# likewise (the stored K-quant rows run 2-6x slower than their tiles)
-_DEFAULT_TILED: tuple[int, ...] = (2, 3, 8, 6, 7, 12, 13, 14)
+# every tiled format: Q4_0, Q4_1, Q8_0 batch-1 decode 1.40x the stored layout (benchmarks/qgemm.py); the
+# stored rows of the others run 2-30x slower than their tiles
+_DEFAULT_TILED: tuple[int, ...] = TILED_FORMATS
 
 
 def _scratch_buffer(dtype: torch.dtype, numel: int) -> torch.Tensor:

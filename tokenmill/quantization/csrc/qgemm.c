@@ -66,7 +66,12 @@
 #define ISA_PATH "portable"
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+       IQ4_NL = 20, IQ4_XS = 23 };
+/* IQ4_NL / IQ4_XS: a 4-bit code indexes this table of int8 values (the GGUF format's non-linear grid). */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* Formats whose stored-layout codes are signed (the value itself: Q8_0's q, IQ4's table value). */
+#define SIGNED_CODES(qt) ((qt) == Q8_0 || (qt) == IQ4_NL || (qt) == IQ4_XS)
 #define QK 32    /* weights per group */
 #define QKK 256  /* weights per K-quant super block */
 #define ROW_TILE 4
@@ -101,8 +106,8 @@ static inline float rd_half(const uint8_t* p) { return half_to_f32((uint16_t)(p[
 
 int64_t qg_block_size(int qtype) {
     switch (qtype) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return QK;
-    case Q4_K: case Q5_K: case Q6_K: return QKK;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: return QK;
+    case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return QKK;
     default: return 0;
     }
 }
@@ -114,8 +119,12 @@ int64_t qg_block_bytes(int qtype) {
     case Q5_0: return 22;
     case Q5_1: return 24;
     case Q8_0: return 34;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
     case Q4_K: return 144;
     case Q5_K: return 176;
+    case IQ4_NL: return 18;
+    case IQ4_XS: return 136;
     case Q6_K: return 210;
     default: return 0;
     }
@@ -132,6 +141,19 @@ AI void k4_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
         *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
         *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
+}
+
+/* Q3_K's signed scale of sub-block i (0..15) from the 12 packed bytes: low 4 bits in byte i % 8 (nibble
+ * i / 8), high 2 bits in byte 8 + i % 4 (bits 2 (i / 4)), minus 32. */
+AI int q3k_scale(const uint8_t* s, int i) {
+    return (((s[i % 8] >> (4 * (i / 8))) & 15) | (((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32;
+}
+
+/* IQ4_XS's signed scale of group j (0..7) of a super block b: 4 low bits in b[4 + j / 2] (nibble j % 2),
+ * 2 high bits in the 16-bit scales_h at b + 2 (bits 2j), minus 32. */
+AI int iq4xs_scale(const uint8_t* b, int j) {
+    const int h = (b[2 + j / 4] >> (2 * (j % 4))) & 3;
+    return (((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (h << 4)) - 32;
 }
 
 /* What every path needs of group g of a weight row besides its codes: D, integer half scales s0/s1
@@ -181,6 +203,38 @@ AI group_info group_params(int qtype, const uint8_t* row, int64_t g) {
         gi.D = rd_half(b); gi.s0 = gi.s1 = sc; gi.o0 = gi.o1 = -rd_half(b + 2) * (float)mn;
         break;
     }
+    case Q2_K: { /* per 16 weights a 4-bit scale (low nibble) and a 4-bit min (high nibble) */
+        const uint8_t* b = row + (g / 8) * 84;
+        const int j = (int)(g % 8);
+        const float dmin = rd_half(b + 82);
+        gi.D = rd_half(b + 80);
+        gi.s0 = b[2 * j] & 15;
+        gi.s1 = b[2 * j + 1] & 15;
+        gi.o0 = -dmin * (float)(b[2 * j] >> 4);
+        gi.o1 = -dmin * (float)(b[2 * j + 1] >> 4);
+        break;
+    }
+    case Q3_K: { /* per 16 weights a 6-bit scale - 32; codes u = q + 4 */
+        const uint8_t* b = row + (g / 8) * 110;
+        const int j = (int)(g % 8);
+        gi.D = rd_half(b + 108);
+        gi.s0 = q3k_scale(b + 96, 2 * j);
+        gi.s1 = q3k_scale(b + 96, 2 * j + 1);
+        gi.o0 = -4.0f * gi.D * (float)gi.s0;
+        gi.o1 = -4.0f * gi.D * (float)gi.s1;
+        break;
+    }
+    case IQ4_NL: {
+        gi.D = rd_half(row + g * 18); gi.s0 = gi.s1 = 1; gi.o0 = gi.o1 = 0.0f;
+        break;
+    }
+    case IQ4_XS: { /* per 32 weights a 6-bit scale - 32 (4 low bits in scales_l, 2 high in scales_h) */
+        const uint8_t* b = row + (g / 8) * 136;
+        gi.D = rd_half(b);
+        gi.s0 = gi.s1 = iq4xs_scale(b, (int)(g % 8));
+        gi.o0 = gi.o1 = 0.0f;
+        break;
+    }
     default: { /* Q6_K */
         const uint8_t* b = row + (g / 8) * 210;
         const int8_t* sc = (const int8_t*)(b + 192);
@@ -206,6 +260,21 @@ static inline void group_codes(int qtype, const uint8_t* row, int64_t g, int* u)
             u[i] = (b[4 + i] & 15) | (int)(((qh >> i) & 1) << 4);
             u[i + 16] = (b[4 + i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4);
         }
+        break;
+    }
+    case Q2_K: case Q3_K: { /* 2 bits of qs[32 (j / 4) + i] at bit 2 (j % 4); Q3_K: the third bit, bit j of hmask[i] */
+        const uint8_t* b = row + (g / 8) * (qtype == Q2_K ? 84 : 110);
+        const int j = (int)(g % 8);
+        const uint8_t* qs = b + (qtype == Q2_K ? 16 : 32) + 32 * (j / 4);
+        for (int i = 0; i < 32; i++) {
+            u[i] = (qs[i] >> (2 * (j % 4))) & 3;
+            if (qtype == Q3_K) u[i] |= ((b[i] >> j) & 1) << 2;
+        }
+        break;
+    }
+    case IQ4_NL: case IQ4_XS: { /* nibbles as Q4_0's, each the index of its signed value */
+        const uint8_t* qs = qtype == IQ4_NL ? row + g * 18 + 2 : row + (g / 8) * 136 + 8 + 16 * (g % 8);
+        for (int i = 0; i < 16; i++) { u[i] = IQ4_VALUES[qs[i] & 15]; u[i + 16] = IQ4_VALUES[qs[i] >> 4]; }
         break;
     }
     case Q5_K: { /* sub-block j: nibble j % 2 of qs[32 (j / 2) + i], fifth bit: bit j of qh[i] */
@@ -244,10 +313,10 @@ static inline void group_codes(int qtype, const uint8_t* row, int64_t g, int* u)
 }
 
 /* The offset term of group g for activation row m: one product for the formats with one offset per
- * group (Q4_0, Q4_1, Q4_K), none for Q8_0, two for Q6_K. */
+ * group (Q4_0, Q4_1, Q5_x, Q4_K), none for the signed-code formats, two for those with one per 16 weights. */
 AI float offset_term(int qtype, const group_info* gi, const float* s, const float* t, int64_t idx) {
-    if (qtype == Q8_0) return 0.0f;
-    if (qtype == Q6_K) return gi->o0 * s[idx * 2] + gi->o1 * s[idx * 2 + 1];
+    if (SIGNED_CODES(qtype)) return 0.0f;
+    if (qtype == Q6_K || qtype == Q3_K || qtype == Q2_K) return gi->o0 * s[idx * 2] + gi->o1 * s[idx * 2 + 1];
     return gi->o0 * t[idx];
 }
 
@@ -440,7 +509,7 @@ static inline void store_out(void* y, int y_bf16, int64_t idx, float v) {
 AI void codes_neon(int qtype, const uint8_t* row, int64_t g, int8x16_t* c0, int8x16_t* c1) {
     const uint8x16_t m4 = vdupq_n_u8(15);
     switch (qtype) {
-    case Q5_0: case Q5_1: case Q5_K: { /* 5-bit codes (tail rows and the stored layout only) */
+    case Q5_0: case Q5_1: case Q5_K: case Q2_K: case Q3_K: case IQ4_NL: case IQ4_XS: { /* codes in plain C */
         int u[32];
         int8_t b[32];
         group_codes(qtype, row, g, u);
@@ -536,12 +605,16 @@ AI void rows_portable(int qtype, const uint8_t* row, const act_q* a, int64_t m0,
 AI __m256i codes_avx2(int qtype, const uint8_t* row, int64_t g, __m256i* sign) {
     const __m256i m4 = _mm256_set1_epi8(15);
     switch (qtype) {
-    case Q5_0: case Q5_1: case Q5_K: { /* 5-bit codes, written out in plain C (the tiled layout is the fast one) */
+    case Q5_0: case Q5_1: case Q5_K: case Q2_K: case Q3_K: case IQ4_NL: case IQ4_XS: {
+        /* written out in plain C (the tiled layout is the fast one); IQ4's signed values as |q| and sign */
         int u[32];
         uint8_t b[32];
         group_codes(qtype, row, g, u);
         for (int i = 0; i < 32; i++) b[i] = (uint8_t)u[i];
-        return _mm256_loadu_si256((const __m256i*)b);
+        const __m256i q = _mm256_loadu_si256((const __m256i*)b);
+        if (!SIGNED_CODES(qtype)) return q;
+        *sign = q;
+        return _mm256_sign_epi8(q, q);
     }
     case Q4_0: case Q4_1: {
         const uint8_t* qs = row + g * (qtype == Q4_0 ? 18 : 20) + (qtype == Q4_0 ? 2 : 4);
@@ -587,7 +660,7 @@ AI void group_avx2(int qtype, const uint8_t* row, int64_t g, const act_q* a, int
     const __m256i sc = _mm256_set_m128i(_mm_set1_epi16((short)gi.s1), _mm_set1_epi16((short)gi.s0));
     for (int r = 0; r < R; r++) {
         __m256i xq = _mm256_loadu_si256((const __m256i*)(a->q + (m0 + r) * a->K + g * QK));
-        if (qtype == Q8_0) xq = _mm256_sign_epi8(xq, sign);
+        if (SIGNED_CODES(qtype)) xq = _mm256_sign_epi8(xq, sign);
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), sc);
         const int64_t idx = (m0 + r) * a->G + g;
         const float dx = a->d[idx];
@@ -607,14 +680,14 @@ AI void groups_avx512(int qtype, const uint8_t* row, int64_t g, const act_q* a, 
     const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
     const __m512i sign = _mm512_inserti64x4(_mm512_castsi256_si512(sign0), sign1, 1);
     const group_info g0 = group_params(qtype, row, g), g1 = group_params(qtype, row, g + 1);
-    const int unit = qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0;
+    const int unit = qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == IQ4_NL;
     const __m512i sc = _mm512_inserti64x4(
         _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)g0.s1), _mm_set1_epi16((short)g0.s0))),
         _mm256_set_m128i(_mm_set1_epi16((short)g1.s1), _mm_set1_epi16((short)g1.s0)), 1);
     (void)unit;
     for (int r = 0; r < R; r++) {
         __m512i xq = _mm512_loadu_si512((const void*)(a->q + (m0 + r) * a->K + g * QK));
-        if (qtype == Q8_0) { /* negate the activations where q < 0 (no 512-bit vpsignb) */
+        if (SIGNED_CODES(qtype)) { /* negate the activations where q < 0 (no 512-bit vpsignb) */
             const __mmask64 neg = _mm512_movepi8_mask(sign);
             xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
         }
@@ -688,6 +761,10 @@ DEFINE_TASK(task_q6_k, Q6_K)
 DEFINE_TASK(task_q5_0, Q5_0)
 DEFINE_TASK(task_q5_1, Q5_1)
 DEFINE_TASK(task_q5_k, Q5_K)
+DEFINE_TASK(task_q2_k, Q2_K)
+DEFINE_TASK(task_q3_k, Q3_K)
+DEFINE_TASK(task_iq4_nl, IQ4_NL)
+DEFINE_TASK(task_iq4_xs, IQ4_XS)
 
 /* ---------------------------------------------------------------- tiled layout (Q4_0, Q4_1, Q8_0)
  *
@@ -1436,13 +1513,15 @@ int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, 
     void (*task)(const uint8_t*, int64_t, const act_q*, int64_t, int64_t, int64_t, void*, int, int64_t) =
         fmt == Q4_0 ? task_q4_0 : fmt == Q4_1 ? task_q4_1 : fmt == Q8_0 ? task_q8_0 :
         fmt == Q4_K ? task_q4_k : fmt == Q5_0 ? task_q5_0 : fmt == Q5_1 ? task_q5_1 : fmt == Q5_K ? task_q5_k :
+        fmt == Q2_K ? task_q2_k : fmt == Q3_K ? task_q3_k : fmt == IQ4_NL ? task_iq4_nl : fmt == IQ4_XS ? task_iq4_xs :
         task_q6_k;
     const int parallel = num_threads > 1 && N * K * (M < 8 ? M : 8) >= 65536;
     if (base || kbase) { /* tiles of TP rows, then the tail rows (as stored) as one more task */
         void (*tile_task)(const uint8_t*, const act_q*, int64_t, int64_t, void*, int, int64_t, int) =
             base == Q4_0 ? tile_task_q4_0 : base == Q4_1 ? tile_task_q4_1 : base == Q8_0 ? tile_task_q8_0 :
             kbase == Q5_0 ? kt_task_q5_0 : kbase == Q5_1 ? kt_task_q5_1 : kbase == Q4_K ? kt_task_q4_k :
-            kbase == Q5_K ? kt_task_q5_k : kt_task_q6_k;
+            kbase == Q5_K ? kt_task_q5_k : kbase == Q2_K ? kt_task_q2_k : kbase == Q3_K ? kt_task_q3_k :
+            kbase == IQ4_NL ? kt_task_iq4_nl : kbase == IQ4_XS ? kt_task_iq4_xs : kt_task_q6_k;
         const int64_t NT = N / TP, tasks = NT + (N % TP != 0);
 #if defined(QG_AMX)
         const int amx = base && M >= AMX_MIN_ROWS && qg_amx(); /* the K-quant tiles have no AMX path */
@@ -1499,7 +1578,12 @@ void qg_dequantize_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const
         case Q5_0: dequantize_row(Q5_0, row, G, of, ob); break;
         case Q5_1: dequantize_row(Q5_1, row, G, of, ob); break;
         case Q5_K: dequantize_row(Q5_K, row, G, of, ob); break;
+        case Q2_K: dequantize_row(Q2_K, row, G, of, ob); break;
+        case Q3_K: dequantize_row(Q3_K, row, G, of, ob); break;
+        case IQ4_NL: dequantize_row(IQ4_NL, row, G, of, ob); break;
+        case IQ4_XS: dequantize_row(IQ4_XS, row, G, of, ob); break;
         case QG_TILED + Q5_0: case QG_TILED + Q5_1: case QG_TILED + Q4_K: case QG_TILED + Q5_K: case QG_TILED + Q6_K:
+        case QG_TILED + Q2_K: case QG_TILED + Q3_K: case QG_TILED + IQ4_NL: case QG_TILED + IQ4_XS:
             kt_dequantize_row(kbase, w, N, G, row_id, of, ob);
             break;
         case QG_TILED + Q4_0: dequantize_tiled_row(Q4_0, w, N, G, row_id, of, ob); break;

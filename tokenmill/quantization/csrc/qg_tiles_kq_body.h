@@ -1,0 +1,264 @@
+/* The SIMD tile product of qg_tiles_kq.h for one vector width, included there twice: KT_W 256 (AVX2, one call
+ * per half h of a tile: rows 8h..8h+7) and KT_W 512 (AVX-512, all 16 rows; h is 0). See qg_tiles_kq.h for the
+ * layouts and the arithmetic, which kt_tile_portable spells out in plain C; this file gives the same bits.
+ *
+ * acc[r] lanes = y[m0 + r, 16t + (8h +) p]. pf: prefetch this group's share of the tile block TILE_PREFETCH_GROUPS
+ * groups ahead (as tile_avx512's pf).
+ */
+#if KT_W == 512
+typedef __m512i kt_vi;
+typedef __m512 kt_vf;
+#define KT_FN kt_tile_avx512
+#define KT_LOAD(p) _mm512_loadu_si512((const void*)(p))
+#define KT_AND _mm512_and_si512
+#define KT_OR _mm512_or_si512
+#define KT_SRLI16 _mm512_srli_epi16
+#define KT_SLLI16 _mm512_slli_epi16
+#define KT_SET8(x) _mm512_set1_epi8((char)(x))
+#define KT_SET32 _mm512_set1_epi32
+#define KT_SET16 _mm512_set1_epi16
+#define KT_ZERO _mm512_setzero_si512
+#define KT_ADD16 _mm512_add_epi16
+#define KT_ADD32 _mm512_add_epi32
+#define KT_MADDUBS _mm512_maddubs_epi16
+#define KT_MADD _mm512_madd_epi16
+#define KT_CVT _mm512_cvtepi32_ps
+#define KT_FMA _mm512_fmadd_ps
+#define KT_MUL _mm512_mul_ps
+#define KT_SETPS _mm512_set1_ps
+#define KT_ZEROPS _mm512_setzero_ps
+#define KT_NEG(v) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)))
+#define KT_HALF(p) half16(p)
+#define KT_U8PS(v) kt_u8x16_ps(v)
+#define KT_I8PS(v) kt_i8x16_ps(v)
+#define KT_TABLE(t) _mm512_broadcast_i32x4(t)
+#define KT_SHUF _mm512_shuffle_epi8
+#define KT_ABS _mm512_abs_epi8
+#define KT_SIGN(x, q) _mm512_mask_sub_epi8((x), _mm512_movepi8_mask(q), _mm512_setzero_si512(), (x))
+#if defined(QG_VNNI)
+#define KT_VNNI 1
+#else
+#define KT_VNNI 0
+#endif
+#else
+typedef __m256i kt_vi;
+typedef __m256 kt_vf;
+#define KT_FN kt_tile_avx2
+#define KT_LOAD(p) _mm256_loadu_si256((const __m256i*)(p))
+#define KT_AND _mm256_and_si256
+#define KT_OR _mm256_or_si256
+#define KT_SRLI16 _mm256_srli_epi16
+#define KT_SLLI16 _mm256_slli_epi16
+#define KT_SET8(x) _mm256_set1_epi8((char)(x))
+#define KT_SET32 _mm256_set1_epi32
+#define KT_SET16 _mm256_set1_epi16
+#define KT_ZERO _mm256_setzero_si256
+#define KT_ADD16 _mm256_add_epi16
+#define KT_ADD32 _mm256_add_epi32
+#define KT_MADDUBS _mm256_maddubs_epi16
+#define KT_MADD _mm256_madd_epi16
+#define KT_CVT _mm256_cvtepi32_ps
+#define KT_FMA _mm256_fmadd_ps
+#define KT_MUL _mm256_mul_ps
+#define KT_SETPS _mm256_set1_ps
+#define KT_ZEROPS _mm256_setzero_ps
+#define KT_NEG(v) _mm256_xor_ps((v), _mm256_set1_ps(-0.0f))
+#define KT_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#define KT_U8PS(v) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128((v), 8) : (v)))
+#define KT_I8PS(v) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128((v), 8) : (v)))
+#define KT_TABLE(t) _mm256_broadcastsi128_si256(t)
+#define KT_SHUF _mm256_shuffle_epi8
+#define KT_ABS _mm256_abs_epi8
+#define KT_SIGN(x, q) _mm256_sign_epi8((x), (q))
+#define KT_VNNI 0
+#endif
+
+AI void KT_FN(int fmt, const uint8_t* tile, int h, const act_q* a, int64_t m0, int R, kt_vf* acc, int pf) {
+    const int gpb = kt_groups(fmt);
+    const int64_t tbb = TP * qg_block_bytes(fmt), gb = tbb / gpb;
+    const int lane = KT_W == 512 ? 0 : 32 * h, halfs = KT_W == 512 ? 0 : 16 * h; /* this call's rows in a chunk / fp16 run */
+    /* IQ4 without VNNI multiplies |value| by the activation carrying the value's sign (vpmaddubsw cannot take
+     * value + 128 without saturating): the integer sum is sum(value * xq), the same I as sum((value + 128) * xq) -
+     * 128 * sum(xq), so no offset */
+    const int iq4_signed = !KT_VNNI && kt_iq4(fmt);
+    const int c = iq4_signed ? 0 : kt_offset(fmt);
+    /* chunks summed in 16 bits before widening: 8 * 2 * 15 * 127, 4 * 2 * 31 * 127, 2 * 2 * 63 * 127 < 32768 */
+    const int run = iq4_signed ? 1 : fmt == Q6_K ? 2 : kt_five(fmt) || kt_halves(fmt) ? 4 : 8;
+    const int nplanes = fmt == Q2_K ? 16 : fmt == IQ4_XS ? 6 : fmt == Q3_K || fmt == Q4_K || fmt == Q5_K ? 12 : 0;
+    const kt_vi m4 = KT_SET8(15);
+#if KT_VNNI
+    (void)run;
+#else
+    const kt_vi ones = KT_SET16(1);
+#endif
+    for (int r = 0; r < R; r++) acc[r] = KT_ZEROPS();
+    for (int64_t b = 0; b < a->G / gpb; b++) {
+        const uint8_t* tb = tile + b * tbb;
+        const kt_vf D = KT_HALF(tb + halfs);
+        const int second = fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K || fmt == Q2_K; /* M, or Dmin */
+        const kt_vf M = second ? KT_HALF(tb + 32 + halfs) : KT_ZEROPS();
+        const kt_vf Mneg = KT_NEG(M);
+        __m128i P[16];
+        for (int i = 0; i < nplanes; i++) P[i] = _mm_loadu_si128((const __m128i*)(tb + kt_planes_at(fmt) + 16 * i));
+        for (int j = 0; j < gpb; j++) {
+            const int64_t g = b * gpb + j;
+            if (pf)
+                for (int64_t o = 0; o < gb; o += 64)
+                    _mm_prefetch((const char*)tb + j * gb + TILE_PREFETCH_GROUPS * gb + o, _MM_HINT_T0);
+            /* lane scales (ds0, ds1) and mins (dm0, dm1) of this group */
+            kt_vf ds0 = D, ds1 = D, dm0 = M, dm1 = M;
+            if (fmt == Q4_K || fmt == Q5_K) {
+                __m128i sc, mn;
+                kt_scales_k4(P, j, &sc, &mn);
+                ds0 = ds1 = KT_MUL(D, KT_U8PS(sc));
+                dm0 = dm1 = KT_MUL(Mneg, KT_U8PS(mn));
+            } else if (fmt == Q6_K) {
+                ds0 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j)))));
+                ds1 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j + 1)))));
+            } else if (fmt == Q3_K) {
+                ds0 = KT_MUL(D, KT_I8PS(kt_scale_q3k(P, 2 * j)));
+                ds1 = KT_MUL(D, KT_I8PS(kt_scale_q3k(P, 2 * j + 1)));
+            } else if (fmt == Q2_K) {
+                const __m128i m15 = _mm_set1_epi8(15);
+                ds0 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j], m15)));
+                ds1 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j + 1], m15)));
+                dm0 = KT_MUL(Mneg, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j], 4), m15)));
+                dm1 = KT_MUL(Mneg, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j + 1], 4), m15)));
+            } else if (fmt == IQ4_XS) {
+                ds0 = ds1 = KT_MUL(D, KT_I8PS(kt_scale_iq4xs(P, j)));
+            }
+            /* the 8 code chunks (chunk k: codes 4k..4k+3 of every row; chunks 4-7 the second half) */
+            const uint8_t* cs = tb + kt_codes_at(fmt, j) + lane;
+            kt_vi u[8], q[8];
+            if (kt_two_bit(fmt)) {
+                const kt_vi m3 = KT_SET8(3), L0 = KT_LOAD(cs), L1 = KT_LOAD(cs + 64);
+                u[0] = KT_AND(L0, m3);
+                u[1] = KT_AND(KT_SRLI16(L0, 2), m3);
+                u[2] = KT_AND(KT_SRLI16(L0, 4), m3);
+                u[3] = KT_AND(KT_SRLI16(L0, 6), m3);
+                u[4] = KT_AND(L1, m3);
+                u[5] = KT_AND(KT_SRLI16(L1, 2), m3);
+                u[6] = KT_AND(KT_SRLI16(L1, 4), m3);
+                u[7] = KT_AND(KT_SRLI16(L1, 6), m3);
+                if (fmt == Q3_K) { /* the third bit: bit k (chunks 0-3) or 4 + k (chunks 4-7) of hb -> bit 2 */
+                    const kt_vi hb = KT_LOAD(tb + kt_hbits_at(fmt, j) + lane), m4b = KT_SET8(4);
+                    u[0] = KT_OR(u[0], KT_AND(KT_SLLI16(hb, 2), m4b));
+                    u[1] = KT_OR(u[1], KT_AND(KT_SLLI16(hb, 1), m4b));
+                    u[2] = KT_OR(u[2], KT_AND(hb, m4b));
+                    u[3] = KT_OR(u[3], KT_AND(KT_SRLI16(hb, 1), m4b));
+                    u[4] = KT_OR(u[4], KT_AND(KT_SRLI16(hb, 2), m4b));
+                    u[5] = KT_OR(u[5], KT_AND(KT_SRLI16(hb, 3), m4b));
+                    u[6] = KT_OR(u[6], KT_AND(KT_SRLI16(hb, 4), m4b));
+                    u[7] = KT_OR(u[7], KT_AND(KT_SRLI16(hb, 5), m4b));
+                }
+            } else {
+                for (int k = 0; k < 4; k++) {
+                    const kt_vi v = KT_LOAD(cs + 64 * k);
+                    u[k] = KT_AND(v, m4);
+                    u[k + 4] = KT_AND(KT_SRLI16(v, 4), m4);
+                }
+                if (kt_iq4(fmt)) { /* nibble -> table value (+ 128 for vpdpbusd) */
+                    const kt_vi T = KT_TABLE(kt_iq4_table(!iq4_signed));
+                    for (int k = 0; k < 8; k++) {
+                        u[k] = KT_SHUF(T, u[k]);
+                        if (iq4_signed) { q[k] = u[k]; u[k] = KT_ABS(q[k]); }
+                    }
+                } else if (kt_five(fmt)) { /* the fifth bit: bit k or 4 + k of hb -> bit 4 */
+                    const kt_vi hb = KT_LOAD(tb + kt_hbits_at(fmt, j) + lane), m16 = KT_SET8(16);
+                    u[0] = KT_OR(u[0], KT_AND(KT_SLLI16(hb, 4), m16));
+                    u[1] = KT_OR(u[1], KT_AND(KT_SLLI16(hb, 3), m16));
+                    u[2] = KT_OR(u[2], KT_AND(KT_SLLI16(hb, 2), m16));
+                    u[3] = KT_OR(u[3], KT_AND(KT_SLLI16(hb, 1), m16));
+                    u[4] = KT_OR(u[4], KT_AND(hb, m16));
+                    u[5] = KT_OR(u[5], KT_AND(KT_SRLI16(hb, 1), m16));
+                    u[6] = KT_OR(u[6], KT_AND(KT_SRLI16(hb, 2), m16));
+                    u[7] = KT_OR(u[7], KT_AND(KT_SRLI16(hb, 3), m16));
+                } else if (fmt == Q6_K) { /* the two high bits: bits 2k of hb0 (chunks 0-3) / hb1 (4-7) -> bits 4-5 */
+                    const uint8_t* hp = tb + kt_hbits_at(fmt, j) + lane;
+                    const kt_vi m48 = KT_SET8(48);
+                    for (int hh = 0; hh < 2; hh++) {
+                        const kt_vi hb = KT_LOAD(hp + 64 * hh);
+                        u[4 * hh + 0] = KT_OR(u[4 * hh + 0], KT_AND(KT_SLLI16(hb, 4), m48));
+                        u[4 * hh + 1] = KT_OR(u[4 * hh + 1], KT_AND(KT_SLLI16(hb, 2), m48));
+                        u[4 * hh + 2] = KT_OR(u[4 * hh + 2], KT_AND(hb, m48));
+                        u[4 * hh + 3] = KT_OR(u[4 * hh + 3], KT_AND(KT_SRLI16(hb, 2), m48));
+                    }
+                }
+            }
+            (void)q;
+            for (int r = 0; r < R; r++) {
+                const int8_t* xq = a->q + (m0 + r) * a->K + g * QK;
+                const int64_t idx = (m0 + r) * a->G + g;
+                const kt_vf dx = KT_SETPS(a->d[idx]);
+                kt_vi s0, s1;
+                if (kt_halves(fmt)) { s0 = KT_SET32(-c * a->h[2 * idx]); s1 = KT_SET32(-c * a->h[2 * idx + 1]); }
+                else { s0 = KT_SET32(-c * a->i[idx]); s1 = KT_ZERO(); }
+#if KT_VNNI
+                /* four chains (integer sums: any order gives the same I); chains 0-1 are the first half */
+                kt_vi q0 = s0, q1 = KT_ZERO(), t0 = s1, t1 = KT_ZERO();
+                q0 = dpbusd_bcast(q0, u[0], xq);
+                q1 = dpbusd_bcast(q1, u[1], xq + 4);
+                q0 = dpbusd_bcast(q0, u[2], xq + 8);
+                q1 = dpbusd_bcast(q1, u[3], xq + 12);
+                t0 = dpbusd_bcast(t0, u[4], xq + 16);
+                t1 = dpbusd_bcast(t1, u[5], xq + 20);
+                t0 = dpbusd_bcast(t0, u[6], xq + 24);
+                t1 = dpbusd_bcast(t1, u[7], xq + 28);
+                s0 = KT_ADD32(q0, q1);
+                s1 = KT_ADD32(t0, t1);
+#else
+                for (int k0 = 0; k0 < 8; k0 += run) {
+                    kt_vi s16 = KT_ZERO();
+                    for (int k = k0; k < k0 + run; k++) {
+                        kt_vi x = KT_SET32(load_i32(xq + 4 * k));
+                        if (iq4_signed) x = KT_SIGN(x, q[k]);
+                        s16 = KT_ADD16(s16, KT_MADDUBS(u[k], x));
+                    }
+                    if (k0 < 4) s0 = KT_ADD32(s0, KT_MADD(s16, ones));
+                    else s1 = KT_ADD32(s1, KT_MADD(s16, ones));
+                }
+#endif
+                if (kt_halves(fmt)) {
+                    acc[r] = KT_FMA(KT_CVT(s0), KT_MUL(ds0, dx), acc[r]);
+                    acc[r] = KT_FMA(KT_CVT(s1), KT_MUL(ds1, dx), acc[r]);
+                    if (fmt == Q2_K) {
+                        acc[r] = KT_FMA(dm0, KT_SETPS(a->s[2 * idx]), acc[r]);
+                        acc[r] = KT_FMA(dm1, KT_SETPS(a->s[2 * idx + 1]), acc[r]);
+                    }
+                } else {
+                    acc[r] = KT_FMA(KT_CVT(KT_ADD32(s0, s1)), KT_MUL(ds0, dx), acc[r]);
+                    if (kt_has_min(fmt)) acc[r] = KT_FMA(dm0, KT_SETPS(a->t[idx]), acc[r]);
+                }
+            }
+        }
+    }
+}
+
+#undef KT_FN
+#undef KT_LOAD
+#undef KT_AND
+#undef KT_OR
+#undef KT_SRLI16
+#undef KT_SLLI16
+#undef KT_SET8
+#undef KT_SET32
+#undef KT_SET16
+#undef KT_ZERO
+#undef KT_ADD16
+#undef KT_ADD32
+#undef KT_MADDUBS
+#undef KT_MADD
+#undef KT_CVT
+#undef KT_FMA
+#undef KT_MUL
+#undef KT_SETPS
+#undef KT_ZEROPS
+#undef KT_NEG
+#undef KT_HALF
+#undef KT_U8PS
+#undef KT_I8PS
+#undef KT_TABLE
+#undef KT_SHUF
+#undef KT_ABS
+#undef KT_SIGN
+#undef KT_VNNI
