@@ -278,8 +278,14 @@ def _measure_quantized(linears: list[Linear], dtype: torch.dtype) -> tuple[bool,
         by_kind.setdefault((m.in_features, m.out_features, m.quant.describe()), m.quant)
     if not by_kind:
         return ()
-    decisions = []
-    for rows in ROW_LADDER:
+    # Dequantizing costs the same whatever the rows and the kernel's cost grows with them, so the torch
+    # GEMM keeps every row count above the smallest point from which it wins at every larger point (a
+    # noisy kernel win in between moves that point up rather than leaving a hole in the ladder). The
+    # ladder is therefore raced from its top down, and the first kernel win ends it: every point below
+    # takes the kernel whatever it would measure (a 1-2 B model's ladder took 26 s measured bottom-up).
+    first = len(ROW_LADDER)
+    for i in reversed(range(len(ROW_LADDER))):
+        rows = ROW_LADDER[i]
         xs = {k: torch.randn(rows, k).to(dtype) for k, _, _ in by_kind}
 
         def run(table):
@@ -290,24 +296,28 @@ def _measure_quantized(linears: list[Linear], dtype: torch.dtype) -> tuple[bool,
             return out
 
         try:
-            decisions.append(_race(lambda: run(()), lambda: run((True,))))
+            kernel_wins = _race(lambda: run(()), lambda: run((True,)))
         finally:
             for quant in by_kind.values():
                 quant.dequantize_table = ()
-    # Dequantizing costs the same whatever the rows and the kernel's cost grows with them, so the torch
-    # GEMM keeps every row count above the smallest point from which it wins at every larger point (a
-    # noisy kernel win in between moves that point up rather than leaving a hole in the ladder).
-    first = len(decisions)
-    while first > 0 and not decisions[first - 1]:
-        first -= 1
-    return tuple(i < first for i in range(len(decisions)))
+        if kernel_wins:
+            break
+        first = i
+    return tuple(i < first for i in range(len(ROW_LADDER)))  # True: the kernel
+
+
+_DECODE_RACE_ELEMENTS = 1 << 23  # most K (and V) cache elements one decode race allocates (32 MiB in float32)
 
 
 def _race_decode(attn: Attention, dtype: torch.dtype, batch: int, context: int = 512, block_size: int = 16) -> bool:
-    """The C paged decode kernel against the torch reference, ``batch`` sequences of ``context`` keys."""
+    """The C paged decode kernel against the torch reference, ``batch`` sequences of ``context`` keys (fewer
+    where the K cache would pass ``_DECODE_RACE_ELEMENTS``: at 32 sequences of a 1-2 B model's 32 KV heads
+    the full context made this one race take 9 s of a model's first start, the reference's gathers mostly)."""
     from tokenmill.attention.metadata import build_attention_metadata
     from tokenmill.attention.torch_paged import reference_decode_attention
 
+    per_token = batch * attn.num_kv_heads * attn.head_dim
+    context = max(block_size, min(context, _DECODE_RACE_ELEMENTS // per_token // block_size * block_size))
     blocks = context // block_size
     cache = torch.randn(2, batch * blocks, block_size, attn.num_kv_heads, attn.head_dim).to(dtype)
     q = torch.randn(batch, attn.num_heads, attn.head_dim).to(dtype)
