@@ -18,7 +18,8 @@ from tests.tiny_models import TINY_ARCHS, make_tiny_model, smollm2_gguf_path, ti
 from tokenmill.attention import build_attention_metadata
 from tokenmill.csrc_build import cpu_has_native_bf16
 from tokenmill.models import get_model_class, load_model
-from tokenmill.models.gguf_loader import gguf_to_hf_config, iter_gguf_weights, open_gguf
+from tokenmill.models.gguf_loader import (gguf_to_hf_config, iter_gguf_weights, iter_mapped_weights, open_gguf,
+                                          read_gguf_metadata, read_tensor_index)
 from tokenmill.models.loader import check_sliding_window
 
 BLOCK_SIZE = 4
@@ -207,8 +208,35 @@ def test_gguf_auto_dtype_is_bfloat16_where_the_cpu_has_bf16_arithmetic():
     assert loaded.load_seconds < 60
 
 
-def _write_gguf(hf_model, arch: str, out_path) -> None:
-    """Export a tiny HF model as an F32 GGUF the way llama.cpp does (Q/K rows permuted for llama)."""
+def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py stores as ``rope_freqs.weight`` for a llama3 rope_parameters
+    dict: per frequency i, the divisor of ``base^(-2i/d)`` (1 above the high-frequency wavelength, ``factor``
+    below the low-frequency one, ``1 / ((1 - s) / factor + s)`` between), F32 [head_dim / 2]."""
+    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    wavelen = 2 * np.pi / inv_freq.double().numpy()
+    context = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    smooth = (context / wavelen - low) / (high - low)
+    between = 1.0 / ((1.0 - smooth) / factor + smooth)
+    divisors = np.where(wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, between))
+    return divisors.astype(np.float32)
+
+
+# tokenizer.* key -> the GGUFWriter method that writes it with the type llama.cpp uses
+_TOKENIZER_WRITERS = {
+    "tokenizer.ggml.model": "add_tokenizer_model", "tokenizer.ggml.pre": "add_tokenizer_pre",
+    "tokenizer.ggml.tokens": "add_token_list", "tokenizer.ggml.token_type": "add_token_types",
+    "tokenizer.ggml.merges": "add_token_merges", "tokenizer.ggml.bos_token_id": "add_bos_token_id",
+    "tokenizer.ggml.eos_token_id": "add_eos_token_id", "tokenizer.ggml.unknown_token_id": "add_unk_token_id",
+    "tokenizer.ggml.padding_token_id": "add_pad_token_id", "tokenizer.ggml.add_bos_token": "add_add_bos_token",
+    "tokenizer.ggml.add_space_prefix": "add_add_space_prefix", "tokenizer.chat_template": "add_chat_template",
+}
+
+
+def _write_gguf(hf_model, arch: str, out_path, tokenizer_fields: dict | None = None) -> None:
+    """Export a tiny HF model as an F32 GGUF the way llama.cpp does (Q/K rows permuted for llama; a llama3
+    rope_parameters dict as a ``rope_freqs`` tensor and no rope.scaling keys). ``tokenizer_fields``: another
+    GGUF's ``tokenizer.*`` values (``read_gguf_metadata(...).fields``) to copy, so engines can load the file."""
     import gguf
 
     config = hf_model.config
@@ -226,6 +254,10 @@ def _write_gguf(hf_model, arch: str, out_path) -> None:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    for key, value in (tokenizer_fields or {}).items():
+        getattr(writer, _TOKENIZER_WRITERS[key])(value)
+    if config.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config.rope_parameters, head_dim))
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
              "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
              "down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -250,23 +282,98 @@ def _write_gguf(hf_model, arch: str, out_path) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_gguf_export_of_tiny_model_loads_to_same_weights(arch, tmp_path):
+@pytest.mark.parametrize("arch, gguf_arch", [("llama", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"),
+                                             ("qwen3", "qwen3")])
+def test_gguf_export_of_tiny_model_loads_to_same_weights(arch, gguf_arch, tmp_path):
     path = make_tiny_model(arch, tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     hf.config.head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
-    _write_gguf(hf, arch, tmp_path / "tiny.gguf")
+    _write_gguf(hf, gguf_arch, tmp_path / "tiny.gguf")  # llama.cpp exports Mistral as "llama"
     reader = open_gguf(tmp_path / "tiny.gguf")
     config = gguf_to_hf_config(reader)
-    assert config.architectures == list(hf.config.architectures)
-    assert not config.tie_word_embeddings
-    weights = dict(iter_gguf_weights(reader, config))
+    assert config.architectures == (["LlamaForCausalLM"] if arch == "mistral" else list(hf.config.architectures))
+    assert config.head_dim == hf.config.head_dim and not config.tie_word_embeddings
+    assert getattr(config, "rope_freq_factors", None) is None
     expected = hf.state_dict()
-    assert weights.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(weights[name], tensor), name
+    for weights in (dict(iter_gguf_weights(reader, config)),  # dequantized through the whole-file reader
+                    dict(iter_mapped_weights(tmp_path / "tiny.gguf", read_tensor_index(reader), config))):
+        assert weights.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(weights[name], tensor), name
     model = get_model_class(config)(config)
     model.load_weights(weights.items())  # every tensor lands somewhere, none missing
+
+
+@pytest.fixture(scope="module")
+def smollm2_reader():
+    """The embedded GGUF through the `gguf` package's reader (several seconds: once per module)."""
+    return open_gguf(smollm2_gguf_path())
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer_fields():
+    """The embedded GGUF's ``tokenizer.*`` metadata (the tiny models use the SmolLM2 tokenizer)."""
+    return {k: v for k, v in read_gguf_metadata(smollm2_gguf_path()).fields.items() if k.startswith("tokenizer.")}
+
+
+def test_fast_header_reader_reads_what_the_gguf_package_reads(smollm2_reader):
+    fast = read_gguf_metadata(smollm2_gguf_path())
+    reference = {f.name: f.contents() for f in smollm2_reader.fields.values() if not f.name.startswith("GGUF.")}
+    assert fast.fields == reference  # every key and value, the 49152 tokens and the merges included
+    assert [(t.name, t.qtype, t.shape, t.offset, t.nbytes) for t in fast.tensors] == [
+        (t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), int(t.data_offset), int(t.n_bytes))
+        for t in smollm2_reader.tensors]
+    assert gguf_to_hf_config(fast).to_dict() == gguf_to_hf_config(smollm2_reader).to_dict()
+
+
+def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path, monkeypatch, smollm2_tokenizer_fields):
+    """A Llama 3.x-style GGUF (llama3 RoPE stored as llama.cpp's ``rope_freqs`` divisors) loads, its inverse
+    frequencies are transformers' llama3 ones within float32 rounding, and its greedy tokens over prompts
+    reaching past the smoothed frequencies' wavelengths equal transformers' on the HF model."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.rotary_embedding import compute_inv_freq
+
+    from transformers import AutoTokenizer
+
+    from tests.test_gguf_cache import fresh_gguf_cache
+    from tokenmill.models import gguf_cache
+
+    fresh_gguf_cache(tmp_path / "cache", monkeypatch)
+    hf_dir = make_tiny_model("llama_rope_llama3", tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    rope, head_dim = hf.config.rope_parameters, hf.config.head_dim  # head_dim 16, original context 64
+    divisors = llama3_rope_freqs(rope, head_dim)
+    assert divisors[0] == 1 and divisors[-1] == rope["factor"]
+    assert ((divisors > 1) & (divisors < rope["factor"])).sum() >= 2  # the smoothed band is exercised
+    gguf_path = tmp_path / "llama3.gguf"
+    _write_gguf(hf, "llama", gguf_path, smollm2_tokenizer_fields)
+
+    config = gguf_to_hf_config(read_gguf_metadata(gguf_path))
+    assert config.rope_parameters["rope_type"] == "default" and config.rope_freq_factors == divisors.tolist()
+    # The same SmolLM2 tokenizer the file holds, put in the GGUF cache from the HF directory: transformers'
+    # rebuild from GGUF metadata takes seconds (tests/test_gguf_cache.py covers it).
+    gguf_cache.cached_tokenizer(gguf_path, lambda: AutoTokenizer.from_pretrained(str(hf_dir)))
+    ours, scaling = compute_inv_freq(config, head_dim)
+    theirs, their_scaling = ROPE_INIT_FUNCTIONS["llama3"](hf.config, torch.device("cpu"))
+    assert scaling == their_scaling == 1.0
+    torch.testing.assert_close(ours, theirs.float(), rtol=4 * 2**-24, atol=0)
+    default, _ = compute_inv_freq(LlamaConfig(rope_parameters=config.rope_parameters, head_dim=head_dim), head_dim)
+    assert not torch.allclose(default, ours)  # the factors change the frequencies
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (70, 150)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    for attempt in range(2):  # the second load takes the config (with its factors) from the GGUF cache
+        llm = LLM(model=str(gguf_path), dtype="float32", kv_cache_memory=0.05, max_model_len=256)
+        assert llm.engine.loaded.hf_config.rope_freq_factors == divisors.tolist()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        llm.close()
+        for prompt, output in zip(prompts, outputs):
+            with torch.inference_mode():
+                ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+            assert output.outputs[0].token_ids == ref[0, len(prompt):].tolist(), (attempt, len(prompt))
 
 
 # --- loader errors and the default model ------------------------------------------------------

@@ -11,7 +11,8 @@ as stored, at N = 37, 48 and 5) does the same, dequantizes to the same values, a
 on every ISA path in its tiled rows; the embedded model's greedy tokens with native Q4_1 execution
 equal the dequantized path wherever the top-2 log-probability gap exceeds MARGIN (6 chats x 32
 tokens, mean |logprob difference| printed); deterministic mode keeps each request's bits whatever it is
-batched with; the weights stay quantized in memory and a second load comes from the cache.
+batched with; the weights stay quantized in memory and a second load comes from the cache (config, tensor
+index, tokenizer; no copy of the blocks).
 
 The bound (per output): sum over groups of 32 of 0.5 * max|x_group| / 127 * sum|w_group| (activations
 are rounded to int8 per group, at most half a step each) plus 1e-5 * sum|x||w| of float rounding.
@@ -261,8 +262,14 @@ def test_weights_stay_quantized_and_reload_from_the_cache(engines):
     assert plan.weight_bytes == qbytes + dense_bytes  # `tokenmill plan` counts the blocks as stored
     none = plan_memory(shape, PlanConfig(memory=4, dtype="float32", quantization="none"))
     assert none.weight_bytes == none.model.num_params * 4
-    again = load_model(None, "float32")  # second start: the quantized entry of the GGUF cache
+    again = load_model(None, "float32")  # second start: config, tensor index and tokenizer from the GGUF cache
     assert again.quantization == "gguf" and again.load_seconds < 10
+    from tokenmill.models import gguf_cache
+    from tokenmill.models.default_model import default_model_path
+
+    entry = gguf_cache.entry_dir(default_model_path())
+    # only the dense engine's dequantized copy: the blocks are read from the file in place, never copied
+    assert {f.name for f in entry.glob("*.safetensors")} <= {"model.safetensors"}
 
 
 def test_q4_1_greedy_tokens_match_the_dequantized_model_where_the_margin_is_clear(engines):

@@ -153,15 +153,17 @@ def read_model_shape(model: str | None) -> ModelShape:
         if len(ggufs) == 1:
             path = ggufs[0]
     if path.is_file() and path.suffix == ".gguf":
-        from tokenmill.models.gguf_loader import _kept_quantized, gguf_to_hf_config, open_gguf
+        from tokenmill.models.gguf_loader import (gguf_to_hf_config, kept_quantized_names, read_gguf_metadata,
+                                                  read_tensor_index)
 
-        reader = open_gguf(path)
-        config = gguf_to_hf_config(reader)
-        num_params = sum(int(t.n_elements) for t in reader.tensors)
-        nbytes = sum(int(t.n_bytes) for t in reader.tensors)
-        kept = _kept_quantized(reader)
-        quantized = (sum(int(t.n_elements) for t in reader.tensors if t.name in kept),
-                     sum(int(t.n_bytes) for t in reader.tensors if t.name in kept))
+        header = read_gguf_metadata(path)
+        config = gguf_to_hf_config(header)
+        index = read_tensor_index(header)  # the weights (rope_freqs.weight is config, not a parameter)
+        num_params = sum(math.prod(t.shape) for t in index)
+        nbytes = sum(t.nbytes for t in index)
+        kept = kept_quantized_names(index)
+        quantized = (sum(math.prod(t.shape) for t in index if t.name in kept),
+                     sum(t.nbytes for t in index if t.name in kept))
         return _shape_from_config(config, path, "gguf", num_params, nbytes, None, quantized)
     if not path.is_dir():
         raise ValueError(f"model {model!r} is not a local model directory or .gguf file")

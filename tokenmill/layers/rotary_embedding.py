@@ -37,8 +37,15 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 def compute_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Return (inv_freq [head_dim // 2] float32, attention_scaling) for the config's rope_type.
 
+    A config read from a Llama 3.x GGUF carries ``rope_freq_factors`` (llama.cpp's ``rope_freqs`` tensor,
+    head_dim // 2 floats, with rope_type "default"): the default inverse frequencies are divided by them,
+    as llama.cpp does (``theta_i = pos * base^(-2i/d) / rope_freqs[i]``); for a llama3 rope_parameters
+    dict this equals transformers' llama3 frequencies within float32 rounding.
+
     Raises:
-        NotImplementedError: a rope_type outside SUPPORTED_ROPE_TYPES, or partial rotary embeddings.
+        NotImplementedError: a rope_type outside SUPPORTED_ROPE_TYPES, partial rotary embeddings, or
+            ``rope_freq_factors`` with another rope_type.
+        ValueError: ``rope_freq_factors`` of the wrong length.
     """
     params = rope_parameters(config)
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -46,9 +53,18 @@ def compute_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Ten
         raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise NotImplementedError("partial_rotary_factor != 1.0 is not supported")
+    factors = getattr(config, "rope_freq_factors", None)
+    if factors is not None and rope_type != "default":
+        raise NotImplementedError(f"rope_freq_factors with rope_type {rope_type!r} is not supported")
     if rope_type == "default":
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+        if factors is not None:
+            factors = torch.tensor(factors, dtype=torch.float32)
+            if factors.shape != inv_freq.shape:
+                raise ValueError(f"rope_freq_factors has {factors.numel()} entries; head_dim {head_dim} needs "
+                                 f"{head_dim // 2}")
+            inv_freq = inv_freq / factors
         return inv_freq, 1.0
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     assert inv_freq.shape == (head_dim // 2,), f"inv_freq shape {tuple(inv_freq.shape)} for head_dim {head_dim}"

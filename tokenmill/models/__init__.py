@@ -3,6 +3,7 @@
 Models take a flat token batch plus the paged KV cache; loading never touches the network.
 """
 from tokenmill.models.default_model import default_model_path
+from tokenmill.models.errors import UnsupportedModelError
 from tokenmill.models.llama import LlamaForCausalLM, MistralForCausalLM
 from tokenmill.models.loader import LoadedModel, load_model
 from tokenmill.models.qwen2 import Qwen2ForCausalLM
@@ -16,6 +17,7 @@ __all__ = [
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "UnsupportedModelError",
     "default_model_path",
     "get_model_class",
     "load_model",

@@ -1,7 +1,10 @@
-"""A per-machine cache of what a GGUF file turns into: its dequantized, HF-named tensors (one
-safetensors file), its quantized ones (the blocks as uint8 rows, their formats in the file's metadata),
-its config (``config.json``) and its tokenizer (``save_pretrained``), so a second load of the same
-file skips parsing the GGUF metadata, dequantizing in numpy and rebuilding the tokenizer (seconds each).
+"""A per-machine cache of what a GGUF file turns into: its dequantized, HF-named tensors (safetensors:
+all of them for the dense path, ``model.safetensors``; for the quantized path only the tensors in block
+formats tokenmill does not run natively, ``dense.safetensors``), its tensor index (``tensors.json``: where
+each tensor's bytes are, so the quantized blocks are mapped from the file without parsing its metadata),
+its config (``config.json``) and its tokenizer (``save_pretrained``), so a second load of the same file
+skips parsing the GGUF metadata, dequantizing in numpy and rebuilding the tokenizer (seconds each). The
+quantized blocks themselves are never copied here: they are used in place from the memory-mapped file.
 
 Keyed by the file's resolved path, size and modification time, under
 ``$TOKENMILL_CACHE_DIR/gguf`` (default ``~/.cache/tokenmill/gguf``). Entries are written to a
@@ -10,7 +13,9 @@ cannot be written only costs the speed-up (logged once).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -25,9 +30,9 @@ if TYPE_CHECKING:  # torch only where weights are read or written: the router re
 logger = logging.getLogger(__name__)
 
 # Bump when what the loader yields for a GGUF file changes (names, layouts, dequantization).
-CACHE_VERSION = 1  # the quantized entry and the config were added beside the version-1 files
+CACHE_VERSION = 2  # 2: no quantized-blocks copy (mapped in place), a tensor index, rope_freqs in the config
 _WEIGHTS = "model.safetensors"
-_QUANTIZED = "quantized.safetensors"
+_TENSORS = "tensors.json"
 _CONFIG = "config"
 _TOKENIZER = "tokenizer"
 
@@ -45,13 +50,14 @@ def entry_dir(path: Path) -> Path:
     return cache_root() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def cached_weights(path: Path, produce: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for a GGUF file: from the cache when present, else from ``produce()``
-    (then stored for next time). The tensors are exactly those ``produce`` yields."""
+def cached_weights(path: Path, produce: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+                   file: str = _WEIGHTS) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for a GGUF file: from the cache entry's ``file`` when present, else from
+    ``produce()`` (then stored for next time). The tensors are exactly those ``produce`` yields."""
     from safetensors.torch import load_file, save_file
 
     entry = entry_dir(path)
-    weights = entry / _WEIGHTS
+    weights = entry / file
     if weights.is_file():
         yield from load_file(str(weights)).items()
         return
@@ -59,40 +65,23 @@ def cached_weights(path: Path, produce: Callable[[], Iterator[tuple[str, torch.T
     for name, tensor in produce():
         tensors[name] = tensor
         yield name, tensor
-    _store(entry, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / _WEIGHTS)), _WEIGHTS)
+    _store(entry, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / file)), file)
 
 
-def cached_quantized_weights(path: Path,
-                             produce: Callable[[], Iterator[tuple[str, object]]]) -> Iterator[tuple[str, object]]:
-    """Like ``cached_weights`` for a loader that yields ``tokenmill.quantization.QuantizedTensor``s
-    beside float tensors: both come back exactly (formats and logical shapes kept in the metadata)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+def cached_tensor_index(path: Path, produce: Callable[[], list]) -> list:
+    """The GGUF file's tensor index (``gguf_metadata.GGUFTensorInfo``: name, type, shape, byte offset and
+    size; what mapping the quantized blocks in place needs): reloaded from the cache when present (a small
+    JSON file, no metadata parse), else ``produce()`` (then saved for next time)."""
+    from tokenmill.models.gguf_metadata import GGUFTensorInfo
 
-    from tokenmill.quantization.formats import QuantizedTensor
-
-    weights = entry_dir(path) / _QUANTIZED
-    if weights.is_file():
-        with safe_open(str(weights), framework="pt") as f:
-            meta = f.metadata() or {}
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                if name in meta:
-                    qtype, n, k = (int(v) for v in meta[name].split(","))
-                    yield name, QuantizedTensor(qtype, (n, k), tensor)
-                else:
-                    yield name, tensor
-        return
-    tensors, meta = {}, {}
-    for name, tensor in produce():
-        if isinstance(tensor, QuantizedTensor):
-            tensors[name] = tensor.data
-            meta[name] = f"{tensor.qtype},{tensor.shape[0]},{tensor.shape[1]}"
-        else:
-            tensors[name] = tensor
-        yield name, tensor
-    _store(entry_dir(path), lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()},
-                                                  str(tmp / _QUANTIZED), metadata=meta), _QUANTIZED)
+    saved = entry_dir(path) / _TENSORS
+    if saved.is_file():
+        return [GGUFTensorInfo(e["name"], e["qtype"], tuple(e["shape"]), e["offset"], e["nbytes"])
+                for e in json.loads(saved.read_text())]
+    index = produce()
+    text = json.dumps([dataclasses.asdict(info) for info in index])
+    _store(entry_dir(path), lambda tmp: (tmp / _TENSORS).write_text(text), _TENSORS)
+    return index
 
 
 def cached_config(path: Path, produce: Callable[[], object]):

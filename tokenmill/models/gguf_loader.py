@@ -1,23 +1,35 @@
 """Reads a GGUF file into Hugging Face terms: a transformers config, HF-named float tensors, a tokenizer.
 
 Tensors are dequantized with ``gguf.quants.dequantize`` (the model then runs dense in bf16/fp32), or,
-with ``quantized=True``, the matrices in a format of ``tokenmill.quantization`` (Q4_0, Q4_1, Q8_0,
-Q4_K, Q6_K) come out as ``QuantizedTensor``s holding the file's blocks; llama.cpp's Q/K row
-permutation is undone for the ``llama`` architecture (whole rows, so blocks are moved as they are). Supported GGUF
-architectures: llama (incl. Mistral exported as llama), qwen2, qwen3.
+with ``quantized=True``, the matrices in a format of ``tokenmill.quantization`` (``GGUF_QUANT_TYPES``)
+come out as ``QuantizedTensor``s over the file's blocks, memory-mapped in place (``iter_mapped_weights``:
+one copy-on-write mapping per tensor, so a tensor that is used as stored costs no copy and one that a
+consumer repacks releases its pages with its last reference); llama.cpp's Q/K row permutation is undone
+for the ``llama`` architecture (whole rows, so blocks are moved as they are; a copy). Supported GGUF
+architectures: llama (incl. Mistral exported as llama, and Llama 3.x's ``rope_freqs`` RoPE factors),
+qwen2, qwen3. What the engine cannot run (architecture, tensor type or name, RoPE variant, tokenizer)
+raises ``UnsupportedModelError`` naming the file and the metadata key or tensor.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+
+from tokenmill.models.errors import UnsupportedModelError
+from tokenmill.models.gguf_metadata import GGUFMetadata, GGUFTensorInfo, read_gguf_metadata
+
+__all__ = ["GGUFMetadata", "GGUFTensorInfo", "gguf_to_hf_config", "iter_gguf_weights", "iter_mapped_weights",
+           "load_gguf_tokenizer", "open_gguf", "read_gguf_metadata", "read_tensor_index"]
 
 # GGUF general.architecture -> (config class, HF architecture name)
 _ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
@@ -47,52 +59,130 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+# Tensors in the file that are not weights: read into the config (``rope_freqs.weight``: Llama 3.x RoPE).
+_NOT_WEIGHTS = frozenset({"rope_freqs.weight"})
+
+
+class _Reader(GGUFReader):
+    """``GGUFReader`` that names the tensor whose type id is unknown (the package only says the number)
+    and remembers its file."""
+
+    def __init__(self, path: Path) -> None:
+        self.source = Path(path)
+        super().__init__(str(path))
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        known = {int(t) for t in GGMLQuantizationType}
+        for field in fields:
+            _name_len, name_data, _n_dims, _dims, raw_dtype, _offset = field.parts
+            if int(raw_dtype[0]) not in known or GGMLQuantizationType(int(raw_dtype[0])) not in GGML_QUANT_SIZES:
+                name = bytes(name_data).decode("utf-8", "replace")
+                raise UnsupportedModelError(f"{self.source}: tensor {name!r} has tensor type id {int(raw_dtype[0])}, "
+                                            "which neither tokenmill nor the gguf package knows")
+        super()._build_tensors(start_offs, fields)
+
+
 def open_gguf(path: Path) -> GGUFReader:
-    """Memory-map a GGUF file (metadata parsed, tensor data left on disk until dequantized)."""
-    return GGUFReader(str(path))
+    """Memory-map a GGUF file (metadata parsed, tensor data left on disk until dequantized).
+
+    Raises:
+        UnsupportedModelError: not a GGUF file the ``gguf`` package can read (bad magic, version,
+            truncated), or a tensor of a type id it does not know (named).
+    """
+    try:
+        return _Reader(Path(path))
+    except UnsupportedModelError:
+        raise
+    except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
+        raise UnsupportedModelError(f"{path}: not a GGUF file tokenmill can read "
+                                    f"({type(exc).__name__}: {exc})") from exc
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _source(reader: GGUFReader | GGUFMetadata) -> Path:
+    """The file a reader maps (for error messages)."""
+    return getattr(reader, "source", None) or Path(reader.data.filename)
+
+
+def _field(reader: GGUFReader | GGUFMetadata, key: str, default: Any = None) -> Any:
+    if isinstance(reader, GGUFMetadata):
+        return reader.fields.get(key, default)
     field = reader.get_field(key)
     return default if field is None else field.contents()
 
 
-def gguf_architecture(reader: GGUFReader) -> str:
-    """``general.architecture``; raises ValueError when tokenmill cannot run it."""
+def _tensor_infos(reader: GGUFReader | GGUFMetadata) -> list[GGUFTensorInfo]:
+    """Every tensor of the file (``rope_freqs.weight`` included), in file order."""
+    if isinstance(reader, GGUFMetadata):
+        return reader.tensors
+    return [GGUFTensorInfo(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), int(t.data_offset),
+                           int(t.n_bytes)) for t in reader.tensors]
+
+
+def gguf_architecture(reader: GGUFReader | GGUFMetadata) -> str:
+    """``general.architecture``; raises UnsupportedModelError (a ValueError) when tokenmill cannot run it."""
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
+        raise UnsupportedModelError(f"{_source(reader)}: general.architecture {arch!r} is not supported "
+                                    f"(supported: {', '.join(sorted(_ARCHITECTURES))})")
     return arch
 
 
-def gguf_to_hf_config(reader: GGUFReader) -> PretrainedConfig:
-    """Build the transformers config from GGUF metadata (``{arch}.block_count`` etc.).
+def _rope_freq_factors(reader: GGUFReader | GGUFMetadata, rope_dim: int) -> list[float]:
+    """Llama 3.x's ``rope_freqs.weight`` (F32 [rope_dim / 2]): llama.cpp divides each inverse frequency
+    ``base^(-2i/d)`` by its factor (1 for high frequencies, the scaling factor for low ones, smoothed between).
 
     Raises:
-        ValueError: unsupported architecture or a required key missing.
-        NotImplementedError: RoPE scaling that cannot be expressed (llama.cpp ``rope_freqs``, unknown types).
+        UnsupportedModelError: another type or length, or factors that are not finite and positive.
+    """
+    info = next(t for t in _tensor_infos(reader) if t.name == "rope_freqs.weight")
+    where = f"{_source(reader)}: tensor 'rope_freqs.weight'"
+    qtype = GGMLQuantizationType(info.qtype)
+    if qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        raise UnsupportedModelError(f"{where} has type {qtype.name}; only F32/F16 RoPE factors are supported")
+    raw = np.fromfile(_source(reader), dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    factors = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(-1)
+    if factors.shape != (rope_dim // 2,):
+        raise UnsupportedModelError(f"{where} has {factors.size} factors; the RoPE dimension {rope_dim} needs "
+                                    f"{rope_dim // 2}")
+    if not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise UnsupportedModelError(f"{where} holds factors that are not finite and positive")
+    return [float(f) for f in factors]
+
+
+def gguf_to_hf_config(reader: GGUFReader | GGUFMetadata) -> PretrainedConfig:
+    """Build the transformers config from GGUF metadata (``{arch}.block_count`` etc.).
+
+    A ``rope_freqs.weight`` tensor (Llama 3.x) becomes the config's ``rope_freq_factors`` (a list of
+    rope_dim / 2 floats, saved in config.json), which ``layers.rotary_embedding.compute_inv_freq`` divides
+    the inverse frequencies by, as llama.cpp does.
+
+    Raises:
+        UnsupportedModelError (a ValueError): an unsupported architecture, a required key missing, a RoPE
+            variant tokenmill cannot run (an unknown ``{arch}.rope.scaling.type``, partial rotary
+            embeddings, ``rope_freqs`` beside a scaling type, bad ``rope_freqs``); the message names the file
+            and the key or tensor.
     """
     arch = gguf_architecture(reader)
     config_cls, hf_arch = _ARCHITECTURES[arch]
+    source = _source(reader)
 
     def required(key: str) -> Any:
         value = _field(reader, f"{arch}.{key}")
         if value is None:
-            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+            raise UnsupportedModelError(f"{source}: metadata key {arch}.{key} is missing")
         return value
 
-    tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise NotImplementedError("GGUF files with a rope_freqs tensor (llama3-style RoPE) are not supported")
+    tensor_names = {t.name for t in _tensor_infos(reader)}
     hidden_size = int(required("embedding_length"))
     num_heads = int(required("attention.head_count"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise NotImplementedError(f"partial rotary embeddings (rope dim {rope_dim} < head_dim {head_dim})")
+        raise UnsupportedModelError(f"{source}: {arch}.rope.dimension_count {rope_dim} < head dim {head_dim} "
+                                    "(partial rotary embeddings) is not supported")
     vocab_size = _field(reader, f"{arch}.vocab_size")
     if vocab_size is None:
-        vocab_size = len(reader.get_field("tokenizer.ggml.tokens").data)
+        vocab_size = len(_field(reader, "tokenizer.ggml.tokens") or [])
     context_length = int(required("context_length"))
 
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
@@ -103,7 +193,14 @@ def gguf_to_hf_config(reader: GGUFReader) -> PretrainedConfig:
         if scaling_type == "yarn":
             rope["original_max_position_embeddings"] = int(required("rope.scaling.original_context_length"))
     elif scaling_type != "none":
-        raise NotImplementedError(f"GGUF rope scaling type {scaling_type!r} is not supported")
+        raise UnsupportedModelError(f"{source}: {arch}.rope.scaling.type {scaling_type!r} is not supported "
+                                    "(supported: none, linear, yarn)")
+    rope_freq_factors = None
+    if "rope_freqs.weight" in tensor_names:
+        if scaling_type != "none":
+            raise UnsupportedModelError(f"{source}: tensor 'rope_freqs.weight' together with {arch}.rope.scaling.type "
+                                        f"{scaling_type!r} is not supported")
+        rope_freq_factors = _rope_freq_factors(reader, rope_dim)
 
     kwargs: dict[str, Any] = dict(
         architectures=[hf_arch],
@@ -124,6 +221,8 @@ def gguf_to_hf_config(reader: GGUFReader) -> PretrainedConfig:
     )
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if rope_freq_factors is not None:
+        kwargs["rope_freq_factors"] = rope_freq_factors
     return config_cls(**kwargs)
 
 
@@ -157,12 +256,51 @@ def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 _FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 
-def _kept_quantized(reader: GGUFReader) -> set[str]:
+@functools.cache
+def _dequantizable(qtype: int) -> bool:
+    """Whether ``gguf.quants.dequantize`` turns this type into floats (probed on one zero block)."""
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    try:
+        dequantize(np.zeros(type_size, dtype=np.uint8), GGMLQuantizationType(qtype))
+    except NotImplementedError:
+        return False
+    return qtype not in (GGMLQuantizationType.F64, GGMLQuantizationType.I8, GGMLQuantizationType.I16,
+                         GGMLQuantizationType.I32, GGMLQuantizationType.I64)
+
+
+def read_tensor_index(reader: GGUFReader | GGUFMetadata) -> list[GGUFTensorInfo]:
+    """Every weight tensor of the file with where its bytes are (``rope_freqs.weight`` left out: it goes
+    into the config), checked to be one the engine can run: a name tokenmill maps and a type it runs
+    natively (``tokenmill.quantization.formats.GGUF_QUANT_TYPES``, 2-D) or can dequantize.
+
+    Raises:
+        UnsupportedModelError: a tensor named, with what about it tokenmill cannot run.
+    """
+    from tokenmill.quantization.formats import GGUF_QUANT_TYPES
+
+    source, arch = _source(reader), gguf_architecture(reader)
+    index = []
+    for t in _tensor_infos(reader):
+        if t.name in _NOT_WEIGHTS:
+            continue
+        try:
+            _hf_name(t.name)
+        except ValueError:
+            raise UnsupportedModelError(f"{source}: tensor {t.name!r} is not part of a {arch} model tokenmill "
+                                        "runs") from None
+        native = t.qtype in GGUF_QUANT_TYPES and len(t.shape) == 2
+        if not native and not _dequantizable(t.qtype):
+            raise UnsupportedModelError(f"{source}: tensor {t.name!r} has type {GGMLQuantizationType(t.qtype).name}, "
+                                        "which tokenmill cannot run or dequantize")
+        index.append(t)
+    return index
+
+
+def kept_quantized_names(index: list[GGUFTensorInfo]) -> set[str]:
     """Names of the matrices whose blocks tokenmill runs as stored (a fused group only when all its members can)."""
     from tokenmill.quantization.formats import GGUF_QUANT_TYPES
 
-    names = {t.name for t in reader.tensors
-             if int(t.tensor_type) in GGUF_QUANT_TYPES and len(t.shape) == 2 and t.name.endswith(".weight")}
+    names = {t.name for t in index if t.qtype in GGUF_QUANT_TYPES and len(t.shape) == 2 and t.name.endswith(".weight")}
     for name in list(names):
         match = _BLOCK_RE.fullmatch(name)
         if match is None:
@@ -174,44 +312,103 @@ def _kept_quantized(reader: GGUFReader) -> set[str]:
     return names
 
 
-def iter_gguf_weights(reader: GGUFReader, config: PretrainedConfig,
-                      quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) for every tensor in the file: a float tensor, dequantized, or with
-    ``quantized`` a ``tokenmill.quantization.QuantizedTensor`` for the matrices in a supported block
-    format (the file's bytes, rows permuted as the dense tensor's would be).
+def needs_dequantization(index: list[GGUFTensorInfo]) -> bool:
+    """Whether the tensors not kept quantized include block formats (slow to dequantize in numpy, worth a
+    cache) rather than only F32/F16/BF16 ones (norms, read in place)."""
+    kept = kept_quantized_names(index)
+    floats = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)}
+    return any(t.qtype not in floats for t in index if t.name not in kept)
 
-    Shapes come out in PyTorch order ([out_features, in_features] for matrices).
+
+def _map(path: Path, info: GGUFTensorInfo) -> np.ndarray:
+    """The tensor's bytes (uint8 [nbytes]) as their own copy-on-write memory map: writable for numpy and
+    torch (so no read-only warnings) yet never written back to the file; unmapped with the last reference."""
+    return np.memmap(path, dtype=np.uint8, mode="c", offset=info.offset, shape=(info.nbytes,))
+
+
+def _permuted_heads(hf_name: str, config: PretrainedConfig, permute: bool) -> int | None:
+    """The head count whose Q/K rows llama.cpp interleaved for this tensor, or None."""
+    if permute and ".self_attn.q_proj." in hf_name:
+        return int(config.num_attention_heads)
+    if permute and ".self_attn.k_proj." in hf_name:
+        return int(config.num_key_value_heads)
+    return None
+
+
+def iter_mapped_weights(path: Path, index: list[GGUFTensorInfo], config: PretrainedConfig,
+                        quantized: bool = True, dense: bool = True,
+                        kept: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) straight from the file's memory map (no metadata parse: ``index`` says where).
+
+    ``kept``: the tensors to keep in their block format (default ``kept_quantized_names(index)``; an empty
+    set dequantizes everything). ``quantized``: yield those as ``QuantizedTensor``s whose ``data``
+    [N, row bytes] is a view of their own mapping (no copy; Q/K of a llama file are unpermuted, a copy),
+    kept alive by the tensor and released with it. ``dense``: yield the other tensors as float32 (F32 ones
+    are views of their mapping, the rest dequantized copies), in PyTorch order. ``config``: for Q/K head counts.
     """
     from tokenmill.quantization.formats import QuantizedTensor
 
-    permute = gguf_architecture(reader) == "llama"
-    keep = _kept_quantized(reader) if quantized else set()
-    for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
-        if tensor.name in keep:
-            n, k = int(tensor.shape[1]), int(tensor.shape[0])
-            data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(n, -1))  # (N, row bytes)
-            if permute and ".self_attn.q_proj." in name:
-                data = _unpermute_rows(data, config.num_attention_heads).contiguous()
-            elif permute and ".self_attn.k_proj." in name:
-                data = _unpermute_rows(data, config.num_key_value_heads).contiguous()
-            yield name, QuantizedTensor(int(tensor.tensor_type), (n, k), data)
+    permute = config.model_type == "llama"  # the GGUF llama architecture (Mistral included) becomes a LlamaConfig
+    keep = kept_quantized_names(index) if kept is None else kept
+    for info in index:
+        name = _hf_name(info.name)
+        heads = _permuted_heads(name, config, permute)
+        if info.name in keep:
+            if not quantized:
+                continue
+            n, k = info.shape
+            data = torch.from_numpy(_map(path, info).reshape(n, -1))  # (N, row bytes), in place
+            if heads is not None:
+                data = _unpermute_rows(data, heads).contiguous()
+            yield name, QuantizedTensor(info.qtype, (n, k), data)
             continue
-        array = dequantize(tensor.data, tensor.tensor_type)
-        if not array.flags.writeable:  # F32 tensors come back as read-only views of the memory map
-            array = np.array(array)
-        weight = torch.from_numpy(array)
-        expected = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
-        weight = weight.reshape(expected)
-        if permute and ".self_attn.q_proj." in name:
-            weight = _unpermute_rows(weight, config.num_attention_heads)
-        elif permute and ".self_attn.k_proj." in name:
-            weight = _unpermute_rows(weight, config.num_key_value_heads)
+        if not dense:
+            continue
+        qtype = GGMLQuantizationType(info.qtype)
+        raw = _map(path, info)
+        if qtype == GGMLQuantizationType.F32:
+            array = raw.view(np.float32)
+        else:
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            array = dequantize(raw.reshape(-1, info.shape[-1] // block * type_size), qtype)
+        weight = torch.from_numpy(array).reshape(info.shape)
+        if heads is not None:
+            weight = _unpermute_rows(weight, heads)
         yield name, weight
 
 
+def iter_gguf_weights(reader: GGUFReader | GGUFMetadata, config: PretrainedConfig,
+                      quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) for every weight in the file: a float tensor, dequantized, or with
+    ``quantized`` a ``tokenmill.quantization.QuantizedTensor`` for the matrices in a supported block
+    format (the file's bytes, mapped in place, rows permuted as the dense tensor's would be; see
+    ``iter_mapped_weights``).
+
+    Shapes come out in PyTorch order ([out_features, in_features] for matrices).
+
+    Raises:
+        UnsupportedModelError: a tensor tokenmill cannot run (``read_tensor_index``).
+    """
+    index = read_tensor_index(reader)
+    yield from iter_mapped_weights(_source(reader), index, config, kept=None if quantized else set())
+
+
 def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
-    """The tokenizer (with chat template) that transformers reconstructs from the GGUF metadata."""
+    """The tokenizer (with chat template) that transformers reconstructs from the GGUF metadata.
+
+    Raises:
+        UnsupportedModelError: transformers cannot build it (no ``tokenizer.ggml.*`` metadata, or a
+            ``tokenizer.ggml.model`` it does not convert); the message names the file and the key.
+    """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # noqa: BLE001 - transformers raises KeyError/ValueError/... for what it cannot convert
+        try:
+            model = _field(read_gguf_metadata(path), "tokenizer.ggml.model")
+        except ValueError:
+            model = None
+        what = "no tokenizer.ggml.model" if model is None else f"tokenizer.ggml.model {model!r}"
+        raise UnsupportedModelError(f"{path}: the tokenizer ({what}) cannot be built: {type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc

@@ -7,6 +7,7 @@ directly on the device), then filled by ``load_weights``; it ends on the request
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -255,33 +256,41 @@ def resolve_quantization(quantization: str | None, file_format: str, device: tor
 
 def _load_gguf(path: Path, dtype: str, max_model_len: int | None, device: torch.device,
                quantization: str | None = None) -> LoadedModel:
+    """Config and tensor index first (from the GGUF cache, else parsed and checked: what the engine cannot
+    run fails here, before any weight is read), then the weights while the tokenizer is rebuilt beside them.
+    Quantized blocks are mapped from the file in place (``gguf_loader.iter_mapped_weights``)."""
     from tokenmill.models import gguf_cache, gguf_loader  # needs the `gguf` package, only for GGUF files
 
     torch_dtype = resolve_dtype(dtype, None, device)
     quantization = resolve_quantization(quantization, "gguf", device)
+    reader = None  # the header (read_gguf_metadata, ~0.1 s): only when the cache lacks something
+
+    def get_reader():
+        nonlocal reader
+        if reader is None:
+            reader = gguf_loader.read_gguf_metadata(path)
+        return reader
+
+    config = gguf_cache.cached_config(path, lambda: gguf_loader.gguf_to_hf_config(get_reader()))
+    index = gguf_cache.cached_tensor_index(path, lambda: gguf_loader.read_tensor_index(get_reader()))
+    del reader, get_reader  # each tensor gets its own mapping below
+    check_sliding_window(config, max_model_len)
     # transformers rebuilds the tokenizer by re-reading the file's metadata (seconds of Python);
-    # overlap that with dequantization, which spends its time in numpy/torch kernels.
+    # overlap that with the weights, which spend their time in numpy/torch kernels and page faults.
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_future = pool.submit(gguf_cache.cached_tokenizer, path,
                                        lambda: gguf_loader.load_gguf_tokenizer(path))
-        reader = None  # parsing the GGUF metadata takes seconds: only when the cache lacks something
-
-        def get_reader():
-            nonlocal reader
-            if reader is None:
-                reader = gguf_loader.open_gguf(path)
-            return reader
-
-        config = gguf_cache.cached_config(path, lambda: gguf_loader.gguf_to_hf_config(get_reader()))
-        check_sliding_window(config, max_model_len)
         model = _build_model(config, torch_dtype, device)
-        if quantization == "gguf":  # the file's blocks as they are, no dequantization
-            model.load_weights(gguf_cache.cached_quantized_weights(
-                path, lambda: gguf_loader.iter_gguf_weights(get_reader(), config, quantized=True)))
+        if quantization == "gguf":  # the file's blocks as they are, no dequantization, no copy
+            blocks = gguf_loader.iter_mapped_weights(path, index, config, dense=False)
+            dense = lambda: gguf_loader.iter_mapped_weights(path, index, config, quantized=False)  # noqa: E731
+            if gguf_loader.needs_dequantization(index):  # block formats without a kernel: dequantized once
+                model.load_weights(itertools.chain(blocks, gguf_cache.cached_weights(path, dense, "dense.safetensors")))
+            else:
+                model.load_weights(itertools.chain(blocks, dense()))
         else:
             model.load_weights(gguf_cache.cached_weights(
-                path, lambda: gguf_loader.iter_gguf_weights(get_reader(), config)))
-        del reader
+                path, lambda: gguf_loader.iter_mapped_weights(path, index, config, kept=set())))
         tokenizer = tokenizer_future.result()
     return LoadedModel(
         model=_finish(model, device),
@@ -318,6 +327,8 @@ def load_model(
     Raises:
         ValueError: a bad dtype, a path that does not exist (tokenmill never downloads), a
             directory without config.json/safetensors, an unsupported architecture.
+        UnsupportedModelError (a ValueError): a GGUF file holding what tokenmill cannot run (architecture,
+            tensor type or name, RoPE variant, tokenizer), named with the file and the key or tensor.
         NotImplementedError: model features tokenmill cannot run (e.g. a short sliding window).
         FileNotFoundError: model is None and the default-model package is not installed.
     """

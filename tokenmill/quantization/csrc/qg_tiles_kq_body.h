@@ -2,8 +2,8 @@
  * per half h of a tile: rows 8h..8h+7) and KT_W 512 (AVX-512, all 16 rows; h is 0). See qg_tiles_kq.h for the
  * layouts and the arithmetic, which kt_tile_portable spells out in plain C; this file gives the same bits.
  *
- * acc[r] lanes = y[m0 + r, 16t + (8h +) p]. pf: prefetch this group's share of the tile block TILE_PREFETCH_GROUPS
- * groups ahead (as tile_avx512's pf).
+ * acc[r] lanes = y[m0 + r, 16t + (8h +) p]. pf: prefetch KT_PF_BYTES ahead of each group's bytes (the first
+ * pass over a tile: later passes find it in L1).
  */
 #if KT_W == 512
 typedef __m512i kt_vi;
@@ -104,7 +104,7 @@ AI void KT_FN(int fmt, const uint8_t* tile, int h, const act_q* a, int64_t m0, i
             const int64_t g = b * gpb + j;
             if (pf)
                 for (int64_t o = 0; o < gb; o += 64)
-                    _mm_prefetch((const char*)tb + j * gb + TILE_PREFETCH_GROUPS * gb + o, _MM_HINT_T0);
+                    _mm_prefetch((const char*)tb + j * gb + KT_PF_BYTES + o, _MM_HINT_T0);
             /* lane scales (ds0, ds1) and mins (dm0, dm1) of this group */
             kt_vf ds0 = D, ds1 = D, dm0 = M, dm1 = M;
             if (fmt == Q4_K || fmt == Q5_K) {
