@@ -211,13 +211,24 @@ def test_plan_switches_prefill_attention_and_keeps_a_dequantize_suffix(monkeypat
         assert attn.cpu_prefill_kernel is flag
     cpu_kernels.apply_plan(attn, cpu_kernels.KernelPlan(isa=None))
     assert attn.cpu_prefill_kernel is False
-    # Race results per ladder point (True: the quantized kernel won); a noisy kernel win at 128 rows
-    # moves the switch to 256, a noisy dequantize win at 4 rows is ignored.
-    wins = iter([True, True, False, True, True, True, True, True, False])
-    monkeypatch.setattr(cpu_kernels, "_race", lambda c_fn, torch_fn: next(wins))
+    # Race results per ladder point from the top down (True: the quantized kernel won): dequantize wins at
+    # 256 rows, a kernel win at 128 ends the ladder (every smaller point takes the kernel unraced, so a
+    # noisy dequantize win at 4 rows could not leave a hole), and the switch sits at 256.
+    wins = iter([False, True])
+    raced = []
+
+    def race(c_fn, torch_fn):
+        raced.append(1)
+        return next(wins)
+
+    monkeypatch.setattr(cpu_kernels, "_race", race)
     layer = torch.nn.Module()
     from tokenmill.layers.linear import Linear
 
     layer.proj = Linear(64, 40)
     layer.proj.load_quantized(q4_1_weight(40, 64, 3))
     assert cpu_kernels._measure_quantized([layer.proj], torch.float32) == (True,) * 8 + (False,)
+    assert len(raced) == 2
+    wins = iter([False] * 9)  # dequantize wins everywhere: every point raced, none keeps the kernel
+    raced.clear()
+    assert cpu_kernels._measure_quantized([layer.proj], torch.float32) == (False,) * 9 and len(raced) == 9
