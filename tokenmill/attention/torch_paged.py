@@ -121,3 +121,53 @@ def paged_attention(
         )
         out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                          softcap: float) -> torch.Tensor:
+    """Eager attention with tanh logit capping, as transformers' Gemma 2 computes it.
+
+    q: [B, KVH, G, Lq, D]; k/v: [B, KVH, Lk, D]; mask: bool, broadcastable to [B, KVH, G, Lq, Lk] (True = attend).
+    Returns [B, KVH, G, Lq, D] in q's dtype; the softmax runs in float32.
+    """
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k.to(q.dtype)) * scale  # (B, KVH, G, Lq, Lk)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("bhgqk,bhkd->bhgqd", probs, v.to(q.dtype))
+
+
+def softcap_paged_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """:func:`paged_attention` with Gemma 2's attention logit soft-capping (``softcap * tanh(s / softcap)``).
+
+    query: [T, num_heads, head_dim]; caches as in :func:`write_kv` (already holding this step's K/V).
+    Returns [T, num_heads, head_dim]. Plain torch: decode queries batched over their gathered contexts, each
+    prefill chunk over its own context with a causal mask.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if metadata.decode_token_idx.numel():
+        q = query[metadata.decode_token_idx]  # (Bd, H, D)
+        k = _gather_context(k_cache, metadata.decode_block_table)  # (Bd, KVH, L, D)
+        v = _gather_context(v_cache, metadata.decode_block_table)
+        mask = metadata.decode_key_mask.view(q.shape[0], 1, 1, 1, -1)  # (Bd, 1, 1, 1, L)
+        o = _softcapped_attention(q.view(-1, num_kv_heads, group, 1, head_dim), k, v, mask, scale, softcap)
+        out[metadata.decode_token_idx] = o.reshape(-1, num_heads, head_dim)
+    for span in metadata.prefills:
+        num_query = span.token_end - span.token_start
+        q = query[span.token_start : span.token_end]  # (Lq, H, D)
+        q = q.view(num_query, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).unsqueeze(0)  # (1, KVH, G, Lq, D)
+        k = _gather_context(k_cache, span.block_ids)[:, : span.num_context].unsqueeze(0)  # (1, KVH, Lk, D)
+        v = _gather_context(v_cache, span.block_ids)[:, : span.num_context].unsqueeze(0)
+        if span.attn_mask is not None:
+            mask = span.attn_mask  # (Lq, Lk)
+        else:  # the chunk is the whole context: plain causal
+            mask = torch.ones(num_query, span.num_context, dtype=torch.bool, device=query.device).tril()
+        o = _softcapped_attention(q, k, v, mask, scale, softcap)  # (1, KVH, G, Lq, D)
+        out[span.token_start : span.token_end] = o[0].permute(2, 0, 1, 3).reshape(num_query, num_heads, head_dim)
+    return out

@@ -58,7 +58,9 @@ class LLMEngine:
             check_deterministic_supported(torch.float32, self.device)
         if config.lora is not None and self.device.type not in ("cpu", "cuda"):
             raise ConfigError(f"`enable_lora` runs on the CPU and CUDA backends, not {self.device.type}")
-        self.loaded = load_model(config.model, config.dtype, device=self.device, quantization=config.quantization)
+        # max_model_len: a sliding window (Mistral, Gemma, Phi-3) is allowed when it covers the served context
+        self.loaded = load_model(config.model, config.dtype, max_model_len=config.scheduler.max_model_len,
+                                 device=self.device, quantization=config.quantization)
         self.tokenizer = self.loaded.tokenizer
         model_max = self.loaded.max_position_embeddings
         max_model_len = config.scheduler.max_model_len or model_max

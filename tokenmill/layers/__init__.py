@@ -2,13 +2,15 @@
 
 Every layer works on the flat ``[num_tokens, ...]`` layout; none of them knows about requests or the KV cache.
 """
-from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.embedding import VocabEmbedding
-from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.layernorm import GemmaRMSNorm, RMSNorm
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 
 __all__ = [
+    "GeluTanhAndMul",
+    "GemmaRMSNorm",
     "Linear",
     "MergedLinear",
     "RMSNorm",

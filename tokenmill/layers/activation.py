@@ -31,3 +31,14 @@ class SiluAndMul(nn.Module):
             return triton_silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)  # (T, I) views each
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(gate) * up for a fused ``[gate | up]`` tensor (Gemma's ``gelu_pytorch_tanh`` MLP).
+
+    forward(x [T, 2 * intermediate]) -> [T, intermediate]; plain torch on every device.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)  # (T, I) views each
+        return F.gelu(gate, approximate="tanh") * up

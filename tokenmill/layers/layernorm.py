@@ -45,3 +45,26 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)``, all in float32, then cast to x's dtype (HF Gemma order).
+
+    forward(x [..., hidden_size]) -> [..., hidden_size] in x's dtype. ``weight`` is the checkpoint's offset
+    (zero-initialised, as in transformers' ``Gemma2RMSNorm``/``Gemma3RMSNorm``); llama.cpp stores
+    ``1 + weight`` in GGUF files, which ``gguf_loader`` undoes. Always plain torch: the C RMSNorm kernel
+    multiplies by the weight after rounding to x's dtype, which is the Llama order, not this one.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)  # (..., hidden)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

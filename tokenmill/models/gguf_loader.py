@@ -7,8 +7,10 @@ one copy-on-write mapping per tensor, so a tensor that is used as stored costs n
 consumer repacks releases its pages with its last reference); llama.cpp's Q/K row permutation is undone
 for the ``llama`` architecture (whole rows, so blocks are moved as they are; a copy). Supported GGUF
 architectures: llama (incl. Mistral exported as llama, and Llama 3.x's ``rope_freqs`` RoPE factors),
-qwen2, qwen3. What the engine cannot run (architecture, tensor type or name, RoPE variant, tokenizer)
-raises ``UnsupportedModelError`` naming the file and the metadata key or tensor.
+qwen2, qwen3, phi3 (fused ``attn_qkv`` and ``ffn_up`` = gate | up, loaded into the fused projections as
+they are), gemma2 and gemma3 (llama.cpp stores Gemma's RMSNorm weights as ``1 + weight``; 1 is subtracted
+here so the model sees transformers' convention). What the engine cannot run (architecture, tensor type
+or name, RoPE variant, tokenizer) raises ``UnsupportedModelError`` naming the file and the metadata key or tensor.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config, PretrainedConfig,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
 
 from tokenmill.models.errors import UnsupportedModelError
 from tokenmill.models.gguf_metadata import GGUFMetadata, GGUFTensorInfo, read_gguf_metadata
@@ -36,7 +39,12 @@ _ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM"),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+    "phi3": (Phi3Config, "Phi3ForCausalLM"),
+    "gemma2": (Gemma2Config, "Gemma2ForCausalLM"),
+    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
 }
+# HF model_type of a config built from GGUF -> its GGUF architecture, where the tensor names or values differ
+_GGUF_ARCH_OF_MODEL_TYPE = {"phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -55,7 +63,15 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q | k | v in one tensor
 }
+# Architectures whose block tensors name something else (gguf-py's constants): phi3's ffn_up is the fused
+# gate | up projection; Gemma's ffn_norm is the norm before the MLP, its attention-output and MLP-output
+# norms are post_attention_norm and post_ffw_norm.
+_GEMMA_BLOCK_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_BLOCK_NAMES,
+                     "gemma3": _GEMMA_BLOCK_NAMES}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -223,16 +239,75 @@ def gguf_to_hf_config(reader: GGUFReader | GGUFMetadata) -> PretrainedConfig:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if rope_freq_factors is not None:
         kwargs["rope_freq_factors"] = rope_freq_factors
+    if arch == "phi3":
+        _phi3_fields(reader, kwargs, tensor_names)
+    elif arch in ("gemma2", "gemma3"):
+        _gemma_fields(reader, arch, kwargs)
     return config_cls(**kwargs)
 
 
-def _hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ValueError when unknown."""
+def _phi3_fields(reader: GGUFReader | GGUFMetadata, kwargs: dict[str, Any], tensor_names: set[str]) -> None:
+    """Phi-3's extra config fields: ``original_max_position_embeddings`` and ``sliding_window`` (0: none).
+
+    Raises:
+        UnsupportedModelError: longrope RoPE (``rope_factors_long`` / ``rope_factors_short`` tensors: Phi-3 128k,
+            Phi-3.5), which tokenmill does not run.
+    """
+    source = _source(reader)
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        if name in tensor_names:
+            raise UnsupportedModelError(f"{source}: tensor {name!r} (longrope RoPE scaling, Phi-3 128k / Phi-3.5) is "
+                                        "not supported")
+    kwargs["original_max_position_embeddings"] = int(
+        _field(reader, "phi3.rope.scaling.original_context_length", kwargs["max_position_embeddings"]))
+    window = int(_field(reader, "phi3.attention.sliding_window", 0) or 0)
+    kwargs["sliding_window"] = window or None
+
+
+def _gemma_fields(reader: GGUFReader | GGUFMetadata, arch: str, kwargs: dict[str, Any]) -> None:
+    """Gemma 2 / Gemma 3's extra config fields, read as llama.cpp reads them.
+
+    Soft-capping from ``{arch}.attn_logit_softcapping`` / ``{arch}.final_logit_softcapping``; the window from
+    ``{arch}.attention.sliding_window`` (absent: every layer global). Sliding layers: gemma2 alternates
+    (layer 0 sliding), gemma3 follows ``{arch}.attention.sliding_window_pattern`` (an int n: every n-th layer
+    global; or one bool per layer), default 6 as in llama.cpp. The GGUF has no query_pre_attn_scalar: like
+    llama.cpp, the 27B models (46 / 62 layers) scale by hidden_size / num_heads, the others by head_dim. Gemma 3's
+    local layers use ``{arch}.rope.freq_base_swa`` (default 10000, as llama.cpp) and no RoPE scaling.
+    """
+    layers, heads = kwargs["num_hidden_layers"], kwargs["num_attention_heads"]
+    kwargs["attn_logit_softcapping"] = _field(reader, f"{arch}.attn_logit_softcapping")
+    kwargs["final_logit_softcapping"] = _field(reader, f"{arch}.final_logit_softcapping")
+    is_27b = layers == (46 if arch == "gemma2" else 62)
+    kwargs["query_pre_attn_scalar"] = kwargs["hidden_size"] // heads if is_27b else kwargs["head_dim"]
+    kwargs["hidden_activation"] = "gelu_pytorch_tanh"
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if not window:
+        kwargs["sliding_window"] = None
+        sliding = [False] * layers
+    elif isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(layers)]
+    if window:
+        kwargs["sliding_window"] = int(window)
+    kwargs["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if arch == "gemma3":
+        global_rope = kwargs["rope_parameters"]
+        local_theta = float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+        kwargs["rope_parameters"] = {"full_attention": global_rope,
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+
+
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (``arch``: the GGUF architecture,
+    for the names it uses differently); ValueError when unknown."""
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match:
         layer, part, kind = match.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     else:
         base, _, kind = gguf_name.rpartition(".")
         if base in _GLOBAL_NAMES and kind in ("weight", "bias"):
@@ -284,7 +359,7 @@ def read_tensor_index(reader: GGUFReader | GGUFMetadata) -> list[GGUFTensorInfo]
         if t.name in _NOT_WEIGHTS:
             continue
         try:
-            _hf_name(t.name)
+            _hf_name(t.name, arch)
         except ValueError:
             raise UnsupportedModelError(f"{source}: tensor {t.name!r} is not part of a {arch} model tokenmill "
                                         "runs") from None
@@ -301,13 +376,16 @@ def kept_quantized_names(index: list[GGUFTensorInfo]) -> set[str]:
     from tokenmill.quantization.formats import GGUF_QUANT_TYPES
 
     names = {t.name for t in index if t.qtype in GGUF_QUANT_TYPES and len(t.shape) == 2 and t.name.endswith(".weight")}
+    present = {t.name for t in index}
     for name in list(names):
         match = _BLOCK_RE.fullmatch(name)
         if match is None:
             continue
         layer, part, _ = match.groups()
         group = next((g for g in _FUSED_GROUPS if part in g), None)
-        if group and not all(f"blk.{layer}.{p}.weight" in names for p in group):
+        # a member the file does not have (phi3's ffn_up is already gate | up, with no ffn_gate) does not count
+        if group and not all(f"blk.{layer}.{p}.weight" in names for p in group
+                             if f"blk.{layer}.{p}.weight" in present):
             names.discard(name)
     return names
 
@@ -349,9 +427,11 @@ def iter_mapped_weights(path: Path, index: list[GGUFTensorInfo], config: Pretrai
     from tokenmill.quantization.formats import QuantizedTensor
 
     permute = config.model_type == "llama"  # the GGUF llama architecture (Mistral included) becomes a LlamaConfig
+    arch = _GGUF_ARCH_OF_MODEL_TYPE.get(config.model_type, "llama")  # for the names some architectures use
+    norm_offset = arch in ("gemma2", "gemma3")  # llama.cpp stored 1 + weight
     keep = kept_quantized_names(index) if kept is None else kept
     for info in index:
-        name = _hf_name(info.name)
+        name = _hf_name(info.name, arch)
         heads = _permuted_heads(name, config, permute)
         if info.name in keep:
             if not quantized:
@@ -374,6 +454,8 @@ def iter_mapped_weights(path: Path, index: list[GGUFTensorInfo], config: Pretrai
         weight = torch.from_numpy(array).reshape(info.shape)
         if heads is not None:
             weight = _unpermute_rows(weight, heads)
+        if norm_offset and name.endswith("norm.weight"):
+            weight = weight - 1.0  # exact for stored values in [0.5, 2]: 1 + (stored - 1) gives back stored
         yield name, weight
 
 

@@ -198,11 +198,18 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.decoder_variant(config))
+        self.model = self.build_decoder(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    # True where the checkpoint itself stores the fused ``qkv_proj`` / ``gate_up_proj`` (Phi-3).
+    checkpoint_fuses_projections = False
+
+    def build_decoder(self, config: PretrainedConfig) -> nn.Module:
+        """The ``model`` submodule (embedding, layers, final norm); Gemma builds its own."""
+        return LlamaModel(config, self.decoder_variant(config))
 
     @classmethod
     def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
@@ -271,6 +278,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _expected_checkpoint_names(self) -> list[str]:
         """Every checkpoint tensor name load_weights needs (fused params expanded to their sources)."""
+        if self.checkpoint_fuses_projections:
+            return [name for name, _ in self.named_parameters()]
         inverse: dict[str, list[str]] = {}
         for proj, (fused, _) in _STACKED.items():
             inverse.setdefault(fused, []).append(proj)

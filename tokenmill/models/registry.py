@@ -4,7 +4,9 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from tokenmill.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM, MistralForCausalLM
+from tokenmill.models.phi3 import Phi3ForCausalLM
 from tokenmill.models.qwen2 import Qwen2ForCausalLM
 from tokenmill.models.qwen3 import Qwen3ForCausalLM
 from tokenmill.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
@@ -12,6 +14,9 @@ from tokenmill.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,  # text only (Gemma3TextConfig)
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # hybrid Gated DeltaNet (docs/hybrid_models.md)

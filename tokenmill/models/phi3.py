@@ -1,0 +1,27 @@
+"""Phi-3: the Llama decoder whose checkpoint already stores the fused projections.
+
+``self_attn.qkv_proj`` (q | k | v rows) and ``mlp.gate_up_proj`` (gate | up rows) load straight into the
+engine's fused ``MergedLinear``s; nothing is split. What tokenmill does not run is refused by name:
+``partial_rotary_factor`` != 1 and ``longrope`` RoPE (Phi-3 128k / Phi-3.5) raise ``NotImplementedError``
+from ``layers.rotary_embedding.compute_inv_freq``; a ``sliding_window`` shorter than the served context is
+rejected by the loader (``loader.check_sliding_window``).
+"""
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from tokenmill.models.llama import DecoderVariant, LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-3-mini causal LM; same forward/compute_logits/load_weights contract as Llama.
+
+    Checkpoint tensors: ``model.layers.{i}.self_attn.qkv_proj.weight`` [(H + 2 * KVH) * D, hidden],
+    ``model.layers.{i}.mlp.gate_up_proj.weight`` [2 * intermediate, hidden], no biases.
+    """
+
+    checkpoint_fuses_projections = True
+
+    @classmethod
+    def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
+        return DecoderVariant()
