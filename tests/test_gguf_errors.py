@@ -10,6 +10,7 @@ errors come from the fault, not from the hand-written file).
 """
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 import sys
@@ -148,3 +149,50 @@ def test_chat_and_serve_print_one_error_line_and_exit_2(command, case, bad_files
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and CASES[case][1] in errors[0] and str(bad_files[case]) in errors[0]
+
+
+# ---------------------------------------------------------------- what a user gets wrong by accident
+
+
+def test_files_cut_short_or_empty_and_paths_that_are_not_there_are_named(tmp_path, cache_dir):
+    good = write_gguf(tmp_path / "good.gguf")
+    data = good.read_bytes()
+    (tmp_path / "header.gguf").write_bytes(data[:200])  # stops inside the metadata
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    cases = {
+        tmp_path / "header.gguf": "the file ends inside its GGUF header (200 bytes): truncated",
+        tmp_path / "empty.gguf": "empty file (not a GGUF file)",
+        tmp_path / "missing.gguf": f"model path '{tmp_path / 'missing.gguf'}' does not exist",
+        tmp_path / "no" / "such" / "dir": "does not exist",
+    }
+    for path, expected in cases.items():
+        with pytest.raises(ValueError) as excinfo:
+            LLM(model=str(path), dtype="float32", kv_cache_memory=0.01)
+        assert expected in str(excinfo.value) and "\n" not in str(excinfo.value), str(excinfo.value)
+    result = tokenmill("generate", "hi", "--model", str(tmp_path / "header.gguf"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "ends inside its GGUF header" in result.stderr.strip().splitlines()[-1]
+    assert not list((cache_dir / "gguf").glob("header-*"))  # nothing cached for a file that cannot be read
+
+
+def test_a_directory_of_several_gguf_files_names_them(tmp_path, cache_dir):
+    for name in ("a-Q4_K_M.gguf", "a-Q8_0.gguf"):
+        write_gguf(tmp_path / name)
+    with pytest.raises(ValueError, match=r"holds 2 GGUF files and no config.json: pass one of them as the model "
+                                         r"\(a-Q4_K_M.gguf, a-Q8_0.gguf\)"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory=0.01)
+
+
+def test_a_damaged_cache_entry_is_rebuilt_from_the_file(tmp_path, cache_dir):
+    from tokenmill.models import gguf_cache
+
+    path = write_gguf(tmp_path / "good.gguf")
+    LLM(model=str(path), dtype="float32", kv_cache_memory=0.01).close()
+    entry = gguf_cache.entry_dir(path)
+    (entry / "tensors.json").write_text("")
+    (entry / "config" / "config.json").write_text("{not json")
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory=0.01)
+    assert llm.engine.loaded.hf_config.num_hidden_layers == 1
+    llm.close()
+    assert json.loads((entry / "tensors.json").read_text())  # written again
+    assert json.loads((entry / "config" / "config.json").read_text())["num_hidden_layers"] == 1

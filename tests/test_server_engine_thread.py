@@ -94,4 +94,4 @@ def test_serve_exits_with_2_and_one_line_when_the_model_path_is_wrong(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tokenmill.cli.main", "serve", str(tmp_path / "missing"),
                            "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2  # a bad argument, as for `generate`: one `error:` line, no traceback
-    assert "error: " in proc.stderr and "not a local path" in proc.stderr and "Traceback" not in proc.stderr
+    assert "error: " in proc.stderr and "does not exist" in proc.stderr and "Traceback" not in proc.stderr

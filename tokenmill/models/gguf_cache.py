@@ -76,8 +76,11 @@ def cached_tensor_index(path: Path, produce: Callable[[], list]) -> list:
 
     saved = entry_dir(path) / _TENSORS
     if saved.is_file():
-        return [GGUFTensorInfo(e["name"], e["qtype"], tuple(e["shape"]), e["offset"], e["nbytes"])
-                for e in json.loads(saved.read_text())]
+        try:
+            return [GGUFTensorInfo(e["name"], e["qtype"], tuple(e["shape"]), e["offset"], e["nbytes"])
+                    for e in json.loads(saved.read_text())]
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            _discard(saved, exc)
     index = produce()
     text = json.dumps([dataclasses.asdict(info) for info in index])
     _store(entry_dir(path), lambda tmp: (tmp / _TENSORS).write_text(text), _TENSORS)
@@ -91,7 +94,10 @@ def cached_config(path: Path, produce: Callable[[], object]):
 
     saved = entry_dir(path) / _CONFIG
     if (saved / "config.json").is_file():
-        return AutoConfig.from_pretrained(str(saved))
+        try:
+            return AutoConfig.from_pretrained(str(saved))
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            _discard(saved, exc)
     config = produce()
     _store(entry_dir(path), lambda tmp: config.save_pretrained(str(tmp / _CONFIG)), _CONFIG)
     return config
@@ -104,10 +110,23 @@ def cached_tokenizer(path: Path, produce: Callable[[], object]):
 
     saved = entry_dir(path) / _TOKENIZER
     if saved.is_dir():
-        return AutoTokenizer.from_pretrained(str(saved))
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            _discard(saved, exc)
     tokenizer = produce()
     _store(entry_dir(path), lambda tmp: tokenizer.save_pretrained(str(tmp / _TOKENIZER)), _TOKENIZER)
     return tokenizer
+
+
+def _discard(saved: Path, exc: BaseException) -> None:
+    """Remove a cache item that cannot be read back (a damaged disk, an edit by hand), so it is rebuilt
+    from the GGUF file and stored again."""
+    logger.warning("GGUF cache: %s cannot be read (%s); rebuilding it from the file", saved, exc)
+    if saved.is_dir():
+        shutil.rmtree(saved, ignore_errors=True)
+    else:
+        saved.unlink(missing_ok=True)
 
 
 def _store(entry: Path, write: Callable[[Path], object], name: str) -> None:

@@ -55,12 +55,18 @@ def read_gguf_metadata(path: Path) -> GGUFMetadata:
             neither tokenmill nor the gguf package knows (named).
     """
     path = Path(path)
+    size = path.stat().st_size
+    if size == 0:
+        raise UnsupportedModelError(f"{path}: empty file (not a GGUF file)")
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _parse(path, buf)
     except UnsupportedModelError:
         raise
-    except (struct.error, ValueError, OSError, UnicodeDecodeError) as exc:
+    except struct.error as exc:  # a read past the end of the mapping: the header stops early
+        raise UnsupportedModelError(f"{path}: the file ends inside its GGUF header ({size} bytes): truncated "
+                                    f"(an interrupted download?)") from exc
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
         raise UnsupportedModelError(f"{path}: not a GGUF file tokenmill can read "
                                     f"({type(exc).__name__}: {exc})") from exc
 

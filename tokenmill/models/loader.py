@@ -305,6 +305,12 @@ def _load_gguf(path: Path, dtype: str, max_model_len: int | None, device: torch.
     )
 
 
+def _looks_like_a_path(model: str) -> bool:
+    """True for a model argument that can only be a file system path (not a hub id like ``org/name``): an
+    absolute or home- or dot-relative path, or a name ending in .gguf / .safetensors."""
+    return model.startswith(("/", "~", "./", "../")) or model.endswith((".gguf", ".safetensors"))
+
+
 def load_model(
     model: str | None, dtype: str = "auto", max_model_len: int | None = None, device: torch.device | str = "cpu",
     quantization: str | None = None,
@@ -341,12 +347,18 @@ def load_model(
         gguf_files = sorted(path.glob("*.gguf"))
         if len(gguf_files) == 1:  # a directory holding just one GGUF file means that file
             path = gguf_files[0]
+        elif gguf_files:
+            names = ", ".join(f.name for f in gguf_files[:8]) + (", ..." if len(gguf_files) > 8 else "")
+            raise ValueError(f"{path} holds {len(gguf_files)} GGUF files and no config.json: pass one of them "
+                             f"as the model ({names})")
     if path.is_dir():
         loaded = _load_hf_dir(path, dtype, max_model_len, device, quantization)
     elif path.is_file() and path.suffix == ".gguf":
         loaded = _load_gguf(path, dtype, max_model_len, device, quantization)
     elif path.is_file():
         raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a .gguf file or a model directory")
+    elif _looks_like_a_path(str(model)):
+        raise ValueError(f"model path {str(path)!r} does not exist")
     else:
         raise ValueError(
             f"model {model!r} is not a local path. tokenmill never downloads models: pass a local directory "
