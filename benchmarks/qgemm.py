@@ -13,6 +13,7 @@ rounds.
     python benchmarks/qgemm.py                    # both parts
     python benchmarks/qgemm.py --no-decode --repeats 9
     python benchmarks/qgemm.py --formats --threads 1,2   # every GGUF format, stored vs tiled, GB/s and roofline share
+    python benchmarks/qgemm.py --cold Q4_K,Q6_K,Q4_0 --threads 2   # weights not in cache, one row
 """
 from __future__ import annotations
 
@@ -161,6 +162,29 @@ def bench_decode(rounds: int, threads: int, tokens: int) -> None:
                     for k, v in rates.items()), flush=True)
 
 
+def bench_cold(repeats: int, threads: tuple[int, ...], formats: tuple[str, ...], copies: int = 40) -> None:
+    """Weights not in cache: ``copies`` distinct 16384 x 2048 tiled weights (Q4_K: 755 MB, more than any L3
+    here), one single-row product each in turn, the best of ``repeats`` passes; weight GB/s and its share of
+    the measured read bandwidth (what batch-1 decode of a model larger than the cache sees)."""
+    from tokenmill.quantization import qgemm
+    from tokenmill.quantization.formats import GGUF_QUANT_TYPES
+
+    ids = {name: qtype for qtype, (name, _, _) in GGUF_QUANT_TYPES.items()}
+    n, k = 16384, 2048
+    for nt in threads:
+        bw = read_bandwidth(nt)
+        torch.set_num_threads(nt)
+        for name in formats:
+            base = qgemm.repack(random_weight(ids[name], n, k))
+            weights = [base.data.clone() for _ in range(copies)]
+            x, y = torch.randn(1, k), torch.empty(1, n)
+            best = min(time_call(lambda: [qgemm.quantized_linear(x, d, base.qtype, n, k, out=y) for d in weights], 1)
+                       for _ in range(repeats))
+            gbs = copies * base.nbytes / best / 1e9
+            print(f"cold {name} {n}x{k}, {nt} thread(s), M=1: {best / copies * 1e3:.3f} ms per product, "
+                  f"{gbs:.1f} GB/s = {gbs / bw:.0%} of {bw:.1f} GB/s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
@@ -172,8 +196,13 @@ def main() -> None:
     parser.add_argument("--formats", action="store_true",
                         help="only the per-format table (every GGUF format, stored vs tiled, at 1-2 B model shapes)")
     parser.add_argument("--rows", default="1,8,32", help="activation rows of the --formats table")
+    parser.add_argument("--cold", default="", help="only weights-not-in-cache single-row products of these "
+                        "formats, e.g. Q4_K,Q6_K,Q4_0")
     args = parser.parse_args()
     threads = tuple(int(t) for t in args.threads.split(","))
+    if args.cold:
+        bench_cold(args.repeats, threads, tuple(args.cold.split(",")))
+        return
     if args.formats:
         bench_formats(args.repeats, threads, tuple(int(r) for r in args.rows.split(",")))
         return
