@@ -32,6 +32,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from tests.gguf_quantizers import quantize
+from tests.gguf_writing import gguf_writer_for
 from tests.test_quantized_weights import CHATS, MARGIN, compare_greedy, error_bound
 from tests.tiny_models import smollm2_gguf_path, tiny_config
 from tokenmill import LLM, SamplingParams, csrc_build
@@ -325,18 +326,11 @@ def write_tiny_gguf(hf_model, arch: str, out_path: Path) -> dict[str, torch.Tens
     """The HF model as a GGUF with every matrix quantized (``tiny_format``; token_embd Q4_K, output Q6_K) and
     the norms F32. Returns the HF state dict of what the file holds: the dequantized weights, rows back in HF order."""
     config = hf_model.config
-    writer = gguf.GGUFWriter(str(out_path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = gguf_writer_for(config, arch, out_path)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     tiny_tokenizer_fields(writer)
     dequantized = {}

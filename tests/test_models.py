@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast
 
+from tests.gguf_writing import gguf_writer_for
 from tests.tiny_models import TINY_ARCHS, make_tiny_model, smollm2_gguf_path, tiny_config
 from tokenmill.attention import build_attention_metadata
 from tokenmill.csrc_build import cpu_has_native_bf16
@@ -237,22 +238,13 @@ def _write_gguf(hf_model, arch: str, out_path, tokenizer_fields: dict | None = N
     """Export a tiny HF model as an F32 GGUF the way llama.cpp does (Q/K rows permuted for llama; a llama3
     rope_parameters dict as a ``rope_freqs`` tensor and no rope.scaling keys). ``tokenizer_fields``: another
     GGUF's ``tokenizer.*`` values (``read_gguf_metadata(...).fields``) to copy, so engines can load the file."""
-    import gguf
-
     config = hf_model.config
     head_dim = config.head_dim
-    writer = gguf.GGUFWriter(str(out_path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = gguf_writer_for(config, arch, out_path)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     for key, value in (tokenizer_fields or {}).items():
         getattr(writer, _TOKENIZER_WRITERS[key])(value)

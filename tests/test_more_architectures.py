@@ -22,6 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma3TextConfig, Phi3Config
 
+from tests.gguf_writing import gguf_writer_for
 from tests.test_models import (_TOKENIZER_WRITERS, BLOCK_IDS, TOKEN_IDS, hf_logits, new_kv_caches, run_step)
 from tests.test_gguf_cache import fresh_gguf_cache
 from tests.tiny_models import smollm2_gguf_path, smollm2_tokenizer
@@ -108,14 +109,7 @@ def write_gguf(hf, arch: str, out_path, tokenizer_fields: dict, matrix_type=None
     import gguf
 
     config = hf.config
-    writer = gguf.GGUFWriter(str(out_path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = gguf_writer_for(config, arch, out_path)
     if arch == "phi3":
         writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
