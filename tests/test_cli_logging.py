@@ -19,7 +19,8 @@ from tests.server_fixtures import REPO, ServerProcess
 from tests.tiny_models import make_tiny_model
 from tokenmill.cli.logging_setup import log_level
 from tokenmill.cli.main import build_parser
-from tokenmill.engine.stats_logger import StatsLogger, stats_interval_s
+from tokenmill.engine.stats_logger import StatsLogger
+from tokenmill.envs import stats_interval_s
 
 STATS_LINE = "prompt throughput:"  # the start of StatsLogger's line
 SHORT_INTERVAL = {"TOKENMILL_STATS_INTERVAL_S": "0.001"}

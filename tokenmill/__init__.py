@@ -4,7 +4,7 @@ Offline use: ``from tokenmill import LLM, SamplingParams``.
 """
 from tokenmill.runner.cpu_threads import prefer_short_omp_spins
 
-prefer_short_omp_spins()  # before anything loads torch's OpenMP runtime (runner/cpu_threads.py)
+prefer_short_omp_spins()  # before anything loads torch's OpenMP runtime (runner/cpu_threads.py; opt out: envs.py)
 
 from tokenmill.lora import LoRARequest  # noqa: E402
 from tokenmill.outputs import CompletionOutput, RequestOutput  # noqa: E402

@@ -1,7 +1,8 @@
 """Build a C source file into a shared library on first use and load it with ctypes.
 
 Owns the kernel cache directory, the choice of instruction-set path (ISA) the kernels are built for,
-and the environment switches (TOKENMILL_CACHE_DIR, TOKENMILL_DISABLE_CPU_KERNELS, TOKENMILL_CPU_ISA);
+and what the environment switches mean (TOKENMILL_CACHE_DIR, TOKENMILL_DISABLE_CPU_KERNELS, TOKENMILL_CPU_ISA,
+read through tokenmill/envs.py);
 knows nothing about what the kernels compute. Callers fall back to torch when this returns None.
 
 ISA paths: the path is picked from the features this CPU reports (/proc/cpuinfo), never from what
@@ -23,6 +24,8 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from tokenmill import envs
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +66,12 @@ SHARED_INCLUDE_DIR = Path(__file__).parent / "csrc"
 
 def kernels_disabled() -> bool:
     """True when TOKENMILL_DISABLE_CPU_KERNELS=1: every compiled CPU kernel reports itself unavailable."""
-    return os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS", "0") == "1"
+    return envs.disable_cpu_kernels()
 
 
 def kernel_cache_dir() -> Path:
     """Where built libraries live: $TOKENMILL_CACHE_DIR/kernels, default ~/.cache/tokenmill/kernels."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return Path(root) / "kernels"
+    return envs.cache_dir() / "kernels"
 
 
 @functools.cache
@@ -153,7 +155,7 @@ def _selected_isa(override: str) -> str:
 def selected_isa() -> str:
     """The ISA path kernels are built for: TOKENMILL_CPU_ISA if set and runnable here (a warning and
     the best path otherwise), else the fastest path this CPU supports."""
-    return _selected_isa(os.environ.get("TOKENMILL_CPU_ISA", "").strip().lower())
+    return _selected_isa(envs.cpu_isa() or "")
 
 
 def c_compiler() -> str | None:

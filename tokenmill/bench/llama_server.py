@@ -17,6 +17,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill import envs
+
 # The llama-cpp-python release whose vendored llama.cpp scripts/build_llama_server.sh builds.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 BUILD_SCRIPT = "scripts/build_llama_server.sh"
@@ -39,8 +41,7 @@ def cpu_key() -> str:
 def default_binary_path(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
     """Where ``scripts/build_llama_server.sh`` puts llama-server for this CPU:
     ``$TOKENMILL_CACHE_DIR/llama.cpp/<version>-<cpu key>/bin/llama-server`` (default root ``~/.cache/tokenmill``)."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return Path(root) / "llama.cpp" / f"{version}-{cpu_key()}" / "bin" / "llama-server"
+    return envs.cache_dir() / "llama.cpp" / f"{version}-{cpu_key()}" / "bin" / "llama-server"
 
 
 @dataclass(frozen=True)

@@ -6,43 +6,23 @@ Logs at INFO on the ``tokenmill.engine`` logger; whether the line is shown is th
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 
+from tokenmill import envs
+
 logger = logging.getLogger("tokenmill.engine")
-
-DEFAULT_INTERVAL_S = 10.0
-INTERVAL_ENV = "TOKENMILL_STATS_INTERVAL_S"
-
-
-def stats_interval_s() -> float:
-    """Seconds between stats lines: $TOKENMILL_STATS_INTERVAL_S if set (tests shorten it), else 10.
-
-    Raises:
-        ValueError: the variable is not a finite number > 0.
-    """
-    text = os.environ.get(INTERVAL_ENV, "").strip()
-    if not text:
-        return DEFAULT_INTERVAL_S
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{INTERVAL_ENV} must be a number of seconds, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise ValueError(f"{INTERVAL_ENV} must be a finite number of seconds > 0, got {text}")
-    return value
 
 
 class StatsLogger:
     """Accumulates per-step token counts and logs them every ``interval_s`` seconds (when busy).
 
     Args:
-        interval_s: seconds between lines; None reads ``stats_interval_s()`` (default 10).
+        interval_s: seconds between lines; None reads ``envs.stats_interval_s()`` ($TOKENMILL_STATS_INTERVAL_S,
+            default 10).
     """
 
     def __init__(self, interval_s: float | None = None) -> None:
-        self.interval_s = stats_interval_s() if interval_s is None else interval_s
+        self.interval_s = envs.stats_interval_s() if interval_s is None else interval_s
         self._last_log = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0

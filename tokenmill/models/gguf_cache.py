@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenmill import envs
+
 if TYPE_CHECKING:  # torch only where weights are read or written: the router reads tokenizers without it
     import torch
 
@@ -39,8 +41,7 @@ _TOKENIZER = "tokenizer"
 
 def cache_root() -> Path:
     """``$TOKENMILL_CACHE_DIR/gguf``, default ``~/.cache/tokenmill/gguf``."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return Path(root) / "gguf"
+    return envs.cache_dir() / "gguf"
 
 
 def entry_dir(path: Path) -> Path:

@@ -3,6 +3,7 @@
 ``os.cpu_count()`` counts the machine's CPUs, not this process's: under ``taskset``/cpusets or a
 container CPU quota a larger thread count only adds threads that wait for each other at every
 parallel region (each C kernel and torch op ends in a barrier, and a descheduled thread stalls it).
+Also shortens OpenMP's idle spins at ``import tokenmill`` (opt out: TOKENMILL_DISABLE_OMP_SPIN_TUNING=1).
 Pure Python; reads /proc and /sys only.
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from tokenmill import envs
+
 # Spin iterations of an idle OpenMP thread before it sleeps (libgomp's GOMP_SPINCOUNT; its default
 # is 300,000). Measured (benchmarks/cpu_contention.py, RESULTS.md): with another process keeping one
 # of 2 cores busy, batch-1 decode falls to a quarter with the default and keeps about three quarters
@@ -19,15 +22,28 @@ from pathlib import Path
 # descheduled one; on a quiet machine the short spin costs little.
 OMP_SPIN_COUNT = "1000"
 
+_omp_spins_set = False  # whether prefer_short_omp_spins set GOMP_SPINCOUNT in this process
+
 
 def prefer_short_omp_spins() -> bool:
-    """Set GOMP_SPINCOUNT to ``OMP_SPIN_COUNT`` unless the user set it or OMP_WAIT_POLICY. Effective only
-    before torch (and with it libgomp) is loaded, so tokenmill calls it at import; returns whether it
-    took effect."""
-    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules:
+    """Set GOMP_SPINCOUNT to ``OMP_SPIN_COUNT`` unless the user set it or OMP_WAIT_POLICY, or opted out
+    (TOKENMILL_DISABLE_OMP_SPIN_TUNING=1). Effective only before torch (and with it libgomp) is loaded, so
+    tokenmill calls it at import; returns whether it took effect (``omp_spin_note`` then says so)."""
+    global _omp_spins_set
+    if (envs.disable_omp_spin_tuning() or "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
+            or "torch" in sys.modules):
         return False
     os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
+    _omp_spins_set = True
     return True
+
+
+def omp_spin_note() -> str | None:
+    """For the startup line and log: what ``prefer_short_omp_spins`` changed and how to opt out; None if nothing."""
+    if not _omp_spins_set:
+        return None
+    return (f"GOMP_SPINCOUNT={OMP_SPIN_COUNT} set by tokenmill "
+            f"({envs.DISABLE_OMP_SPIN_TUNING}=1 keeps libgomp's default)")
 
 
 def _cgroup_v2_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:

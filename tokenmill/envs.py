@@ -1,0 +1,78 @@
+"""Every TOKENMILL_* environment variable, with a typed accessor for each one Python reads (docs/environment.md).
+
+Each accessor reads ``os.environ`` when called, never at import, so a variable set later (a test's
+``monkeypatch.setenv``, a parent process) is obeyed. No other module reads a TOKENMILL_ variable
+(tests/test_envs.py checks). Pure Python; imports nothing from tokenmill, never torch.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CACHE_DIR = "TOKENMILL_CACHE_DIR"
+DISABLE_CPU_KERNELS = "TOKENMILL_DISABLE_CPU_KERNELS"
+CPU_ISA = "TOKENMILL_CPU_ISA"
+DISABLE_AMX = "TOKENMILL_DISABLE_AMX"
+DISABLE_OMP_SPIN_TUNING = "TOKENMILL_DISABLE_OMP_SPIN_TUNING"
+STATS_INTERVAL_S = "TOKENMILL_STATS_INTERVAL_S"
+
+# Every variable and what it does: the table of docs/environment.md (tests/test_envs.py keeps them in step).
+VARIABLES: dict[str, str] = {
+    CACHE_DIR: "root of tokenmill's caches: kernels/ (C kernel builds, kernel plans), gguf/ (GGUF file "
+               "indexes, configs, tokenizers), llama.cpp/ (the comparison llama-server); default ~/.cache/tokenmill",
+    DISABLE_CPU_KERNELS: "1: build and load no C kernel; every layer runs on torch (as --no-cpu-kernels), and a "
+                         "GGUF model's quantized weights need quantization='none'",
+    CPU_ISA: "force the ISA path the C kernels are built for (portable, avx2, avx512, avx512_bf16, neon); a path "
+             "this CPU cannot run is refused with a warning and the best runnable one is used",
+    DISABLE_AMX: "1 (any value but empty or 0): the quantized products never use AMX tiles (VNNI at every row "
+                 "count); read by quantization/csrc/qgemm.c itself when it first multiplies, so no accessor here",
+    DISABLE_OMP_SPIN_TUNING: "1: importing tokenmill leaves GOMP_SPINCOUNT alone (libgomp's default spin count) "
+                             "instead of setting it to 1000",
+    STATS_INTERVAL_S: "seconds between the engine's stats lines, a finite number > 0 (default 10; tests shorten it)",
+}
+
+DEFAULT_STATS_INTERVAL_S = 10.0
+
+
+def _flag(name: str) -> bool:
+    """True when ``name`` is set to exactly "1"."""
+    return os.environ.get(name, "0").strip() == "1"
+
+
+def cache_dir() -> Path:
+    """$TOKENMILL_CACHE_DIR if set and not empty, else ~/.cache/tokenmill."""
+    return Path(os.environ.get(CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill"))
+
+
+def disable_cpu_kernels() -> bool:
+    """True when TOKENMILL_DISABLE_CPU_KERNELS=1: every compiled CPU kernel reports itself unavailable."""
+    return _flag(DISABLE_CPU_KERNELS)
+
+
+def cpu_isa() -> str | None:
+    """TOKENMILL_CPU_ISA lower-cased, or None when unset or empty (csrc_build checks the path)."""
+    return os.environ.get(CPU_ISA, "").strip().lower() or None
+
+
+def disable_omp_spin_tuning() -> bool:
+    """True when TOKENMILL_DISABLE_OMP_SPIN_TUNING=1: ``import tokenmill`` does not set GOMP_SPINCOUNT."""
+    return _flag(DISABLE_OMP_SPIN_TUNING)
+
+
+def stats_interval_s() -> float:
+    """Seconds between stats lines: $TOKENMILL_STATS_INTERVAL_S if set and not empty, else 10.
+
+    Raises:
+        ValueError: the variable is not a finite number > 0.
+    """
+    text = os.environ.get(STATS_INTERVAL_S, "").strip()
+    if not text:
+        return DEFAULT_STATS_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{STATS_INTERVAL_S} must be a number of seconds, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise ValueError(f"{STATS_INTERVAL_S} must be a finite number of seconds > 0, got {text}")
+    return value
