@@ -1,4 +1,5 @@
-"""The compiled CPU decode kernel and the torch paged attention against a dense float64 reference."""
+"""The compiled CPU decode kernel and the torch paged attention against a dense float64 reference, with and
+without sliding windows (keys p - window < j <= p) and Gemma 2's logit soft-capping."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,14 +12,21 @@ from tokenmill.attention.torch_paged import paged_attention, reference_decode_at
 from tokenmill.csrc_build import ISAS
 
 
-def dense_reference(q, k, v, scale):
-    """q [Lq, H, D], k/v [Lk, KVH, D]; causal with the query at the end of the context."""
+def dense_reference(q, k, v, scale, window=None, softcap=None):
+    """q [Lq, H, D], k/v [Lk, KVH, D]; causal with the query at the end of the context; ``window``: the query at
+    position p sees keys p - window < j <= p only (transformers' sliding-window masks); ``softcap``: scores
+    become softcap * tanh(score / softcap) (Gemma 2). In float64."""
     lq, h, d = q.shape
     lk, kvh, _ = k.shape
     k = k.double().repeat_interleave(h // kvh, dim=1)
     v = v.double().repeat_interleave(h // kvh, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    mask = torch.arange(lk)[None, :] <= (torch.arange(lq)[:, None] + lk - lq)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos = torch.arange(lq)[:, None] + lk - lq
+    mask = torch.arange(lk)[None, :] <= q_pos
+    if window is not None:
+        mask &= torch.arange(lk)[None, :] > q_pos - window
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -150,3 +158,100 @@ def test_paged_attention_mixed_batch_matches_dense(cached, chunk):
         torch.testing.assert_close(out[start : start + n].double(), ref, atol=1e-5, rtol=1e-5)
         start += n
     assert positions.tolist() == list(range(8, 9)) + list(range(cached, cached + chunk)) + list(range(12))
+
+
+WINDOWS = (1, 5, 16, 40)  # one key, inside a block, a whole block, and wider than most contexts below
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 24), (2, 1, 160), (4, 4, 32)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_kernel_with_sliding_window_and_softcap_matches_reference(isa, dtype, block_size, heads):
+    """Every ISA path's build (and its VDPBF16PS path where it has one) attends over exactly the keys
+    p - window < j <= p of each sequence, with and without soft-capping, as the dense reference and the torch
+    reference decode path do; a window at least the context changes no bit."""
+    lib = build_for_isa(cpu_decode._load, isa)
+    h, kvh, d = heads
+    rng = np.random.default_rng(2)
+    torch.manual_seed(2)
+    seqs = [1, 5, 17, 64, 33, 100]
+    k_cache, v_cache, tables, keys, values = fill_cache(seqs, block_size, 400, kvh, d, dtype, rng)
+    max_blocks = max(len(t) for t in tables)
+    block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    lens = torch.tensor(seqs)
+    q = torch.randn(len(seqs), h, d).to(dtype) * 3  # large scores: the cap (2.0) bites
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    meta, _ = build_attention_metadata(np.ones(len(seqs)), np.array(seqs) - 1, block_table.numpy(), block_size)
+    for dot in bf16_dot_modes(lib, "paged_decode_set_dp"):
+        with bf16_dot_path(lib, "paged_decode_set_dp", dot):
+            full = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, lens, d**-0.5)
+            assert torch.equal(cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, lens, d**-0.5, 100), full)
+            for window in WINDOWS:
+                for softcap in (None, 2.0):
+                    out = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, lens, d**-0.5, window,
+                                                   softcap)
+                    for i in range(len(seqs)):
+                        ref = dense_reference(q[i : i + 1], keys[i], values[i], d**-0.5, window, softcap)[0]
+                        torch.testing.assert_close(out[i].double(), ref, atol=tol, rtol=tol,
+                                                   msg=f"window {window} softcap {softcap} seq {i}")
+                    torch_ref = reference_decode_attention(q, k_cache, v_cache, meta, d**-0.5, window, softcap)
+                    torch.testing.assert_close(torch_ref.float(), out.float(), atol=tol, rtol=tol)
+    short = [i for i, n in enumerate(seqs) if n > 5]
+    windowed = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, lens, d**-0.5, 5)
+    assert (windowed[short].float() - full[short].float()).abs().amax(dim=(1, 2)).min() > 1e-2  # the window bites
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_rows_sharing_a_context_keep_their_bits_under_a_sliding_window(isa, dtype):
+    """A request's verify rows (one block table, lengths growing by one) running across the window's edge: those
+    within the window are scored together, the longer ones each alone from its window's first key; every row
+    keeps the bits it gets as a batch of one and matches the dense windowed reference."""
+    lib = build_for_isa(cpu_decode._load, isa)
+    h, kvh, d, window = 9, 3, 64, 38
+    rng = np.random.default_rng(3)
+    torch.manual_seed(3)
+    k_cache, v_cache, tables, keys, values = fill_cache([42, 23], 16, 64, kvh, d, dtype, rng)
+    max_blocks = max(len(t) for t in tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    row_lens = [35, 36, 37, 38, 39, 40, 41, 42, 23]  # 35..38 within the window, 39..42 past it
+    block_table, lens = torch.tensor([padded[0]] * 8 + [padded[1]]), torch.tensor(row_lens)
+    q = torch.randn(len(row_lens), h, d).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for dot in bf16_dot_modes(lib, "paged_decode_set_dp"):
+        with bf16_dot_path(lib, "paged_decode_set_dp", dot):
+            out = cpu_decode._paged_decode(lib, q, k_cache, v_cache, block_table, lens, d**-0.5, window, 5.0)
+            for i, n in enumerate(row_lens):
+                alone = cpu_decode._paged_decode(lib, q[i : i + 1], k_cache, v_cache, block_table[i : i + 1],
+                                                 lens[i : i + 1], d**-0.5, window, 5.0)
+                assert torch.equal(alone, out[i : i + 1]), f"row {i}: grouped bits differ from the row alone"
+                owner = 0 if i < 8 else 1
+                ref = dense_reference(q[i : i + 1], keys[owner][:n], values[owner][:n], d**-0.5, window, 5.0)[0]
+                torch.testing.assert_close(out[i].double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
+@pytest.mark.parametrize("softcap", [None, 1.5])
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_paged_attention_with_sliding_window_and_softcap_matches_dense(window, softcap, use_kernel):
+    """The layer's entry point over a decode, chunks after a cached prefix (across the window's edge) and fresh
+    prompts in one flat batch: the torch paths (reference decode, SDPA or eager soft-capped prefill over only
+    the window's blocks) and the compiled kernels attend over keys p - window < j <= p."""
+    h, kvh, d, bs = 6, 2, 32, 4
+    rng = np.random.default_rng(4)
+    torch.manual_seed(4)
+    lens = [9, 13, 12, 30, 2]
+    query_lens = np.array([1, 5, 12, 9, 2])
+    k_cache, v_cache, tables, keys, values = fill_cache(lens, bs, 64, kvh, d, torch.float32, rng)
+    max_blocks = max(len(t) for t in tables)
+    block_table = np.array([t + [0] * (max_blocks - len(t)) for t in tables])
+    meta, _ = build_attention_metadata(query_lens, np.array(lens) - query_lens, block_table, bs)
+    q = torch.randn(int(query_lens.sum()), h, d) * 3
+    out = paged_attention(q, k_cache, v_cache, meta, d**-0.5, use_kernel=use_kernel, use_prefill_kernel=use_kernel,
+                          sliding_window=window, logit_softcap=softcap)
+    start = 0
+    for i, n in enumerate(query_lens):
+        ref = dense_reference(q[start : start + n], keys[i], values[i], d**-0.5, window, softcap)
+        torch.testing.assert_close(out[start : start + n].double(), ref, atol=1e-5, rtol=1e-5, msg=f"request {i}")
+        start += n

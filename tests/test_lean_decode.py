@@ -3,9 +3,10 @@
 With the torch path's layers on the C kernels the lean step calls (RMSNorm, SiLU×up, paged decode and
 prefill attention, the quantized product), a decode step, a prefill and a mixed step (prompt chunks beside
 decode queries) must give the same bits both ways: the hidden states after the final norm and every KV row
-written, for float32 and bf16, on tiny int8 Llama / Qwen2 (biases) / Qwen3 (q/k norms) models and on the
-embedded SmolLM2 Q4_1 GGUF; greedy generation then gives the same tokens and logprobs. The check is repeated
-in a subprocess on another ISA path (AVX2, or portable on an AVX2 machine). Steps the lean step does not
+written, for float32 and bf16, on tiny int8 Llama / Qwen2 (biases) / Qwen3 (q/k norms) models, on tiny Mistral
+and Qwen2 models with sliding windows (passed into the C step per layer) and on the embedded SmolLM2 Q4_1 GGUF;
+greedy generation then gives the same tokens and logprobs. The check is repeated in a subprocess on another ISA
+path (AVX2, or portable on an AVX2 machine). Steps the lean step does not
 take (prompt chunks the plan keeps on SDPA, LoRA, quantized KV, deterministic mode, dense weights,
 --no-cpu-kernels) run the torch path.
 """
@@ -137,6 +138,36 @@ def test_a_decode_step_gives_the_torch_path_bits_on_tiny_int8_models(tiny_paths,
         llm.engine.runner.model.model.lean_decode.threads = None
         # mixed: decode queries around a new prompt and a chunk after a cached prefix
         assert_same_bits(*step_both_ways(llm, [5, 0, 17, 20, 40], [1, 11, 1, 7, 1], seed=3))
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch, dtype, overrides", [
+    ("mistral", "float32", {"sliding_window": 8}),  # every layer
+    ("qwen2", "bfloat16", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),  # layers 1, 2
+])
+def test_sliding_window_layers_give_the_torch_path_bits(tmp_path, arch, dtype, overrides):
+    """Each layer's window goes into the C step: decode queries and prompt chunks below, across and far past a
+    window of 8 give the torch path's bits, and the same step with the windows left out of the description gives
+    other hidden states (the window reaches the kernels)."""
+    from tests.tiny_models import make_tiny_model
+
+    llm = tiny_int8_engine(str(make_tiny_model(arch, tmp_path, **overrides)), dtype)
+    try:
+        model = llm.engine.runner.model
+        lean = model.model.lean_decode
+        assert lean is not None, llm.engine.runner.kernel_choice
+        windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+        assert [lean._layers[i].sliding_window for i in range(len(windows))] == [w or 0 for w in windows]
+        assert 8 in windows
+        torch_path_on_c_kernels(model)
+        assert_same_bits(*decode_step_both_ways(llm, [5, 8, 9, 17, 40]))
+        assert_same_bits(*step_both_ways(llm, [5, 0, 17, 20, 40], [1, 11, 1, 7, 1], seed=3))
+        want, got = decode_step_both_ways(llm, [17, 40], seed=4)
+        for i in range(len(windows)):
+            lean._layers[i].sliding_window = 0
+        _, unwindowed = decode_step_both_ways(llm, [17, 40], seed=4)
+        assert not torch.equal(unwindowed[0], got[0])
     finally:
         llm.close()
 

@@ -3,7 +3,8 @@
 Proves, per architecture, that prefill plus paged decode (block_size 4, scattered block ids) and a
 mixed multi-request step reproduce transformers' float32 logits; that RoPE variants match; that
 GGUF files (the real SmolLM2 and GGUFs written from tiny models) load to the same weights; and that
-the loader rejects what it must (hub names, bad dtypes, unknown architectures, short sliding windows).
+the loader rejects what it must (hub names, bad dtypes, unknown architectures); each architecture puts
+its sliding window on the layers transformers does.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from tests.gguf_writing import gguf_writer_for
 from tests.tiny_models import TINY_ARCHS, make_tiny_model, smollm2_gguf_path, tiny_config
@@ -21,7 +22,6 @@ from tokenmill.csrc_build import cpu_has_native_bf16
 from tokenmill.models import get_model_class, load_model
 from tokenmill.models.gguf_loader import (gguf_to_hf_config, iter_gguf_weights, iter_mapped_weights, open_gguf,
                                           read_gguf_metadata, read_tensor_index)
-from tokenmill.models.loader import check_sliding_window
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
@@ -406,13 +406,29 @@ def test_directory_without_checkpoint_is_rejected(tmp_path):
         load_model(str(tmp_path / "notes.txt"))
 
 
-def test_sliding_window_only_allowed_when_it_cannot_apply():
-    config = MistralConfig(sliding_window=4096, max_position_embeddings=32768)
-    with pytest.raises(NotImplementedError, match="sliding_window=4096"):
-        check_sliding_window(config)
-    check_sliding_window(config, max_model_len=4096)  # window covers the whole served context
-    check_sliding_window(MistralConfig(sliding_window=None))
+def test_each_architecture_gives_its_layers_transformers_sliding_windows():
+    """Which layers attend through config.sliding_window, as transformers' classes apply it: Mistral and Phi-3
+    every layer when it is set, Qwen2/Qwen3 the layers from max_window_layers on (use_sliding_window; the same
+    layers as transformers' own attention modules), Llama none (transformers ignores the key); the window
+    reaches each layer's Attention; a window that is not a positive integer is refused by name."""
+    from tokenmill.models.llama import LlamaForCausalLM, MistralForCausalLM
+
+    mistral = tiny_config("mistral", sliding_window=16, num_hidden_layers=3)
+    assert MistralForCausalLM.sliding_windows(mistral) == (16, 16, 16)
+    assert MistralForCausalLM.sliding_windows(tiny_config("mistral")) == (None, None)  # sliding_window null
+    assert LlamaForCausalLM.sliding_windows(LlamaConfig(num_hidden_layers=2, sliding_window=16)) == (None, None)
     qwen = tiny_config("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1)
-    with pytest.raises(NotImplementedError):
-        check_sliding_window(qwen)
-    check_sliding_window(tiny_config("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=3))
+    hf = AutoModelForCausalLM.from_config(qwen)
+    expected = tuple(layer.self_attn.sliding_window for layer in hf.model.layers)
+    assert expected == (None, 64, 64)
+    model = get_model_class(qwen)(qwen)
+    assert tuple(layer.self_attn.attn.sliding_window for layer in model.model.layers) == expected
+    off = tiny_config("qwen2", use_sliding_window=False, sliding_window=64, max_window_layers=1)
+    assert get_model_class(off).sliding_windows(off) == (None, None, None)
+    qwen3 = tiny_config("qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert get_model_class(qwen3).sliding_windows(qwen3) == tuple(
+        layer.self_attn.sliding_window for layer in AutoModelForCausalLM.from_config(qwen3).model.layers) == (None, 8)
+    bad = tiny_config("mistral", sliding_window=16)
+    bad.sliding_window = 0
+    with pytest.raises(ValueError, match="sliding_window"):
+        get_model_class(bad)(bad)

@@ -6,8 +6,11 @@ query_pre_attn_scalar, attention and final logit soft-capping, q/k norms and a l
 layers; Phi-3's fused qkv / gate_up checkpoint tensors); ``LLM.generate`` greedy tokens equal transformers'
 ``generate`` from the HF directory, from a GGUF written here with llama.cpp's names and conventions (Gemma norms
 stored as 1 + weight, Phi-3's fused ``attn_qkv`` / ``ffn_up``) and, where scripts/build_llama_server.sh has built
-it, from the GGUF llama.cpp's own convert_hf_to_gguf.py writes; the prefix cache changes nothing; a sliding
-window serves up to its length; and what tokenmill does not run is refused by name.
+it, from the GGUF llama.cpp's own convert_hf_to_gguf.py writes; the prefix cache changes nothing; sliding windows
+far shorter than the sequence (Gemma's local layers, Mistral's and Phi-3's every layer, Qwen2's upper layers) give
+transformers' logits and greedy tokens on the torch paths, the compiled kernels and deterministic mode, from HF
+checkpoints and GGUF, with the prefix cache on and off and chunked prefill across the window's edge; and what
+tokenmill does not run is refused by name.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from tests.gguf_writing import gguf_writer_for
 from tests.test_models import (_TOKENIZER_WRITERS, BLOCK_IDS, TOKEN_IDS, hf_logits, new_kv_caches, run_step)
 from tests.test_gguf_cache import fresh_gguf_cache
 from tests.tiny_models import smollm2_gguf_path, smollm2_tokenizer
+from tokenmill import SamplingParams
 from tokenmill.models import UnsupportedModelError, load_model
 from tokenmill.models.gguf_loader import (gguf_to_hf_config, iter_mapped_weights, kept_quantized_names,
                                           read_gguf_metadata, read_tensor_index)
@@ -400,6 +404,140 @@ def test_llama_cpp_converter_output_matches_transformers(arch, tmp_path, gguf_ca
     assert_greedy_equal(str(out), hf, random_prompts(), quantization="none")
 
 
+# --- sliding windows shorter than the sequence ----------------------------------------------------------------------
+
+WINDOW = 8  # far below the prompts and generations here: the windows decide the outputs
+
+
+def set_attention_paths(model, kernels: bool) -> int:
+    """Every Attention layer of ``model`` on the compiled CPU decode and prefill kernels (True) or on the torch
+    reference (False: reference decode, SDPA / eager prefill). Returns how many layers."""
+    from tokenmill.attention import Attention
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        layer.cpu_decode_kernel = layer.cpu_prefill_kernel = kernels
+    return len(layers)
+
+
+def generate_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy ``generate`` per prompt (its sliding-window cache and masks), EOS ignored."""
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+            out.append(ref[0, len(prompt):].tolist())
+    assert max(len(set(tokens)) for tokens in out) >= 3  # not one token repeated, which a broken model could match
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sliding_window_logits_match_transformers_past_the_window(arch, tmp_path):
+    """Window 5 (not a multiple of the block size 4) over 17 tokens: a prefill of 11, then 6 decode steps, on the
+    torch paths and on the compiled kernels, give transformers' float32 logits of the whole sequence (its masks:
+    keys p - 5 < j <= p on the sliding layers; Phi-3: every layer); the windows sit on transformers' layers, and
+    the same model with them taken away gives other logits."""
+    hf = make_model(arch, tmp_path, sliding_window=5)
+    loaded = load_model(str(tmp_path), dtype="float32")
+    layer_types = getattr(hf.config, "layer_types", None) or ["sliding_attention"] * hf.config.num_hidden_layers
+    windows = [layer.self_attn.attn.sliding_window for layer in loaded.model.model.layers]
+    assert windows == [5 if t == "sliding_attention" else None for t in layer_types] and 5 in windows
+    ref = hf_logits(hf, TOKEN_IDS)
+    for kernels in (False, True):
+        set_attention_paths(loaded.model, kernels)
+        kv_caches = new_kv_caches(loaded)
+        logits = [run_step(loaded, kv_caches, [TOKEN_IDS[:11]], [0], [BLOCK_IDS[:3]])]
+        for n in range(11, len(TOKEN_IDS)):  # decode steps cross two block boundaries
+            logits.append(run_step(loaded, kv_caches, [[TOKEN_IDS[n]]], [n], [BLOCK_IDS[:(n + 4) // 4]]))
+        torch.testing.assert_close(torch.cat(logits), ref, atol=1e-4, rtol=0, msg=f"kernels={kernels}")
+    for layer in loaded.model.model.layers:
+        layer.self_attn.attn.sliding_window = None
+    full = run_step(loaded, new_kv_caches(loaded), [TOKEN_IDS], [0], [BLOCK_IDS[:5]])
+    assert (full - ref).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("arch", ("gemma2", "gemma3"))
+def test_sliding_window_generation_matches_transformers_on_every_path(arch, tmp_path):
+    """Window 8, prompts of 13 to 57 tokens and 24 new tokens each: greedy tokens equal transformers' for a batch
+    of prompts, on the torch paths and on the compiled kernels, with the prefix cache on (a prompt prefilled after
+    a 40-token cached prefix) and off, and with chunked prefill (32-token steps cut prompts across the window's
+    edge)."""
+    from tokenmill import LLM
+
+    hf = make_model(arch, tmp_path, sliding_window=WINDOW)
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 49152, (40,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 17)]
+    prompts += [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (40, 13)]
+    refs = hf_greedy(hf, prompts, 24)
+    for kernels, caching in ((False, True), (True, True), (False, False), (True, False)):
+        llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory=0.05, max_model_len=256, block_size=16,
+                  max_num_batched_tokens=32, enable_prefix_caching=caching, cpu_kernels=False)
+        try:
+            assert set_attention_paths(llm.engine.runner.model, kernels) == hf.config.num_hidden_layers
+            first = generate_greedy(llm, prompts[:1], 24)  # fills the prefix cache
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
+            assert (rest[0].num_cached_tokens >= 32) == caching
+            got = first + [o.outputs[0].token_ids for o in rest]
+        finally:
+            llm.close()
+        assert got == refs, f"kernels={kernels} prefix caching={caching}"
+
+
+@pytest.mark.parametrize("arch", ("gemma2", "gemma3"))
+def test_sliding_window_gguf_greedy_matches_transformers(arch, tmp_path, tokenizer_fields, gguf_cache_dir):
+    """A GGUF with attention.sliding_window 8 (gemma2: every other layer; gemma3: llama.cpp's pattern of 6) reads
+    back the window and the sliding layers, and generates transformers' greedy tokens past the window."""
+    from tokenmill.models import gguf_cache
+
+    hf = make_model(arch, tmp_path / "hf", gguf_compatible=True, sliding_window=WINDOW)
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(hf, arch, path, tokenizer_fields)
+    gguf_cache.cached_tokenizer(path, lambda: AutoTokenizer.from_pretrained(str(tmp_path / "hf")))
+    config = gguf_to_hf_config(read_gguf_metadata(path))
+    assert config.sliding_window == WINDOW and config.layer_types == hf.config.layer_types
+    assert_greedy_equal(str(path), hf, random_prompts((40, 23, 57)), max_tokens=24, quantization="none")
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("mistral", {"sliding_window": WINDOW}),  # every layer
+    ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),  # layers 1 and 2
+])
+def test_llama_family_sliding_windows_match_transformers(arch, overrides, tmp_path):
+    """Mistral's window on every layer and Qwen2's on the layers from max_window_layers on: a batch of prompts
+    longer than the window gives transformers' greedy tokens on the torch paths and on the compiled kernels."""
+    from tests.tiny_models import make_tiny_model
+    from tokenmill import LLM
+
+    path = make_tiny_model(arch, tmp_path, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompts = random_prompts((40, 23, 9), seed=2)
+    refs = hf_greedy(hf, prompts, 24)
+    for kernels in (False, True):
+        llm = LLM(model=str(path), dtype="float32", kv_cache_memory=0.05, max_model_len=256, max_num_batched_tokens=32,
+                  cpu_kernels=False)
+        try:
+            set_attention_paths(llm.engine.runner.model, kernels)
+            assert generate_greedy(llm, prompts, 24) == refs, f"kernels={kernels}"
+        finally:
+            llm.close()
+
+
+def test_deterministic_mode_runs_sliding_windows_and_soft_capping(tmp_path):
+    """Gemma 2 (window 8 on every other layer, attention soft-capping) in deterministic mode, where every token
+    attends through the compiled decode kernel: transformers' greedy tokens past the window."""
+    hf = make_model("gemma2", tmp_path, sliding_window=WINDOW)
+    assert_greedy_equal(str(tmp_path), hf, random_prompts((40, 23)), max_tokens=24, deterministic=True,
+                        max_num_batched_tokens=32)
+
+
 # --- what tokenmill refuses --------------------------------------------------------------------------------------
 
 
@@ -417,11 +555,6 @@ def test_unsupported_variants_are_refused_by_name(tmp_path, tokenizer_fields):
                                          "long_factor": factors})
     with pytest.raises(NotImplementedError, match="longrope"):
         get_model_class(config)(config)
-    # A sliding window shorter than the served context: refused, as for Mistral and Qwen2.
-    make_model("gemma3", tmp_path / "g3")
-    with pytest.raises(NotImplementedError, match="sliding_window=512"):
-        load_model(str(tmp_path / "g3"), dtype="float32", max_model_len=1024)
-    load_model(str(tmp_path / "g3"), dtype="float32", max_model_len=512)
     # longrope in a phi3 GGUF is its rope_factors tensors
     hf = make_model("phi3", tmp_path / "p3", gguf_compatible=True)
     import gguf
@@ -442,30 +575,11 @@ def test_unsupported_variants_are_refused_by_name(tmp_path, tokenizer_fields):
     del hf
 
 
-def test_sliding_window_shorter_than_the_model_context_serves_up_to_the_window(tmp_path):
-    """A window (32) below max_position_embeddings (512): the engine refuses the default max_model_len with the
-    loader's error naming the window, and serves max_model_len=32, where the window never bites, token for token
-    as transformers (which applies the window)."""
-    from tokenmill import LLM, SamplingParams
-
-    hf = make_model("gemma3", tmp_path, sliding_window=32)
-    with pytest.raises(NotImplementedError, match="sliding_window=32 .* pass max_model_len <= 32"):
-        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory=0.05)
-    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory=0.05, max_model_len=32)
-    prompt = random_prompts((20,))[0]
-    try:
-        output = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12,
-                                                                              ignore_eos=True))[0]
-    finally:
-        llm.close()
-    with torch.inference_mode():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert output.outputs[0].token_ids == ref[0, len(prompt):].tolist()
-
-
-def test_softcapped_attention_refuses_deterministic_mode(tmp_path):
+def test_softcapped_attention_is_refused_on_the_triton_path(tmp_path):
+    """The Triton kernels do not cap: a Gemma 2 layer routed to them (as the CUDA runner routes every layer) says
+    so instead of computing uncapped attention."""
     make_model("gemma2", tmp_path)
     loaded = load_model(str(tmp_path), dtype="float32")
-    loaded.model.model.layers[0].self_attn.attn.batch_invariant = True
+    loaded.model.model.layers[0].self_attn.attn.use_triton = True
     with pytest.raises(NotImplementedError, match="soft-capping"):
         run_step(loaded, new_kv_caches(loaded), [TOKEN_IDS[:4]], [0], [BLOCK_IDS[:1]])

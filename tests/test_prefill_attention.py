@@ -3,7 +3,8 @@
 Proves: every ISA path's build of the kernel equals a dense float64 causal reference (float32 within
 1e-5, bf16 within its output rounding) for fresh prompts, chunks after a cached prefix and several
 spans mixed with decodes in one batch, GQA and not, over block sizes 1 and 16 and head dims on and off
-the vector width (refused, and left to SDPA, where it is not a multiple); the engine with the kernel
+the vector width (refused, and left to SDPA, where it is not a multiple), and with sliding windows and logit
+soft-capping (a row's bits still independent of the chunking); the engine with the kernel
 forced on gives transformers' greedy tokens and prompt log-probabilities (within 1e-4) in float32 on a
 tiny model and on the embedded SmolLM2 (chunked prefill, so later chunks attend over a cached prefix);
 GGUF weights dequantize to the portable build's bits on this CPU's path (bf16: the float32 values
@@ -105,6 +106,69 @@ def test_prefill_rows_keep_their_bits_whatever_the_chunking(isa, dtype):
         wholes.append(whole)
     if len(wholes) == 2 and dtype == torch.bfloat16:  # the switch reaches the kernel
         assert not torch.equal(wholes[0], wholes[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefill_kernel_with_sliding_window_and_softcap_matches_dense_reference(isa, dtype):
+    """Each span's query at position p attends to keys p - window < j <= p only: windows of 1 key, inside a key
+    tile (5), across tiles (70: BK is 64) and wider than every context, with and without soft-capping, on
+    every ISA path's build (VDPBF16PS too where present), for fresh prompts, a chunk after 40 cached tokens and
+    a 100-token prompt whose later query tiles skip the key tiles below their windows."""
+    lib = build_for_isa(cpu_prefill._load, isa)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    h, kvh, d = 9, 3, 64
+    q, k_cache, v_cache, meta, keys, values, query_lens = spans_batch(dtype, h, kvh, d, 16, seed=11)
+    q = q * 3  # large scores: the cap bites
+    for dot in bf16_dot_modes(lib, "paged_prefill_set_dp"):
+        with bf16_dot_path(lib, "paged_prefill_set_dp", dot):
+            for window in (1, 5, 70, 200):
+                for softcap in (None, 2.0):
+                    out = torch.zeros_like(q)
+                    cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, out, window, softcap)
+                    start = 0
+                    for i, n in enumerate(query_lens):
+                        if n > 1:
+                            ref = dense_reference(q[start:start + n], keys[i], values[i], d**-0.5, window, softcap)
+                            torch.testing.assert_close(out[start:start + n].double(), ref, atol=tol, rtol=tol,
+                                                       msg=f"window {window} softcap {softcap} span {i}")
+                        else:
+                            assert not out[start:start + n].any()
+                        start += n
+            full = torch.zeros_like(q)
+            cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, full)
+            wide = torch.zeros_like(q)
+            cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, wide, 200)
+            assert torch.equal(wide, full)  # a window wider than every context changes no bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefill_rows_keep_their_bits_whatever_the_chunking_under_a_sliding_window(isa, dtype):
+    """Under a window (37: key tiles below a row's window are skipped or fully masked, depending on the other
+    rows of its query tile) a prompt token's output is the same bits as one span or as any chunk after a cached
+    prefix, and matches the dense windowed, soft-capped reference."""
+    lib = build_for_isa(cpu_prefill._load, isa)
+    h, kvh, d, bs, n, window = 9, 3, 64, 16, 150, 37
+    rng = np.random.default_rng(8)
+    torch.manual_seed(8)
+    k_cache, v_cache, tables, keys, values = fill_cache([n], bs, 40, kvh, d, dtype, rng)
+    block_table = np.array(tables)
+    q = torch.randn(n, h, d).to(dtype)
+    for dot in bf16_dot_modes(lib, "paged_prefill_set_dp"):
+        with bf16_dot_path(lib, "paged_prefill_set_dp", dot):
+            whole = torch.zeros_like(q)
+            meta, _ = build_attention_metadata(np.array([n]), np.array([0]), block_table, bs)
+            cpu_prefill._paged_prefill(lib, q, k_cache, v_cache, meta, d**-0.5, whole, window, 3.0)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            ref = dense_reference(q, keys[0], values[0], d**-0.5, window, 3.0)
+            torch.testing.assert_close(whole.double(), ref, atol=tol, rtol=tol)
+            for cached, end in ((63, n), (64, n), (100, n), (0, 37), (37, 101), (64, 128), (100, 103), (36, 40)):
+                chunk = torch.zeros(end - cached, h, d, dtype=dtype)
+                meta, _ = build_attention_metadata(np.array([end - cached]), np.array([cached]), block_table, bs)
+                cpu_prefill._paged_prefill(lib, q[cached:end].contiguous(), k_cache, v_cache, meta, d**-0.5, chunk,
+                                           window, 3.0)
+                assert torch.equal(chunk, whole[cached:end]), f"tokens {cached}..{end} as a chunk change the bits"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

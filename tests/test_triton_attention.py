@@ -1,5 +1,6 @@
 """The Triton paged-attention kernels against the torch reference (torch_paged.py), on CPU under
-triton's interpreter: KV write, mixed decode + prefill batches over shuffled block tables, split-KV decode.
+triton's interpreter: KV write, mixed decode + prefill batches over shuffled block tables, split-KV decode,
+sliding windows.
 
 Triton decides compiled-or-interpreted when it decorates a kernel, including its own library
 functions (tl.cdiv, tl.cumsum) decorated when triton is first imported. So TRITON_INTERPRET=1 is
@@ -68,10 +69,11 @@ def make_step(query_lens, num_cached, block_size, num_kv_heads, head_dim, dtype,
     return metadata, k_cache, v_cache
 
 
-def assert_matches_reference(query, k_cache, v_cache, metadata, num_splits):
+def assert_matches_reference(query, k_cache, v_cache, metadata, num_splits, sliding_window=None):
     scale = query.shape[-1] ** -0.5
-    expected = paged_attention(query, k_cache, v_cache, metadata, scale)
-    actual = triton_paged_attention(query, k_cache, v_cache, metadata, scale, num_splits=num_splits)
+    expected = paged_attention(query, k_cache, v_cache, metadata, scale, sliding_window=sliding_window)
+    actual = triton_paged_attention(query, k_cache, v_cache, metadata, scale, num_splits=num_splits,
+                                    sliding_window=sliding_window)
     assert actual.shape == query.shape and actual.dtype == query.dtype
     tol = TOLERANCE[query.dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
@@ -159,6 +161,25 @@ def test_split_kv_decode_matches_reference(dtype, num_splits):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("window,num_splits", [(1, 1), (5, 2), (16, 1), (23, 3)])
+def test_sliding_window_matches_reference(window, num_splits):
+    """Sliding-window attention (keys p - window < j <= p): decodes and chunks, fresh and after a cached prefix,
+    inside and far past the window (a prefill tile whose later rows see none of its first key tiles, decode
+    partitions over the window only), against the torch reference's masks."""
+    rng = np.random.default_rng(window)
+    torch.manual_seed(window)
+    query_lens, num_cached = [1, 33, 7, 1, 16, 2, 1], [60, 0, 40, 3, 16, 70, 100]
+    metadata, k_cache, v_cache = make_step(query_lens, num_cached, 8, 2, 32, torch.float32, rng)
+    query = torch.randn(sum(query_lens), 4, 32)
+    assert_matches_reference(query, k_cache, v_cache, metadata, num_splits, sliding_window=window)
+    if window < 16:  # the window bites: the full-context result differs
+        full = triton_paged_attention(query, k_cache, v_cache, metadata, 32**-0.5, num_splits=num_splits)
+        windowed = triton_paged_attention(query, k_cache, v_cache, metadata, 32**-0.5, num_splits=num_splits,
+                                          sliding_window=window)
+        assert (full - windowed).abs().max() > 0.1
+
+
+@needs_interpreter
 def test_prefill_only_step_matches_reference():
     rng = np.random.default_rng(3)
     torch.manual_seed(3)
@@ -228,11 +249,13 @@ def build(fn, types, constexprs, **options):
 io = {name: "*bf16" for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "key_ptr", "value_ptr")}
 io |= {name: "*i64" for name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "slot_mapping_ptr")}
 io |= {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale_log2e": "fp32"}
-common = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_F32=False, DOT_PRECISION="tf32")
 build(k.write_kv_kernel, io, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128))
-build(k.prefill_kernel, io, dict(common, BLOCK_R=128, BLOCK_M=64, BLOCK_N=64), num_warps=4, num_stages=2)
-for split in (False, True):
-    build(k.decode_kernel, io, dict(common, BLOCK_G=16, BLOCK_N=64, SPLIT=split), num_warps=4, num_stages=2)
+for sliding in (False, True):
+    common = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_F32=False, DOT_PRECISION="tf32",
+                  SLIDING=sliding)
+    build(k.prefill_kernel, io, dict(common, BLOCK_R=128, BLOCK_M=64, BLOCK_N=64), num_warps=4, num_stages=2)
+    for split in (False, True):
+        build(k.decode_kernel, io, dict(common, BLOCK_G=16, BLOCK_N=64, SPLIT=split), num_warps=4, num_stages=2)
 build(k.reduce_kernel, io, dict(HEAD_DIM=128, BLOCK_S=32, BLOCK_D=128))
 """
 

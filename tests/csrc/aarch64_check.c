@@ -128,10 +128,11 @@ static void check_silu(const struct builds* b) {
 
 /* ---------------------------------------------------------------- paged_decode.c */
 
+/* ..., scale, window (0: none), softcap (0: none), num_threads */
 typedef void (*decode_f32_fn)(const float*, const float*, const float*, const int64_t*, const int64_t*, float*,
-                              int, int, int, int, int, int, float, int);
+                              int, int, int, int, int, int, float, int, float, int);
 typedef void (*decode_bf16_fn)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*, const int64_t*,
-                               uint16_t*, int, int, int, int, int, int, float, int);
+                               uint16_t*, int, int, int, int, int, int, float, int, float, int);
 
 struct decode_case {
     int H, KVH, D, bf16;
@@ -148,12 +149,14 @@ static void decode_run(void* lib, const struct decode_case* c, int s0, int ns, f
     const size_t qoff = (size_t)s0 * c->H * c->D, n = (size_t)ns * c->H * c->D;
     if (!c->bf16) {
         ((decode_f32_fn)sym(lib, "paged_decode_f32"))(c->q + qoff, c->k, c->v, bt, c->seq_lens + s0, out, ns, c->H,
-                                                       c->KVH, c->D, c->block_size, c->max_blocks, scale, NUM_THREADS);
+                                                       c->KVH, c->D, c->block_size, c->max_blocks, scale, 0, 0.0f,
+                                                       NUM_THREADS);
         return;
     }
     uint16_t* ob = malloc(n * sizeof(uint16_t));
     ((decode_bf16_fn)sym(lib, "paged_decode_bf16"))(c->qb + qoff, c->kb, c->vb, bt, c->seq_lens + s0, ob, ns, c->H,
-                                                     c->KVH, c->D, c->block_size, c->max_blocks, scale, NUM_THREADS);
+                                                     c->KVH, c->D, c->block_size, c->max_blocks, scale, 0, 0.0f,
+                                                     NUM_THREADS);
     for (size_t i = 0; i < n; i++) out[i] = bf16_to_f32(ob[i]);
     free(ob);
 }

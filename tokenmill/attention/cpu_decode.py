@@ -22,7 +22,8 @@ _FLAGS = (*DEFAULT_FLAGS, "-fno-math-errno", "-fno-trapping-math", "-fno-signed-
 
 
 def _setup(lib: ctypes.CDLL) -> None:
-    argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    # ..., scale, window (0: none), softcap (0: none), num_threads
+    argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     for name in ("paged_decode_f32", "paged_decode_bf16"):
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
@@ -46,17 +47,21 @@ def paged_decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention straight from the paged cache.
 
     query: [B, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
     block_table: [B, max_blocks] int64; seq_lens: [B] int64 (keys per sequence, >= 1).
+    ``sliding_window``: the query at position p = seq_len - 1 sees keys p - window < j <= p only (None: all).
+    ``logit_softcap``: scores become ``cap * tanh(score / cap)`` before the softmax (Gemma 2; None: none).
     Returns [B, num_heads, head_dim] in query's dtype. dtype float32 or bfloat16, CPU only; num_heads a
     multiple of num_kv_heads. A sequence's output depends only on its own query, keys and values.
     """
     lib = library.built()
     assert lib is not None, "CPU decode kernel is not available"
-    return _paged_decode(lib, query, k_cache, v_cache, block_table, seq_lens, scale)
+    return _paged_decode(lib, query, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, logit_softcap)
 
 
 def _paged_decode(
@@ -67,8 +72,12 @@ def _paged_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention on a given build of the kernel (tests compare the ISA paths' builds)."""
+    assert sliding_window is None or sliding_window >= 1, sliding_window
+    assert logit_softcap is None or logit_softcap > 0, logit_softcap
     assert query.dtype == k_cache.dtype == v_cache.dtype and query.dtype in (torch.float32, torch.bfloat16)
     query = query.contiguous()
     block_table = block_table.contiguous()
@@ -82,6 +91,6 @@ def _paged_decode(
     fn(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
         out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_table.shape[1],
-        float(scale), torch.get_num_threads(),
+        float(scale), sliding_window or 0, float(logit_softcap or 0.0), torch.get_num_threads(),
     )
     return out

@@ -24,7 +24,8 @@ _FLAGS = (*DEFAULT_FLAGS, "-ffp-contract=fast")
 
 def _setup(lib: ctypes.CDLL) -> None:
     p, i32 = ctypes.c_void_p, ctypes.c_int
-    argtypes = [p, p, p, p, i32, p, p, p, i32, p, i32, i32, i32, i32, ctypes.c_float, i32]
+    # ..., scale, window (0: none), softcap (0: none), num_threads
+    argtypes = [p, p, p, p, i32, p, p, p, i32, p, i32, i32, i32, i32, ctypes.c_float, i32, ctypes.c_float, i32]
     for name in ("paged_prefill_f32", "paged_prefill_bf16"):
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = i32
@@ -60,6 +61,8 @@ def paged_prefill_attention(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
     """Causal attention of every prefill span of ``metadata`` (``metadata.prefills``), written into ``out``.
 
@@ -67,6 +70,8 @@ def paged_prefill_attention(
     they are); caches: [num_blocks, block_size, num_kv_heads, head_dim], already holding this step's
     K/V. Span i's query token j sits at position ``num_context - num_query + j`` and attends to keys
     0 .. that position (softmax(q k^T * scale) v per head; GQA: head h reads kv head h // (H / KVH)).
+    ``sliding_window``: the query at position p sees keys p - window < j <= p only (None: all);
+    ``logit_softcap``: scores become ``cap * tanh(score / cap)`` before the softmax (Gemma 2; None: none).
     float32 or bfloat16 (scores, softmax and sums in float32), CPU only; see :func:`supports`.
 
     Raises:
@@ -76,12 +81,15 @@ def paged_prefill_attention(
     lib = library.built()
     if lib is None:
         raise RuntimeError("the CPU prefill attention kernel is unavailable")
-    return _paged_prefill(lib, query, k_cache, v_cache, metadata, scale, out)
+    return _paged_prefill(lib, query, k_cache, v_cache, metadata, scale, out, sliding_window, logit_softcap)
 
 
 def _paged_prefill(lib: ctypes.CDLL, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                   metadata: AttentionMetadata, scale: float, out: torch.Tensor, sliding_window: int | None = None,
+                   logit_softcap: float | None = None) -> None:
     """paged_prefill_attention on a given build of the kernel (tests compare the ISA paths' builds)."""
+    assert sliding_window is None or sliding_window >= 1, sliding_window
+    assert logit_softcap is None or logit_softcap > 0, logit_softcap
     if not (query.dtype == k_cache.dtype == v_cache.dtype == out.dtype and query.dtype in (torch.float32, torch.bfloat16)):
         raise ValueError(f"paged prefill: query, caches and out must share float32 or bfloat16, got "
                          f"{query.dtype}, {k_cache.dtype}, {v_cache.dtype}, {out.dtype}")
@@ -94,7 +102,8 @@ def _paged_prefill(lib: ctypes.CDLL, query: torch.Tensor, k_cache: torch.Tensor,
     fn = lib.paged_prefill_bf16 if query.dtype == torch.bfloat16 else lib.paged_prefill_f32
     rc = fn(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.shape[1],
             q_start.data_ptr(), q_len.data_ptr(), ctx_len.data_ptr(), q_start.shape[0], out.data_ptr(),
-            num_heads, num_kv_heads, head_dim, block_size, float(scale), torch.get_num_threads())
+            num_heads, num_kv_heads, head_dim, block_size, float(scale), sliding_window or 0,
+            float(logit_softcap or 0.0), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"paged prefill: head_dim {head_dim} must be a multiple of "
                          f"{lib.paged_prefill_vector_width()} and num_heads {num_heads} of num_kv_heads {num_kv_heads}")

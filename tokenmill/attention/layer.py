@@ -6,7 +6,7 @@ from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.per_token import per_token_paged_attention
-from tokenmill.attention.torch_paged import paged_attention, softcap_paged_attention, write_kv
+from tokenmill.attention.torch_paged import paged_attention, write_kv
 from tokenmill.attention.triton_attention import triton_paged_attention, triton_write_kv
 
 # One layer's cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
@@ -23,9 +23,12 @@ class Attention(nn.Module):
     CPU runner sets it from measurements and ``--no-cpu-kernels``) lets decode queries on CPU run in
     the compiled paged decode kernel; ``cpu_prefill_kernel`` (off by default; the CPU runner sets it
     from measurements) lets prefill chunks on CPU run in the compiled flash-style prefill kernel.
-    ``logit_softcap`` (Gemma 2): scores become ``cap * tanh(scores / cap)`` before the softmax; the compiled
-    and Triton kernels do not cap, so such a layer always runs the torch path
-    (``torch_paged.softcap_paged_attention``), on CPU only and not in deterministic mode.
+    ``sliding_window`` (Mistral, Qwen2, Phi-3, Gemma's local layers): a query at position p attends to keys
+    p - window < j <= p only, as transformers' sliding-window masks; every path takes it (torch reference, the
+    compiled CPU decode and prefill kernels, the deterministic per-token path, Triton). Keys below the window
+    stay in the cache (their blocks are not freed). ``logit_softcap`` (Gemma 2): scores become
+    ``cap * tanh(scores / cap)`` before the softmax, on every CPU path; the Triton kernels do not cap, so such
+    a layer is refused on CUDA.
     """
 
     batch_invariant = False
@@ -34,9 +37,11 @@ class Attention(nn.Module):
     cpu_prefill_kernel = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 logit_softcap: float | None = None) -> None:
+                 logit_softcap: float | None = None, sliding_window: int | None = None) -> None:
         super().__init__()
+        assert sliding_window is None or sliding_window >= 1, sliding_window
         self.logit_softcap = logit_softcap
+        self.sliding_window = sliding_window
         assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -56,21 +61,18 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        if self.logit_softcap is not None:
-            if self.use_triton or self.batch_invariant:
-                raise NotImplementedError("attention logit soft-capping (Gemma 2) runs only on the CPU torch path: "
-                                          "not on CUDA and not in deterministic mode")
-            write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-            out = softcap_paged_attention(q, k_cache, v_cache, metadata, self.scale, self.logit_softcap)
-            return out.reshape(num_tokens, self.num_heads * self.head_dim)
         if self.use_triton:
+            if self.logit_softcap is not None:
+                raise NotImplementedError("attention logit soft-capping (Gemma 2) is not implemented in the Triton "
+                                          "kernels: it runs on the CPU only")
             triton_write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-            out = triton_paged_attention(q, k_cache, v_cache, metadata, self.scale)
+            out = triton_paged_attention(q, k_cache, v_cache, metadata, self.scale, sliding_window=self.sliding_window)
             return out.reshape(num_tokens, self.num_heads * self.head_dim)
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         if self.batch_invariant:
-            out = per_token_paged_attention(q, k_cache, v_cache, metadata, self.scale)
+            out = per_token_paged_attention(q, k_cache, v_cache, metadata, self.scale, self.sliding_window,
+                                            self.logit_softcap)
         else:
             out = paged_attention(q, k_cache, v_cache, metadata, self.scale, self.cpu_decode_kernel,
-                                  self.cpu_prefill_kernel)
+                                  self.cpu_prefill_kernel, self.sliding_window, self.logit_softcap)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -134,6 +134,7 @@ def triton_paged_attention(
     scale: float,
     *,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over each request's paged context
     (the contract of ``torch_paged.paged_attention``).
@@ -144,7 +145,8 @@ def triton_paged_attention(
     Reads metadata.query_start_loc [B + 1], seq_lens [B], block_table [B, max_blocks] (all int64,
     on query's device) plus the host-side counts ``metadata.num_prefills`` and
     ``metadata.decode_token_idx.shape[0]``. num_splits: decode partitions per context (None: chosen
-    by :func:`choose_num_splits`). Returns [T, num_heads, head_dim] in query's dtype.
+    by :func:`choose_num_splits`). ``sliding_window``: a query at position p sees keys p - window < j <= p
+    only (None: all keys up to p). Returns [T, num_heads, head_dim] in query's dtype.
     Raises ValueError on mismatched shapes, dtypes or devices.
     """
     _check_cache(k_cache, v_cache)
@@ -166,6 +168,8 @@ def triton_paged_attention(
         raise ValueError("query, caches, query_start_loc, seq_lens and block_table must be on one device")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
 
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -176,7 +180,8 @@ def triton_paged_attention(
     group = num_heads // num_kv_heads
     dot_f32, dot_precision = _dot_config(query.dtype)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=_pow2(head_dim),
-                  DOT_F32=dot_f32, DOT_PRECISION=dot_precision)
+                  DOT_F32=dot_f32, DOT_PRECISION=dot_precision, SLIDING=sliding_window is not None)
+    window = sliding_window or 0
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     num_reqs = seq_lens.shape[0]
@@ -189,7 +194,7 @@ def triton_paged_attention(
         grid = (-(-num_tokens // block_m) + num_prefills, num_heads)
         _kernels().prefill_kernel[grid](
             query, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
-            scale_log2e, num_reqs,
+            scale_log2e, num_reqs, window,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides, block_table.stride(0),
             BLOCK_R=_pow2(num_reqs), BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=warps, num_stages=stages, **common,
@@ -198,9 +203,11 @@ def triton_paged_attention(
     num_decodes = metadata.decode_token_idx.shape[0]
     if num_decodes:
         max_context = block_table.shape[1] * block_size
+        if sliding_window is not None:  # a decode query reads at most its window
+            max_context = min(max_context, sliding_window)
         splits = num_splits or choose_num_splits(num_decodes, num_kv_heads, max_context, _num_sms(query.device))
         _decode(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale_log2e, splits,
-                cache_strides, common)
+                cache_strides, common, window)
     return out
 
 
@@ -217,9 +224,10 @@ def _prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
 def _decode(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-    scale_log2e: float, num_splits: int, cache_strides: tuple[int, ...], common: dict,
+    scale_log2e: float, num_splits: int, cache_strides: tuple[int, ...], common: dict, window: int,
 ) -> None:
-    """Launch decode_kernel over (B, KVH, num_splits) and, when split, reduce_kernel over (B, H)."""
+    """Launch decode_kernel over (B, KVH, num_splits) and, when split, reduce_kernel over (B, H).
+    ``window``: the sliding window when ``common["SLIDING"]`` (else unread)."""
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -233,7 +241,7 @@ def _decode(
         part_out, part_lse, part_strides = out, out, (0, 0, 0, 0, 0)
     _kernels().decode_kernel[(num_reqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse, query_start_loc, seq_lens, block_table,
-        scale_log2e, num_splits,
+        scale_log2e, num_splits, window,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides, block_table.stride(0),
         *part_strides,
         BLOCK_G=_pow2(common["GROUP"]), BLOCK_N=block_n, SPLIT=split, num_warps=4, num_stages=2, **common,

@@ -10,6 +10,8 @@ Layouts (strides are passed explicitly; the last dimension of every tensor has s
     k/v cache:    [num_blocks, block_size, KVH, D]
     block_table:  [B, max_blocks] int64; query_start_loc [B + 1] int64; seq_lens [B] int64.
 Scores are kept in the log2 domain (``scale_log2e = scale * log2(e)``) so softmax uses exp2.
+SLIDING (constexpr) with ``window``: sliding-window attention, a query at position p sees keys
+p - window < j <= p only (transformers' masks); the key loops start at the first key any of their rows sees.
 """
 from __future__ import annotations
 
@@ -61,18 +63,19 @@ def write_kv_kernel(
 def prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    scale_log2e, num_reqs,
+    scale_log2e, num_reqs, window,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_k_block, stride_k_slot, stride_k_head,
     stride_v_block, stride_v_slot, stride_v_head,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Grid (query tiles, H). Tile ``t`` of the step is the tile of BLOCK_M query rows of the
     request whose prefill tiles cover t (requests with one query token own no tiles); its rows
-    attend causally to the request's cached prefix plus its chunk, gathered through block_table."""
+    attend causally to the request's cached prefix plus its chunk, gathered through block_table (under
+    SLIDING, to the last ``window`` keys up to their own position)."""
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -108,8 +111,11 @@ def prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Keys beyond the tile's last row are causally invisible to every row of the tile.
     kv_end = tl.minimum(seq_len, num_prefix + (tile - first_tile + 1) * BLOCK_M)
+    kv_lo = 0
+    if SLIDING:  # keys below the tile's first row's window are invisible to every row of the tile
+        kv_lo = tl.maximum(num_prefix + (tile - first_tile) * BLOCK_M - window + 1, 0)
     block_row = block_table_ptr + req * stride_bt
-    for kv_start in range(0, kv_end, BLOCK_N):
+    for kv_start in range(kv_lo, kv_end, BLOCK_N):
         kv_pos = kv_start + tl.arange(0, BLOCK_N)
         kv_valid = kv_pos < kv_end
         block_ids = tl.load(block_row + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0)  # int64
@@ -119,11 +125,17 @@ def prefill_kernel(
                     mask=kv_valid[None, :] & dim_valid[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
         s = _dot(q, k.to(q.dtype), DOT_F32, DOT_PRECISION) * scale_log2e  # (BLOCK_M, BLOCK_N)
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        if SLIDING:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        # Key 0 is visible to every row, so m_new is finite from the first tile on.
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # Without a window key 0 is visible to every row, so m_new is finite from the first tile on. Under one a
+        # row may see none of this tile's keys yet: it keeps m = -inf, l = 0 and acc = 0 (exp2(-inf - 0) = 0).
+        m_ref = m_new
+        if SLIDING:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = block_ids * stride_v_block + in_block * stride_v_slot + kv_head * stride_v_head
         v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :],
@@ -141,20 +153,20 @@ def prefill_kernel(
 def decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    scale_log2e, num_splits,
+    scale_log2e, num_splits, window,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_k_block, stride_k_slot, stride_k_head,
     stride_v_block, stride_v_slot, stride_v_head,
     stride_bt, stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Grid (B, KVH, num_splits). Each program takes one request with a single query token and
     the GROUP query heads that share one KV head, over one contiguous partition of the context
     (each K/V row is read once per KV head). SPLIT: write the partition's normalised output and
     log2-sum-exp to part_out [B, H, S, D] / part_lse [B, H, S] for reduce_kernel; otherwise
-    (num_splits == 1) write the final output."""
+    (num_splits == 1) write the final output. Under SLIDING the partitions cover the last ``window`` keys."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -163,9 +175,12 @@ def decode_kernel(
     if query_len != 1:  # prefill (or empty) request: prefill_kernel's job
         return
     seq_len = tl.load(seq_lens_ptr + req)
+    kv_lo = 0
+    if SLIDING:  # the query (position seq_len - 1) sees keys seq_len - window .. seq_len - 1
+        kv_lo = tl.maximum(seq_len - window, 0)
     # Partitions are whole multiples of BLOCK_N; trailing ones may be empty for short contexts.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    kv_begin = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+    kv_begin = kv_lo + split * split_len
     kv_end = tl.minimum(kv_begin + split_len, seq_len)
 
     group = tl.arange(0, BLOCK_G)

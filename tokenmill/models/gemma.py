@@ -6,12 +6,12 @@ the embedding is scaled by sqrt(hidden_size); every RMSNorm multiplies by ``1 + 
 ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm``; the MLP is GELU-tanh gated; attention scales
 by ``query_pre_attn_scalar ** -0.5``; the final logits are soft-capped (``cap * tanh(logits / cap)``) when
 ``final_logit_softcapping`` is set. Gemma 2 also soft-caps attention scores (``attn_logit_softcapping``,
-torch path only: ``Attention.logit_softcap``); Gemma 3 adds q/k RMSNorms over head_dim and gives its
+``Attention.logit_softcap``: every CPU path, not CUDA); Gemma 3 adds q/k RMSNorms over head_dim and gives its
 sliding-window layers their own RoPE base (``rope_parameters["sliding_attention"]``, rope_local_base_freq).
 
-Sliding-window attention itself is not implemented: the loader (``loader.check_sliding_window``) refuses a
-window shorter than the served context, so every layer attends to the whole sequence, which then equals the
-windowed result.
+The ``sliding_attention`` layers of ``config.layer_types`` attend through ``config.sliding_window``
+(``Attention.sliding_window``: the query at position p sees keys p - window < j <= p, as transformers' masks),
+the ``full_attention`` layers to the whole sequence; any context length is served.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from tokenmill.attention.layer import KVCache
 from tokenmill.layers import GeluTanhAndMul, GemmaRMSNorm, Linear, MergedLinear, RotaryEmbedding, VocabEmbedding
 from tokenmill.layers.rotary_embedding import rope_parameters
 from tokenmill.models.llama import DecoderVariant, LlamaAttention, LlamaForCausalLM, head_dim_of
+from tokenmill.models.sliding_window import SlidingLayers
 
 
 class GemmaAttention(LlamaAttention):
@@ -33,15 +34,16 @@ class GemmaAttention(LlamaAttention):
     forward(hidden [T, hidden], cos/sin [T, 1, D/2], kv_cache, metadata) -> [T, hidden].
     """
 
-    def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
+    def __init__(self, config: PretrainedConfig, qk_norm: bool, sliding_window: int | None = None) -> None:
         bias = bool(getattr(config, "attention_bias", False))
-        super().__init__(config, DecoderVariant(qkv_bias=bias, o_bias=bias, qk_norm=qk_norm))
+        super().__init__(config, DecoderVariant(qkv_bias=bias, o_bias=bias, qk_norm=qk_norm), sliding_window)
         if qk_norm:
             self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         scalar = getattr(config, "query_pre_attn_scalar", None) or self.head_dim
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=float(scalar) ** -0.5,
-                              logit_softcap=getattr(config, "attn_logit_softcapping", None))
+                              logit_softcap=getattr(config, "attn_logit_softcapping", None),
+                              sliding_window=sliding_window)
 
 
 class GemmaMLP(nn.Module):
@@ -67,9 +69,9 @@ class GemmaDecoderLayer(nn.Module):
     Shapes stay [T, hidden].
     """
 
-    def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
+    def __init__(self, config: PretrainedConfig, qk_norm: bool, sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = GemmaAttention(config, qk_norm)
+        self.self_attn = GemmaAttention(config, qk_norm, sliding_window)
         self.mlp = GemmaMLP(config)
         eps = config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
@@ -103,14 +105,16 @@ class GemmaModel(nn.Module):
 
     forward(input_ids [T], positions [T], kv_caches (one per layer), metadata) -> [T, hidden].
     Layers of type ``sliding_attention`` read ``rotary_emb_local`` when the config gives that layer type its own
-    RoPE dict (Gemma 3), every other layer ``rotary_emb``.
+    RoPE dict (Gemma 3), every other layer ``rotary_emb``. ``sliding_windows``: each layer's window (empty: none).
     """
 
-    def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
+    def __init__(self, config: PretrainedConfig, qk_norm: bool, sliding_windows: tuple[int | None, ...] = ()) -> None:
         super().__init__()
+        windows = sliding_windows or (None,) * config.num_hidden_layers
+        assert len(windows) == config.num_hidden_layers
         self.hidden_size = config.hidden_size
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, qk_norm, window) for window in windows)
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         head_dim = head_dim_of(config)
         params = rope_parameters(config)
@@ -151,13 +155,14 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     """
 
     qk_norm = False
+    sliding_window_layers: SlidingLayers = "layer_types"
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
     def build_decoder(self, config: PretrainedConfig) -> nn.Module:
-        return GemmaModel(config, qk_norm=self.qk_norm)
+        return GemmaModel(config, self.qk_norm, self.sliding_windows(config))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden_states)  # (N, vocab) float32

@@ -25,6 +25,7 @@ from tokenmill.layers import (
     VocabEmbedding,
     apply_rotary_emb,
 )
+from tokenmill.models.sliding_window import SlidingLayers, layer_sliding_windows
 from tokenmill.quantization.formats import QuantizedTensor
 
 
@@ -60,12 +61,13 @@ _STACKED = {
 class LlamaAttention(nn.Module):
     """forward(hidden [T, hidden], cos/sin [T, 1, D/2], kv_cache, metadata) -> [T, hidden].
 
-    ``use_triton`` (set by the CUDA runner): RoPE in the fused Triton kernel.
+    ``use_triton`` (set by the CUDA runner): RoPE in the fused Triton kernel. ``sliding_window``: this layer's
+    window (``Attention.sliding_window``; None: full causal attention).
     """
 
     use_triton = False
 
-    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -81,7 +83,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5,
+                              sliding_window=sliding_window)
 
     def forward(
         self,
@@ -128,9 +131,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). Shapes stay [T, hidden]."""
 
-    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant)
+        self.self_attn = LlamaAttention(config, variant, sliding_window)
         self.mlp = LlamaMLP(config, variant)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -157,14 +160,18 @@ class LlamaModel(nn.Module):
 
     ``lean_decode`` (set by the CPU runner, ``tokenmill.runner.lean_decode``): runs a decode or mixed step's
     layers in one C call, or returns None and the layers below run; None (the default) costs nothing.
+    ``sliding_windows``: each layer's window (``models.sliding_window``; empty: none anywhere).
     """
 
     lean_decode = None
 
-    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant,
+                 sliding_windows: tuple[int | None, ...] = ()) -> None:
         super().__init__()
+        windows = sliding_windows or (None,) * config.num_hidden_layers
+        assert len(windows) == config.num_hidden_layers
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant, window) for window in windows)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
@@ -192,8 +199,11 @@ class LlamaForCausalLM(nn.Module):
 
     forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer), attn_metadata)
     -> hidden states [T, hidden]; compute_logits(hidden [N, hidden]) -> [N, vocab] float32.
-    Parameters are uninitialised until ``load_weights`` fills them.
+    Parameters are uninitialised until ``load_weights`` fills them. ``sliding_window_layers`` says which layers
+    take ``config.sliding_window``, as transformers' class for the architecture does (Llama: none).
     """
+
+    sliding_window_layers: SlidingLayers = "none"
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -209,7 +219,12 @@ class LlamaForCausalLM(nn.Module):
 
     def build_decoder(self, config: PretrainedConfig) -> nn.Module:
         """The ``model`` submodule (embedding, layers, final norm); Gemma builds its own."""
-        return LlamaModel(config, self.decoder_variant(config))
+        return LlamaModel(config, self.decoder_variant(config), self.sliding_windows(config))
+
+    @classmethod
+    def sliding_windows(cls, config: PretrainedConfig) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full causal attention)."""
+        return layer_sliding_windows(config, cls.sliding_window_layers)
 
     @classmethod
     def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
@@ -295,11 +310,11 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: the Llama architecture with an explicit head_dim and no biases.
-
-    A sliding window shorter than the served context is rejected by the loader
-    (``tokenmill.models.loader``); otherwise it never changes the result.
+    """Mistral: the Llama architecture with an explicit head_dim and no biases; ``sliding_window``, when set
+    (Mistral 7B v0.1: 4096), applies to every layer.
     """
+
+    sliding_window_layers: SlidingLayers = "all"
 
     @classmethod
     def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:

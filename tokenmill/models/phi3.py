@@ -3,14 +3,15 @@
 ``self_attn.qkv_proj`` (q | k | v rows) and ``mlp.gate_up_proj`` (gate | up rows) load straight into the
 engine's fused ``MergedLinear``s; nothing is split. What tokenmill does not run is refused by name:
 ``partial_rotary_factor`` != 1 and ``longrope`` RoPE (Phi-3 128k / Phi-3.5) raise ``NotImplementedError``
-from ``layers.rotary_embedding.compute_inv_freq``; a ``sliding_window`` shorter than the served context is
-rejected by the loader (``loader.check_sliding_window``).
+from ``layers.rotary_embedding.compute_inv_freq``. ``sliding_window``, when set, applies to every layer (as in
+transformers' Phi-3).
 """
 from __future__ import annotations
 
 from transformers import PretrainedConfig
 
 from tokenmill.models.llama import DecoderVariant, LlamaForCausalLM
+from tokenmill.models.sliding_window import SlidingLayers
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -21,6 +22,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """
 
     checkpoint_fuses_projections = True
+    sliding_window_layers: SlidingLayers = "all"
 
     @classmethod
     def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:

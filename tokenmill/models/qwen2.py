@@ -4,14 +4,17 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from tokenmill.models.llama import DecoderVariant, LlamaForCausalLM
+from tokenmill.models.sliding_window import SlidingLayers
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 / Qwen2.5 causal LM; same forward/compute_logits/load_weights contract as Llama.
 
-    Sliding-window layers (``use_sliding_window``) are rejected by the loader when the window is
-    shorter than the served context.
+    Sliding-window layers: those ``config.layer_types`` names "sliding_attention" (transformers derives them
+    from ``use_sliding_window`` and ``max_window_layers``).
     """
+
+    sliding_window_layers: SlidingLayers = "layer_types"
 
     @classmethod
     def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:

@@ -4,13 +4,16 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from tokenmill.models.llama import DecoderVariant, LlamaForCausalLM
+from tokenmill.models.sliding_window import SlidingLayers
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 dense causal LM; ``self_attn.q_norm`` / ``self_attn.k_norm`` are RMSNorm over head_dim.
 
-    ``config.head_dim`` may differ from hidden_size // num_attention_heads.
+    ``config.head_dim`` may differ from hidden_size // num_attention_heads. Sliding-window layers as Qwen2's.
     """
+
+    sliding_window_layers: SlidingLayers = "layer_types"
 
     @classmethod
     def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:

@@ -8,8 +8,9 @@ by the CPU runner in default mode) gives ``LlamaModel`` a ``LeanDecode``; for ea
 the layers in C and returns the hidden states, or returns None and the torch path (the reference,
 ``tokenmill/models/llama.py``) runs. The C step calls the same compiled kernels as the torch path's
 layers (qgemm, RMSNorm, SiLU×up, paged decode attention: function pointers into their libraries, for one
-ISA path) and holds every intermediate in the model dtype, so the two agree bit for bit wherever the
-layers run those kernels. Taken only when the quantized kernel is the measured choice at the step's row
+ISA path; each layer's sliding window, if any, passed to the attention kernels as its ``Attention`` passes it)
+and holds every intermediate in the model dtype, so the two agree bit for bit wherever the layers run those
+kernels. Taken only when the quantized kernel is the measured choice at the step's row
 count and, for a step with prompt chunks, the C prefill attention kernel is (on large chunks the
 dequantized GEMM wins and the per-layer overhead is small beside it); never with LoRA, a quantized KV cache,
 deterministic mode (the runner does not install it) or dense weights. ``--no-cpu-kernels`` turns it off
@@ -45,7 +46,7 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear)]
+                ("down", _Linear), ("sliding_window", ctypes.c_int64)]  # 0: none
 
 
 class _Kernels(ctypes.Structure):
@@ -308,6 +309,7 @@ def _describe(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list[torch.Tens
         d.qkv, d.o, d.gate_up, d.down = (p[0] for p in parts)
         d.input_norm = layer.input_layernorm.weight.data_ptr()
         d.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+        d.sliding_window = attn.attn.sliding_window or 0  # the kernels take it as the torch path's layers do
         if attn.q_norm is not None:
             d.q_norm, d.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
         keep.extend(n.weight.data for n in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm,
@@ -342,6 +344,8 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
                          or type(layer.mlp) is not LlamaMLP for layer in layers):
         return "decoder layers other than LlamaDecoderLayer"
     attn0 = layers[0].self_attn
+    if any(layer.self_attn.attn.logit_softcap is not None for layer in layers):
+        return "attention logit soft-capping (the lean step does not cap)"
     eps = layers[0].input_layernorm.variance_epsilon
     norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
                                              layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]

@@ -9,6 +9,10 @@
  * twice the threads, OpenMP over tasks; a row's output depends
  * only on its own query, keys and values (see DEFINE_PAGED_DECODE for the groups). The sequence's row offsets are computed once from its block table; scores
  * are float32, softmaxed exactly (max-subtracted), and V is accumulated in float32.
+ * window > 0 (sliding-window attention, as transformers' masks): a query at position p = seq_len - 1 sees
+ * keys p - window < j <= p only, i.e. its last min(seq_len, window) keys; the row offsets then start at the
+ * window's first key, so the row is computed exactly as a sequence of those keys alone. softcap > 0 (Gemma 2):
+ * scores become softcap * tanh(score / softcap) before the softmax. 0 turns either off.
  * ISA paths (csrc_build.py picks one): AVX512_BF16 for bf16 caches with head_dim % 32 == 0 (VDPBF16PS on the
  * cache's bf16 values, whole cache rows per task; see seq_dp_bf16), AVX-512 for head_dim % 16 == 0, AVX2+FMA for head_dim % 8 == 0,
  * NEON for head_dim % 4 == 0 (each at most 256, 64 and 128 specialised), plain C loops otherwise. The
@@ -210,6 +214,12 @@ static inline float softmax_exp(float* restrict s, int L) {
 }
 #endif
 
+/* Gemma 2's attention logit soft-capping, in place on n scores: s = cap * tanh(s / cap); cap 0: none. */
+static inline void cap_scores(float* restrict s, int64_t n, const float cap) {
+    if (cap > 0.f)
+        for (int64_t i = 0; i < n; i++) s[i] = tanhf(s[i] / cap) * cap;
+}
+
 /* One sequence. qf: [H, D] scaled float query; rows[t]: element offset of token t's cache row;
  * scores: [H, L] scratch; acc: [H, D] output (float). */
 
@@ -255,7 +265,7 @@ static int prefetch_into_l2(void) { return tm_cpu_is_amd(); }
 static inline __attribute__((always_inline)) void NAME(                                                  \
     const float* restrict qf, const T* restrict k_cache, const T* restrict v_cache,                      \
     const int64_t* restrict rows, int L, float* restrict scores, float* restrict acc,                    \
-    const int H, const int KVH, const int D, const int* restrict lens) {                                 \
+    const int H, const int KVH, const int D, const int* restrict lens, const float softcap) {            \
     const int G = H / KVH, l2 = prefetch_into_l2();                                                      \
     float buf[V_CHUNK * MAX_SIMD_DIM];                                                                   \
     const float* kr[V_CHUNK];                                                                            \
@@ -284,6 +294,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             }                                                                                            \
         }                                                                                                \
     }                                                                                                    \
+    cap_scores(scores, (int64_t)H * L, softcap);                                                         \
     float inv[H];                                                                                        \
     for (int h = 0; h < H; h++) { /* head h attends to its first lens[h] keys; the rest weigh exactly 0 */ \
         float* sh = scores + (int64_t)h * L;                                                             \
@@ -326,7 +337,7 @@ DEFINE_SEQ_FAST(seq_fast_bf16, uint16_t, widen_bf16)
 static inline __attribute__((always_inline)) void NAME(                                                  \
     const float* restrict qf, const T* restrict k_cache, const T* restrict v_cache,                      \
     const int64_t* restrict rows, int L, float* restrict scores, float* restrict acc,                    \
-    const int H, const int KVH, const int D, const int* restrict lens) {                                 \
+    const int H, const int KVH, const int D, const int* restrict lens, const float softcap) {            \
     const int G = H / KVH;                                                                               \
     float krow[KVH * D];                                                                                 \
     for (int t = 0; t < L; t++) {                                                                        \
@@ -340,6 +351,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             scores[h * L + t] = dot;                                                                     \
         }                                                                                                \
     }                                                                                                    \
+    cap_scores(scores, (int64_t)H * L, softcap);                                                         \
     for (int h = 0; h < H; h++) {                                                                        \
         float* sh = scores + h * L;                                                                      \
         const int n = lens[h];                                                                           \
@@ -374,14 +386,30 @@ DEFINE_SEQ(seq_bf16, uint16_t, bf16_to_f32)
  * use and whose lengths grow by one (the verify rows of one request's draft tokens, in order) form a
  * group; each (group, kv head) is one task. A task scores the group's rows together: each K/V row is
  * read once for all of them, and row r's heads see only its first seq_lens keys (scores past them weigh
- * exactly 0, and softmax runs over its own length), so every row gets the bits it gets alone. */
+ * exactly 0, and softmax runs over its own length), so every row gets the bits it gets alone. Under a sliding
+ * window only rows whose keys all fit in it are grouped (the window then cuts nothing off any of them); a
+ * longer row is a group of its own, whose keys start at its window's first. */
 #define MAX_GROUP 16
 static int same_context(const int64_t* block_table, int max_blocks, int block_size, const int64_t* seq_lens,
-                        int first, int s) {
+                        int first, int s, int window) {
     if (s - first >= MAX_GROUP || seq_lens[s] != seq_lens[s - 1] + 1) return 0;
+    if (window > 0 && seq_lens[s] > window) return 0;
     const int64_t used = (seq_lens[s] + block_size - 1) / block_size;
     return memcmp(block_table + (int64_t)first * max_blocks, block_table + (int64_t)s * max_blocks,
                   sizeof(int64_t) * (size_t)used) == 0;
+}
+
+/* The first key a query at position seq_len - 1 sees: seq_len - window under a window shorter than the
+ * sequence (keys p - window < j <= p), else 0. */
+static inline int first_key(int64_t seq_len, int window) {
+    return window > 0 && seq_len > window ? (int)(seq_len - window) : 0;
+}
+
+/* rows[t] = element offset of key first + t's cache row (row: elements per token row), t < L. */
+static inline void row_offsets(int64_t* restrict rows, const int64_t* restrict bt, int first, int L, int block_size,
+                               int64_t row) {
+    for (int b = first / block_size, i = first % block_size, t = 0; t < L; b++, i = 0)
+        for (; i < block_size && t < L; i++, t++) rows[t] = (bt[b] * block_size + i) * row;
 }
 
 /* Few tasks for the threads (one request verifying drafts: KVH tasks of R * G query heads each) leave
@@ -416,7 +444,7 @@ static int head_parts(int num_tasks, int max_heads_per_task, int num_threads) {
 static inline __attribute__((always_inline)) void seq_dp_bf16(
     const uint16_t* restrict qb, const int* restrict koff, const float scale, const uint16_t* restrict k_cache,
     const uint16_t* restrict v_cache, const int64_t* restrict rows, const int L, float* restrict scores,
-    float* restrict acc, const int H, const int D, const int W, const int* restrict lens) {
+    float* restrict acc, const int H, const int D, const int W, const int* restrict lens, const float softcap) {
     const int DV = D / 32, l2 = prefetch_into_l2(); /* DV: 512-bit vectors per head row */
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int t0 = 0; t0 < L; t0 += 16) {
@@ -440,6 +468,7 @@ static inline __attribute__((always_inline)) void seq_dp_bf16(
                                   _mm512_mul_ps(vf_reduce(a), vscale));
         }
     }
+    cap_scores(scores, (int64_t)H * L, softcap);
     float inv[H];
     for (int h = 0; h < H; h++) { /* head h attends to its first lens[h] keys; the rest weigh exactly 0 */
         float* sh = scores + (int64_t)h * L;
@@ -497,7 +526,8 @@ static inline __attribute__((always_inline)) void seq_dp_bf16(
 static void paged_decode_bf16_dp(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                                  const int64_t* block_table, const int64_t* seq_lens, uint16_t* out,
                                  const int* start, int num_groups, int max_rows, int H, int KVH, int D,
-                                 int block_size, int max_blocks, float scale, int num_threads) {
+                                 int block_size, int max_blocks, float scale, int window, float softcap,
+                                 int num_threads) {
     const int G = H / KVH;
     const int whole = num_groups >= 2 * num_threads && KVH * D <= DP_MAX_ROW;
     const int per_group = whole ? 1 : KVH;
@@ -512,7 +542,7 @@ static void paged_decode_bf16_dp(const uint16_t* q, const uint16_t* k_cache, con
         const int all = R * G * nkv, h0 = (int)((int64_t)all * part / parts), h1 = (int)((int64_t)all * (part + 1) / parts);
         const int HG = h1 - h0;
         if (HG == 0) continue;
-        const int L = (int)seq_lens[g0 + R - 1];
+        const int first = first_key(seq_lens[g0 + R - 1], window), L = (int)seq_lens[g0 + R - 1] - first;
         uint16_t* qb = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)HG * D);
         float* acc = (float*)malloc(sizeof(float) * (size_t)HG * D);
         float* scores = (float*)malloc(sizeof(float) * (size_t)HG * (L > 0 ? L : 1));
@@ -523,22 +553,21 @@ static void paged_decode_bf16_dp(const uint16_t* q, const uint16_t* k_cache, con
             head[j] = (g0 + r) * H + hh;
             memcpy(qb + (int64_t)j * D, q + (int64_t)head[j] * D, sizeof(uint16_t) * (size_t)D);
             koff[j] = (hh / G - kv0) * D;
-            lens[j] = (int)seq_lens[g0 + r];
+            lens[j] = (int)seq_lens[g0 + r] - first;
         }
         const int64_t* bt = block_table + (int64_t)g0 * max_blocks;
         int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * (size_t)(L > 0 ? L : 1));
         const int64_t row = (int64_t)KVH * D;
-        for (int b = 0, t = 0; t < L; b++)
-            for (int i = 0; i < block_size && t < L; i++, t++) rows[t] = (bt[b] * block_size + i) * row;
+        row_offsets(rows, bt, first, L, block_size, row);
         const uint16_t* kc = k_cache + (int64_t)kv0 * D;
         const uint16_t* vc = v_cache + (int64_t)kv0 * D;
         const int W = nkv * D;
         if (D == 64)
-            seq_dp_bf16(qb, koff, scale, kc, vc, rows, L, scores, acc, HG, 64, W, lens);
+            seq_dp_bf16(qb, koff, scale, kc, vc, rows, L, scores, acc, HG, 64, W, lens, softcap);
         else if (D == 128)
-            seq_dp_bf16(qb, koff, scale, kc, vc, rows, L, scores, acc, HG, 128, W, lens);
+            seq_dp_bf16(qb, koff, scale, kc, vc, rows, L, scores, acc, HG, 128, W, lens, softcap);
         else
-            seq_dp_bf16(qb, koff, scale, kc, vc, rows, L, scores, acc, HG, D, W, lens);
+            seq_dp_bf16(qb, koff, scale, kc, vc, rows, L, scores, acc, HG, D, W, lens, softcap);
         for (int j = 0; j < HG; j++)
             for (int d = 0; d < D; d++) out[(int64_t)head[j] * D + d] = f32_to_bf16(acc[(int64_t)j * D + d]);
         free(qb);
@@ -569,13 +598,13 @@ int paged_decode_set_dp(int mode) {
 #define DEFINE_PAGED_DECODE(NAME, SEQ, FAST, DP, T, LOAD, STORE)                                             \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,                    \
           const int64_t* seq_lens, T* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,  \
-          int block_size, int max_blocks, float scale, int num_threads) {                                \
+          int block_size, int max_blocks, float scale, int window, float softcap, int num_threads) {     \
     const int H = num_heads, D = head_dim, KVH = num_kv_heads, G = H / KVH;                              \
     const int simd = LANES && D % (LANES ? LANES : 1) == 0 && D <= MAX_SIMD_DIM;                         \
     int* start = (int*)malloc(sizeof(int) * (size_t)(num_seqs + 1));                                     \
     int num_groups = 0;                                                                                  \
     for (int s = 0; s < num_seqs; s++)                                                                   \
-        if (s == 0 || !same_context(block_table, max_blocks, block_size, seq_lens, start[num_groups - 1], s)) \
+        if (s == 0 || !same_context(block_table, max_blocks, block_size, seq_lens, start[num_groups - 1], s, window)) \
             start[num_groups++] = s;                                                                     \
     start[num_groups] = num_seqs;                                                                        \
     int max_rows = 1;                                                                                    \
@@ -584,7 +613,7 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
     if (DP && D % 32 == 0 && D <= MAX_SIMD_DIM && D <= DP_MAX_ROW && tm_amd_path_on(&dp_mode)) {      \
         paged_decode_bf16_dp((const uint16_t*)q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, block_table, \
                              seq_lens, (uint16_t*)out, start, num_groups, max_rows, H, KVH, D, block_size, \
-                             max_blocks, scale, num_threads);                                            \
+                             max_blocks, scale, window, softcap, num_threads);                           \
         free(start);                                                                                     \
         return;                                                                                          \
     }                                                                                                    \
@@ -597,7 +626,7 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
         const int all = R * G, h0 = (int)((int64_t)all * part / parts), h1 = (int)((int64_t)all * (part + 1) / parts); \
         const int HG = h1 - h0;                                                                          \
         if (HG == 0) continue; /* a smaller group than the one the parts were sized for */               \
-        const int L = (int)seq_lens[g0 + R - 1];                                                         \
+        const int first = first_key(seq_lens[g0 + R - 1], window), L = (int)seq_lens[g0 + R - 1] - first; \
         float* qf = (float*)malloc(sizeof(float) * (size_t)HG * D);                                      \
         float* acc = (float*)malloc(sizeof(float) * (size_t)HG * D);                                     \
         float* scores = (float*)malloc(sizeof(float) * (size_t)HG * (L > 0 ? L : 1));                    \
@@ -606,23 +635,22 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
             const int r = (h0 + j) / G, g = (h0 + j) % G;                                                \
             const T* qh = q + ((int64_t)(g0 + r) * H + kh * G + g) * D;                                  \
             for (int d = 0; d < D; d++) qf[j * D + d] = LOAD(qh[d]) * scale;                             \
-            lens[j] = (int)seq_lens[g0 + r];                                                             \
+            lens[j] = (int)seq_lens[g0 + r] - first;                                                     \
         }                                                                                                \
         const int64_t* bt = block_table + (int64_t)g0 * max_blocks;                                      \
         int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * (size_t)(L > 0 ? L : 1));                     \
         const int64_t row = (int64_t)KVH * D;                                                            \
-        for (int b = 0, t = 0; t < L; b++)                                                               \
-            for (int i = 0; i < block_size && t < L; i++, t++) rows[t] = (bt[b] * block_size + i) * row; \
+        row_offsets(rows, bt, first, L, block_size, row);                                                \
         const T* kc = k_cache + (int64_t)kh * D; /* this kv head's slice of every token row */           \
         const T* vc = v_cache + (int64_t)kh * D;                                                         \
         if (simd && D == 64)                                                                             \
-            FAST(qf, kc, vc, rows, L, scores, acc, HG, 1, 64, lens);                                     \
+            FAST(qf, kc, vc, rows, L, scores, acc, HG, 1, 64, lens, softcap);                            \
         else if (simd && D == 128)                                                                       \
-            FAST(qf, kc, vc, rows, L, scores, acc, HG, 1, 128, lens);                                    \
+            FAST(qf, kc, vc, rows, L, scores, acc, HG, 1, 128, lens, softcap);                           \
         else if (simd)                                                                                   \
-            FAST(qf, kc, vc, rows, L, scores, acc, HG, 1, D, lens);                                      \
+            FAST(qf, kc, vc, rows, L, scores, acc, HG, 1, D, lens, softcap);                             \
         else                                                                                             \
-            SEQ(qf, kc, vc, rows, L, scores, acc, HG, 1, D, lens);                                       \
+            SEQ(qf, kc, vc, rows, L, scores, acc, HG, 1, D, lens, softcap);                              \
         for (int j = 0; j < HG; j++) {                                                                   \
             const int r = (h0 + j) / G, g = (h0 + j) % G;                                                \
             T* oh = out + ((int64_t)(g0 + r) * H + kh * G + g) * D;                                      \

@@ -10,6 +10,11 @@
  *   q_start, q_len, ctx_len  [num_spans] int64: a span's first flat token, its query tokens and its
  *                context after this step; query token i sits at position ctx_len - q_len + i and sees
  *                keys 0 .. that position.
+ *   window > 0   sliding-window attention (transformers' masks): the query at position p sees keys
+ *                p - window < j <= p only; a tile's key loop starts at the BK-aligned tile holding its first
+ *                row's first key, and keys below a row's window are masked like keys past its position.
+ *   softcap > 0  Gemma 2's attention logit soft-capping: scores become softcap * tanh(score / softcap).
+ *                0 turns either off.
  * Work item: (span, kv head, tile of RT query rows), a row being one of the G = H / KVH query heads
  * of one token (token-major), so a K/V row is read once for all the heads that share it. A tile keeps
  * its queries transposed and pre-scaled (Qt [D][RT]) and its scores transposed (St [BK][RT]): the
@@ -173,17 +178,28 @@ DEFINE_PV(pv_chunk, DC)
 DEFINE_PV(pv_one, 1)
 
 /* Online softmax over a tile's scores st [BK][RT] (transposed: lanes are query rows), in place to the
- * numerators; masks keys past each row's position (key k0 + j, j < n) first when the tile reaches past the
- * smallest of them; updates the rows' max m, sum l and correction corr, and rescales the output rows o. */
+ * numerators; soft-caps the n real keys' scores (softcap > 0), then masks keys past each row's position (key
+ * k0 + j, j < n) and, under a window, keys below each row's window, when the tile reaches past the smallest
+ * position or below the largest window's start; updates the rows' max m, sum l and correction corr, and
+ * rescales the output rows o. A row whose every key in the tile is masked keeps m = -inf, l = 0 and o = 0
+ * (exp of the NaN m - m is 0 here), exactly as if the tile had not run: its bits never depend on the tiles
+ * below its window that its item's other rows need. */
 static inline void online_softmax(float* st, float* o, float* m, float* l, float* corr, const int64_t* qpos,
-                                  int64_t k0, int n, int D) {
-    int64_t min_pos = qpos[0];
-    for (int r = 1; r < RT; r++) min_pos = qpos[r] < min_pos ? qpos[r] : min_pos;
-    if (k0 + BK - 1 > min_pos || n < BK) {
+                                  int64_t k0, int n, int D, int window, float softcap) {
+    if (softcap > 0.0f)
+        for (int j = 0; j < n; j++)
+            for (int r = 0; r < RT; r++) st[j * RT + r] = tanhf(st[j * RT + r] / softcap) * softcap;
+    int64_t min_pos = qpos[0], max_pos = qpos[0];
+    for (int r = 1; r < RT; r++) {
+        min_pos = qpos[r] < min_pos ? qpos[r] : min_pos;
+        max_pos = qpos[r] > max_pos ? qpos[r] : max_pos;
+    }
+    const int below = window > 0 && k0 <= max_pos - window; /* some key of the tile below some row's window */
+    if (k0 + BK - 1 > min_pos || n < BK || below) {
         for (int j = 0; j < BK; j++) {
             float* row = st + j * RT;
             for (int r = 0; r < RT; r++)
-                if (j >= n || k0 + j > qpos[r]) row[r] = -INFINITY;
+                if (j >= n || k0 + j > qpos[r] || (below && k0 + j <= qpos[r] - window)) row[r] = -INFINITY;
         }
     }
     for (int i = 0; i < NVR; i++) {
@@ -210,17 +226,26 @@ static inline void online_softmax(float* st, float* o, float* m, float* l, float
     }
 }
 
-static inline void softmax_tile(Scratch* s, int64_t k0, int n, int D) {
-    online_softmax(s->st, s->o, s->m, s->l, s->corr, s->qpos, k0, n, D);
+static inline void softmax_tile(Scratch* s, int64_t k0, int n, int D, int window, float softcap) {
+    online_softmax(s->st, s->o, s->m, s->l, s->corr, s->qpos, k0, n, D, window, softcap);
 }
 
 typedef struct {
     int span, kvh, row0; /* first query row of the tile (row = token * G + head in group) */
-    int64_t keys;        /* keys the tile's last token sees: its cost */
+    int64_t k_start;     /* the first key tile: 0, or under a window the BK-aligned tile of its first row's first key */
+    int64_t keys;        /* keys the tile's last token sees (the key loop's end) */
 } Item;
 
+/* The first key tile a row at position pos needs: 0, or under a window the BK-aligned tile holding key
+ * pos - window + 1 (tiles start at multiples of BK whatever the chunk, so a row's bits do not depend on it). */
+static inline int64_t first_tile(int64_t pos, int window) {
+    const int64_t first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+    return first / BK * BK;
+}
+
 static int by_cost_desc(const void* a, const void* b) {
-    const int64_t ka = ((const Item*)a)->keys, kb = ((const Item*)b)->keys;
+    const Item *ia = (const Item*)a, *ib = (const Item*)b;
+    const int64_t ka = ia->keys - ia->k_start, kb = ib->keys - ib->k_start; /* keys read: the item's cost */
     return ka < kb ? 1 : ka > kb ? -1 : 0;
 }
 
@@ -299,8 +324,8 @@ DEFINE_PV_DP(pv_dp_chunk, DC)
 DEFINE_PV_DP(pv_dp_one, 1)
 
 /* The online softmax on ScratchDP, then the numerator pairs. */
-static inline void softmax_tile_dp(ScratchDP* s, int64_t k0, int n, int D) {
-    online_softmax(s->st, s->o, s->m, s->l, s->corr, s->qpos, k0, n, D);
+static inline void softmax_tile_dp(ScratchDP* s, int64_t k0, int n, int D, int window, float softcap) {
+    online_softmax(s->st, s->o, s->m, s->l, s->corr, s->qpos, k0, n, D, window, softcap);
     for (int jp = 0; jp < (n + 1) / 2; jp++) /* an odd last key pairs with weight 0 */
         for (int i = 0; i < NVR; i++) {
             const __m512i lo = tm_round_bf16_lanes(_mm512_loadu_ps(s->st + 2 * jp * RT + i * VW));
@@ -313,7 +338,7 @@ static inline void softmax_tile_dp(ScratchDP* s, int64_t k0, int n, int D) {
 static int paged_prefill_bf16_dp(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                                  const int64_t* block_table, int max_blocks, const int64_t* q_start, const int64_t* q_len,
                                  const int64_t* ctx_len, const Item* items, int num_items, uint16_t* out, int H, int KVH,
-                                 int D, int block_size, float scale, int num_threads) {
+                                 int D, int block_size, float scale, int window, float softcap, int num_threads) {
     const int G = H / KVH;
     const int64_t kv_row = (int64_t)KVH * D, q_row = (int64_t)H * D;
     static const uint16_t zero_row[MAX_DP_DIM] __attribute__((aligned(64)));
@@ -350,7 +375,7 @@ static int paged_prefill_bf16_dp(const uint16_t* q, const uint16_t* k_cache, con
                 sc.l[r] = 0.0f;
             }
             memset(sc.o, 0, sizeof(float) * (size_t)RT * D);
-            for (int64_t k0 = 0; k0 < item.keys; k0 += BK) {
+            for (int64_t k0 = item.k_start; k0 < item.keys; k0 += BK) {
                 const int n = (int)(item.keys - k0 < BK ? item.keys - k0 : BK), np = (n + 1) / 2;
                 for (int j = 0; j < BK; j++) {
                     const int64_t t = k0 + j;
@@ -371,7 +396,7 @@ static int paged_prefill_bf16_dp(const uint16_t* q, const uint16_t* k_cache, con
                 if (D == 64) scores_tile_dp(&sc, 64, scale);
                 else if (D == 128) scores_tile_dp(&sc, 128, scale);
                 else scores_tile_dp(&sc, D, scale);
-                softmax_tile_dp(&sc, k0, n, D);
+                softmax_tile_dp(&sc, k0, n, D, window, softcap);
                 int dv = 0;
                 for (; dv + DC <= D / VW; dv += DC) pv_dp_chunk(&sc, D, np, dv);
                 for (; dv < D / VW; dv++) pv_dp_one(&sc, D, np, dv);
@@ -409,7 +434,8 @@ int paged_prefill_set_dp(int mode) {
 #define DEFINE_PAGED_PREFILL(NAME, T, LOAD, STORE, DP)                                                       \
 int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table, int max_blocks,     \
          const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len, int num_spans, T* out,    \
-         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) {  \
+         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,         \
+         float softcap, int num_threads) {                                                               \
     const int H = num_heads, KVH = num_kv_heads, D = head_dim, G = H / KVH;                              \
     if (D % VW || H % KVH) return -1;                                                                    \
     int num_items = 0;                                                                                   \
@@ -420,14 +446,16 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
         for (int h = 0; h < KVH; h++)                                                                    \
             for (int64_t r0 = 0; r0 < rows; r0 += RT) {                                                  \
                 const int64_t last = (r0 + RT < rows ? r0 + RT : rows) - 1;                              \
-                items[it++] = (Item){s, h, (int)r0, ctx_len[s] - q_len[s] + last / G + 1};               \
+                items[it++] = (Item){s, h, (int)r0, first_tile(ctx_len[s] - q_len[s] + r0 / G, window),  \
+                                     ctx_len[s] - q_len[s] + last / G + 1};                              \
             }                                                                                            \
     }                                                                                                    \
     qsort(items, (size_t)num_items, sizeof(Item), by_cost_desc);                                         \
     if (DP && D % 32 == 0 && D <= MAX_DP_DIM && tm_amd_path_on(&dp_mode)) {                           \
         const int rc = paged_prefill_bf16_dp((const uint16_t*)q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, \
                                              block_table, max_blocks, q_start, q_len, ctx_len, items, num_items, \
-                                             (uint16_t*)out, H, KVH, D, block_size, scale, num_threads);  \
+                                             (uint16_t*)out, H, KVH, D, block_size, scale, window, softcap, \
+                                             num_threads);                                               \
         free(items);                                                                                     \
         return rc;                                                                                       \
     }                                                                                                    \
@@ -459,7 +487,7 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
                 sc.l[r] = 0.0f;                                                                          \
             }                                                                                            \
             memset(sc.o, 0, sizeof(float) * (size_t)RT * D);                                             \
-            for (int64_t k0 = 0; k0 < item.keys; k0 += BK) {                                             \
+            for (int64_t k0 = item.k_start; k0 < item.keys; k0 += BK) {                                  \
                 const int n = (int)(item.keys - k0 < BK ? item.keys - k0 : BK);                          \
                 for (int j = 0; j < n; j++) {                                                            \
                     const int64_t t = k0 + j;                                                            \
@@ -475,7 +503,7 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
                 if (D == 64) scores_tile(&sc, 64);                                                       \
                 else if (D == 128) scores_tile(&sc, 128);                                                \
                 else scores_tile(&sc, D);                                                                \
-                softmax_tile(&sc, k0, n, D);                                                             \
+                softmax_tile(&sc, k0, n, D, window, softcap);                                            \
                 int dv = 0;                                                                              \
                 for (; dv + DC <= D / VW; dv += DC) pv_chunk(&sc, D, n, dv);                             \
                 for (; dv < D / VW; dv++) pv_one(&sc, D, n, dv);                                         \

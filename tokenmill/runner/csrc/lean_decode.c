@@ -8,7 +8,8 @@
  *   q, k = RMSNorm per head (Qwen3's q_norm/k_norm), then rotate-half RoPE from the float32 cos|sin cache
  *   k, v -> k_cache/v_cache[slot_mapping[b]]        the layer's paged KV cache
  *   a = attention of q                              decode queries: paged decode kernel (paged_decode.c);
- *                                                   prompt chunks: paged prefill kernel (paged_prefill.c)
+ *                                                   prompt chunks: paged prefill kernel (paged_prefill.c);
+ *                                                   both with the layer's sliding window, if any
  *   h = (a @ Wo^T (+ b)) + h
  *   h = (silu(gate) * up) @ Wdown^T (+ b) + h       over RMSNorm(h); silu_and_mul kernel
  * The kernels are the ones the torch path's layers call in default CPU mode, passed in as function
@@ -42,12 +43,13 @@ typedef void (*ld_rms_norm_fn)(const void* x, const void* w, void* y, int64_t M,
 typedef void (*ld_silu_and_mul_fn)(const void* x, void* out, int64_t M, int64_t I, int num_threads);
 typedef void (*ld_attention_fn)(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
                                 const int64_t* seq_lens, void* out, int num_seqs, int num_heads, int num_kv_heads,
-                                int head_dim, int block_size, int max_blocks, float scale, int num_threads);
+                                int head_dim, int block_size, int max_blocks, float scale, int window, float softcap,
+                                int num_threads);
 
 typedef int (*ld_prefill_fn)(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_table,
                              int max_blocks, const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
                              int num_spans, void* out, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                             float scale, int num_threads);
+                             float scale, int window, float softcap, int num_threads);
 
 typedef struct {
     ld_qlinear_fn qlinear;
@@ -72,6 +74,7 @@ typedef struct {
     const void* q_norm;      /* [head_dim] or NULL (Qwen3's per-head norms) */
     const void* k_norm;
     ld_linear qkv, o, gate_up, down;
+    int64_t sliding_window;  /* the layer's window (a query at p sees keys p - window < j <= p), or 0: none */
 } ld_layer;
 
 typedef struct {
@@ -226,7 +229,7 @@ int ld_step(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden,
     for (int64_t l = 0; l < m->num_layers; l++) {
         const ld_layer* L = &m->layers[l];
         if (ld_linear_out(&L->qkv) != nqkv || ld_linear_out(&L->o) != Hd || ld_linear_out(&L->gate_up) != 2 * I ||
-            ld_linear_out(&L->down) != Hd) return -1;
+            ld_linear_out(&L->down) != Hd || L->sliding_window < 0 || L->sliding_window > INT32_MAX) return -1;
     }
     /* decode queries gathered into rows of their own (and their outputs scattered back) unless they are
      * the step's tokens in order */
@@ -247,6 +250,7 @@ int ld_step(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden,
         const ld_layer* L = &m->layers[l];
         char* k_cache = kv[2 * l];
         char* v_cache = kv[2 * l + 1];
+        const int window = (int)L->sliding_window;
         /* attention block */
         k->rms_norm(hidden, L->input_norm, xn, B, Hd, m->eps, num_threads);
         if ((rc = ld_linear_run(m, &L->qkv, xn, B, Hd, qkv, num_threads, amx_bf16))) break;
@@ -272,14 +276,14 @@ int ld_step(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden,
         /* attention: xn [T, q_size] */
         if (Bd > 0 && !gather) {
             k->attention(attn, k_cache, v_cache, s->block_table, s->seq_lens, xn, (int)Bd, (int)H, (int)KVH, (int)D,
-                         (int)m->block_size, (int)s->max_blocks, m->scale, num_threads);
+                         (int)m->block_size, (int)s->max_blocks, m->scale, window, 0.0f, num_threads);
         } else if (Bd > 0) {
             char* dout = dq + elt * (size_t)(Bd * q_size);
             for (int64_t b = 0; b < Bd; b++)
                 memcpy(dq + elt * (size_t)(b * q_size), attn + elt * (size_t)(s->decode_idx[b] * q_size),
                        elt * (size_t)q_size);
             k->attention(dq, k_cache, v_cache, s->block_table, s->seq_lens, dout, (int)Bd, (int)H, (int)KVH, (int)D,
-                         (int)m->block_size, (int)s->max_blocks, m->scale, num_threads);
+                         (int)m->block_size, (int)s->max_blocks, m->scale, window, 0.0f, num_threads);
             for (int64_t b = 0; b < Bd; b++)
                 memcpy(xn + elt * (size_t)(s->decode_idx[b] * q_size), dout + elt * (size_t)(b * q_size),
                        elt * (size_t)q_size);
@@ -287,7 +291,7 @@ int ld_step(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden,
         if (s->num_prefills > 0 &&
             k->prefill(attn, k_cache, v_cache, s->prefill_table, (int)s->prefill_max_blocks, s->q_start, s->q_len,
                        s->ctx_len, (int)s->num_prefills, xn, (int)H, (int)KVH, (int)D, (int)m->block_size, m->scale,
-                       num_threads) != 0) { rc = -1; goto done; }
+                       window, 0.0f, num_threads) != 0) { rc = -1; goto done; }
         if ((rc = ld_linear_run(m, &L->o, xn, B, q_size, out, num_threads, amx_bf16))) break;
         ld_residual(hidden, out, B * Hd, bf16);
         /* MLP block */
