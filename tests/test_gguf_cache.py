@@ -120,8 +120,11 @@ def test_quantized_blocks_are_used_in_place_from_the_file_and_released_with_the_
     assert len(_mappings_of(path)) == before  # the last reference gone, the mapping is gone
 
 
-def test_loading_a_quantized_gguf_writes_no_copy_of_its_blocks(cache_dir):
+def test_loading_a_quantized_gguf_caches_at_most_its_tiled_blocks(cache_dir):
+    """The cache entry holds config, index, tokenizer and (where this build tiles) the repacked blocks: no
+    dequantized copy, and less than the file's own size."""
     from tokenmill.models.loader import load_model
+    from tokenmill.quantization.gguf_weight import tiled_formats
 
     path = default_model_path()
     loaded = load_model(str(path), dtype="float32")
@@ -130,7 +133,63 @@ def test_loading_a_quantized_gguf_writes_no_copy_of_its_blocks(cache_dir):
     files = [f for f in entry.rglob("*") if f.is_file()]
     assert {f.name for f in files} >= {"config.json", "tensors.json"}
     assert not any(f.suffix == ".safetensors" for f in files)
-    assert sum(f.stat().st_size for f in files) < path.stat().st_size / 20  # config, index and tokenizer only
+    tiles = [f for f in files if f.name.startswith("tiles-")]
+    assert bool(tiles) == bool(tiled_formats())
+    assert sum(f.stat().st_size for f in tiles) <= path.stat().st_size  # the repacked blocks: no more than the file
+    assert sum(f.stat().st_size for f in files if f not in tiles) < path.stat().st_size / 20  # config, index, tokenizer
     again = load_model(str(path), dtype="float32")  # from the cache entry: no metadata parse
     assert ({k: v for k, v in again.hf_config.to_dict().items() if k != "_name_or_path"}
             == {k: v for k, v in loaded.hf_config.to_dict().items() if k != "_name_or_path"})
+
+
+def _segments(loaded) -> list:
+    """Every GGUFWeight segment (QuantizedTensor) of a loaded model, in module order."""
+    from tokenmill.quantization.gguf_weight import GGUFWeight
+
+    found = []
+    for module in loaded.model.modules():
+        for value in vars(module).values():
+            if isinstance(value, GGUFWeight):
+                found.extend(value.parts)
+    return found
+
+
+def test_tiled_blocks_come_back_from_the_tile_cache_exactly(cache_dir):
+    """The second load maps the tiled segments the first one repacked (views of tiles-*.bin, no repack) with
+    the same bytes; a damaged tiles file is rebuilt, and a segment that differs is repacked."""
+    import logging
+
+    from tokenmill.models.loader import load_model
+    from tokenmill.quantization import qgemm, tile_cache
+    from tokenmill.quantization.formats import is_tiled
+    from tokenmill.quantization.gguf_weight import tiled_formats
+
+    if not tiled_formats():
+        pytest.skip(f"this build ({qgemm.library.built() and qgemm.isa()}) keeps the stored layout: nothing to cache")
+    path = default_model_path()
+    first = _segments(load_model(str(path), dtype="float32"))
+    tiles = next(gguf_cache.entry_dir(path).glob("tiles-*.bin"))
+    second = _segments(load_model(str(path), dtype="float32"))
+    tiled = [i for i, s in enumerate(first) if is_tiled(s.qtype)]
+    assert tiled, "the embedded model has tiled segments on this build"
+    assert [s.qtype for s in first] == [s.qtype for s in second]
+    assert all(torch.equal(a.data, b.data) for a, b in zip(first, second))
+    spans = _mappings_of(tiles)
+    assert all(any(lo <= second[i].data.data_ptr() < hi for lo, hi in spans) for i in tiled)  # mapped, not made
+    del second  # its pages are the file's: cutting the file under them would fault
+    import gc
+
+    gc.collect()
+    with open(tiles, "r+b") as f:  # cut in half: its index points past the end, so it is repacked and rewritten
+        f.truncate(tiles.stat().st_size // 2)
+    third = _segments(load_model(str(path), dtype="float32"))
+    assert all(torch.equal(a.data, b.data) for a, b in zip(first, third))
+    assert tiles.stat().st_size > 0 and tile_cache.TileCache(tiles.parent, tiles.stem[6:])._mapped is not None
+    # a recorded segment that is not the one asked for (its source bytes differ): repacked, and recorded anew
+    cache = tile_cache.TileCache(tiles.parent, tiles.stem[6:])
+    made = []
+    part = next(s for s in first if is_tiled(s.qtype))
+    stored = qgemm.QuantizedTensor(part.qtype - qgemm.TILED, part.shape, torch.zeros_like(part.data))
+    logging.getLogger("tokenmill.quantization.tile_cache").setLevel(logging.INFO)
+    got = cache.tiled([stored], lambda: made.append(1) or qgemm.repack(stored))
+    assert made == [1] and cache.hits == 0 and torch.equal(got.data, qgemm.repack(stored).data)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.runner.huge_pages import advise_huge_pages, zeros_on_huge_pages
+from tokenmill.runner.huge_pages import advise_huge_pages, is_mapped, release_pages, zeros_on_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -21,6 +21,18 @@ def thp_mode() -> str | None:
         return None
     found = re.search(r"\[(\w+)\]", THP.read_text())
     return found.group(1) if found else None
+
+
+def mapping_field(ptr: int, field: str) -> int:
+    """A size field (kB, e.g. "Rss") of the mapping of this process that holds address ``ptr``, in bytes."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = int(head.group(1), 16) <= ptr < int(head.group(2), 16)
+        elif inside and line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {ptr:#x}")
 
 
 def mapping_vm_flags(ptr: int) -> set[str]:
@@ -59,22 +71,41 @@ def test_a_large_tensor_is_advised_onto_huge_pages():
 
 
 def test_the_engines_cpu_kv_cache_is_advised(monkeypatch, tmp_path):
-    """ModelRunner allocates its KV cache through zeros_on_huge_pages (a spy records the call)."""
+    """ModelRunner's KV pool allocates its KV tensor through zeros_on_huge_pages (a spy records the call)."""
     from tests.tiny_models import make_tiny_model
     from tokenmill import LLM
-    from tokenmill.runner import model_runner
+    from tokenmill.runner import kv_pool
 
     calls = []
-    real = model_runner.zeros_on_huge_pages
+    real = kv_pool.zeros_on_huge_pages
 
     def spy(shape, dtype, device):
         calls.append(tuple(shape))
         return real(shape, dtype, device)
 
-    monkeypatch.setattr(model_runner, "zeros_on_huge_pages", spy)
+    monkeypatch.setattr(kv_pool, "zeros_on_huge_pages", spy)
     llm = LLM(model=str(make_tiny_model("llama", tmp_path)), num_kv_blocks=64)
     try:
         assert calls and calls[0][2] >= 64  # (layers, 2, blocks + padding, block_size, kv_heads, head_dim)
         assert llm.generate([[1, 2, 3]])[0].outputs[0].token_ids
     finally:
         llm.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps (Linux)")
+def test_a_large_pool_takes_memory_only_where_written_and_gives_it_back():
+    """A 64 MiB tensor is ready untouched (no resident pages: Linux zero-fills them on first write), takes
+    memory where written, and release_pages returns it while the tensor stays valid and reads as zeros."""
+    t = zeros_on_huge_pages((64, 1024, 1024), torch.uint8, torch.device("cpu"))
+    assert is_mapped(t) and t.data_ptr() % (2 << 20) == 0  # on a huge-page boundary
+    assert mapping_field(t.data_ptr(), "Rss") < 4 << 20  # nothing faulted in by the allocation itself
+    t[:16].fill_(7)
+    assert mapping_field(t.data_ptr(), "Rss") >= 16 << 20
+    assert int(t.sum()) == 7 * (16 << 20)
+    assert release_pages(t) >= 64 << 20
+    assert mapping_field(t.data_ptr(), "Rss") < 4 << 20 and not t.any()
+    t[3, 5, 7] = 1  # still usable
+    assert int(t.sum()) == 1
+    assert not is_mapped(torch.zeros(8))
+    with pytest.raises(ValueError, match="zeros_on_huge_pages"):
+        release_pages(torch.zeros(8))

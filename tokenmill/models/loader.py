@@ -122,27 +122,6 @@ def _finish(model: nn.Module, device: torch.device) -> nn.Module:
     return model.eval()
 
 
-def check_sliding_window(config: PretrainedConfig, max_model_len: int | None = None) -> None:
-    """Sliding-window attention is not implemented; allow it only when it can never bite.
-
-    The window is harmless when it is None or at least the longest sequence served
-    (``max_model_len``, default ``max_position_embeddings``).
-
-    Raises:
-        NotImplementedError: a sliding window shorter than the served context.
-    """
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
-        return
-    limit = max_model_len if max_model_len is not None else config.max_position_embeddings
-    if window < limit:
-        raise NotImplementedError(
-            f"sliding_window={window} is shorter than the served context ({limit} tokens) and sliding-window "
-            f"attention is not implemented; pass max_model_len <= {window}"
-        )
-
-
 def _checkpoint_dtype(config: PretrainedConfig, files: list[Path]) -> torch.dtype | None:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
@@ -185,13 +164,11 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_hf_dir(path: Path, dtype: str, max_model_len: int | None, device: torch.device,
-                 quantization: str | None = None) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: str, device: torch.device, quantization: str | None = None) -> LoadedModel:
     quantization = resolve_quantization(quantization, "safetensors", device)
     files = checkpoint_files(path)
     config = AutoConfig.from_pretrained(str(path))
     get_model_class(config)  # fail on unsupported architectures before touching weights
-    check_sliding_window(config, max_model_len)
     torch_dtype = resolve_dtype(dtype, _checkpoint_dtype(config, files), device)
     model = _build_model(config, torch_dtype, device)
     model.load_weights(_iter_safetensors(files))
@@ -254,12 +231,13 @@ def resolve_quantization(quantization: str | None, file_format: str, device: tor
     return quantization
 
 
-def _load_gguf(path: Path, dtype: str, max_model_len: int | None, device: torch.device,
-               quantization: str | None = None) -> LoadedModel:
+def _load_gguf(path: Path, dtype: str, device: torch.device, quantization: str | None = None) -> LoadedModel:
     """Config and tensor index first (from the GGUF cache, else parsed and checked: what the engine cannot
     run fails here, before any weight is read), then the weights while the tokenizer is rebuilt beside them.
     Quantized blocks are mapped from the file in place (``gguf_loader.iter_mapped_weights``)."""
     from tokenmill.models import gguf_cache, gguf_loader  # needs the `gguf` package, only for GGUF files
+    from tokenmill.quantization import tile_cache
+    from tokenmill.quantization.gguf_weight import tiled_formats
 
     torch_dtype = resolve_dtype(dtype, None, device)
     quantization = resolve_quantization(quantization, "gguf", device)
@@ -274,7 +252,6 @@ def _load_gguf(path: Path, dtype: str, max_model_len: int | None, device: torch.
     config = gguf_cache.cached_config(path, lambda: gguf_loader.gguf_to_hf_config(get_reader()))
     index = gguf_cache.cached_tensor_index(path, lambda: gguf_loader.read_tensor_index(get_reader()))
     del reader, get_reader  # each tensor gets its own mapping below
-    check_sliding_window(config, max_model_len)
     # transformers rebuilds the tokenizer by re-reading the file's metadata (seconds of Python);
     # overlap that with the weights, which spend their time in numpy/torch kernels and page faults.
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -285,9 +262,12 @@ def _load_gguf(path: Path, dtype: str, max_model_len: int | None, device: torch.
             blocks = gguf_loader.iter_mapped_weights(path, index, config, dense=False)
             dense = lambda: gguf_loader.iter_mapped_weights(path, index, config, quantized=False)  # noqa: E731
             if gguf_loader.needs_dequantization(index):  # block formats without a kernel: dequantized once
-                model.load_weights(itertools.chain(blocks, gguf_cache.cached_weights(path, dense, "dense.safetensors")))
+                weights = itertools.chain(blocks, gguf_cache.cached_weights(path, dense, "dense.safetensors"))
             else:
-                model.load_weights(itertools.chain(blocks, dense()))
+                weights = itertools.chain(blocks, dense())
+            # the tiled layout of the blocks: repacked on the first load, then mapped from the cache entry
+            with tile_cache.active(gguf_cache.entry_dir(path), tiled_formats()):
+                model.load_weights(weights)
         else:
             model.load_weights(gguf_cache.cached_weights(
                 path, lambda: gguf_loader.iter_mapped_weights(path, index, config, kept=set())))
@@ -312,8 +292,7 @@ def _looks_like_a_path(model: str) -> bool:
 
 
 def load_model(
-    model: str | None, dtype: str = "auto", max_model_len: int | None = None, device: torch.device | str = "cpu",
-    quantization: str | None = None,
+    model: str | None, dtype: str = "auto", device: torch.device | str = "cpu", quantization: str | None = None,
 ) -> LoadedModel:
     """Load a model from a local path; ``None`` means the embedded SmolLM2-135M-Instruct GGUF.
 
@@ -323,8 +302,6 @@ def load_model(
             .gguf file (and no config.json).
         dtype: "auto" (``resolve_dtype``: float32 for float32 checkpoints; bfloat16 for the rest on
             CUDA and on CPUs with bf16 arithmetic, float32 on other CPUs), "float32" or "bfloat16".
-        max_model_len: the longest sequence that will be served; only used to decide whether a
-            sliding window can be ignored (default: max_position_embeddings).
         device: where the weights live ("cpu", or a CUDA device, where "auto" means bfloat16).
         quantization: "gguf" (a GGUF file's quantized matrices run as stored; the default for GGUF
             files on CPU), "int8" (weight-only int8 with per-channel scales, safetensors checkpoints),
@@ -335,7 +312,7 @@ def load_model(
             directory without config.json/safetensors, an unsupported architecture.
         UnsupportedModelError (a ValueError): a GGUF file holding what tokenmill cannot run (architecture,
             tensor type or name, RoPE variant, tokenizer), named with the file and the key or tensor.
-        NotImplementedError: model features tokenmill cannot run (e.g. a short sliding window).
+        NotImplementedError: model features tokenmill cannot run (e.g. an unsupported RoPE variant).
         FileNotFoundError: model is None and the default-model package is not installed.
     """
     start = time.perf_counter()
@@ -352,9 +329,9 @@ def load_model(
             raise ValueError(f"{path} holds {len(gguf_files)} GGUF files and no config.json: pass one of them "
                              f"as the model ({names})")
     if path.is_dir():
-        loaded = _load_hf_dir(path, dtype, max_model_len, device, quantization)
+        loaded = _load_hf_dir(path, dtype, device, quantization)
     elif path.is_file() and path.suffix == ".gguf":
-        loaded = _load_gguf(path, dtype, max_model_len, device, quantization)
+        loaded = _load_gguf(path, dtype, device, quantization)
     elif path.is_file():
         raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a .gguf file or a model directory")
     elif _looks_like_a_path(str(model)):

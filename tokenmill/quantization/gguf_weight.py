@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from tokenmill.quantization import qgemm
+from tokenmill.quantization import qgemm, tile_cache
 from tokenmill.quantization.formats import TILED_FORMATS, QuantizedTensor, qtype_name
 
 _scratch = threading.local()
@@ -63,6 +63,22 @@ def _scratch_buffer(dtype: torch.dtype, numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
+def tiled_formats() -> tuple[int, ...]:
+    """The formats ``GGUFWeight`` repacks into the tiled layout in this process (``TILED_LAYOUT``, else
+    ``_DEFAULT_TILED`` where this build prefers tiles, else none)."""
+    tiled = (_DEFAULT_TILED if qgemm.tiled_preferred() else ()) if TILED_LAYOUT is None else TILED_LAYOUT
+    assert all(f in TILED_FORMATS for f in tiled), tiled
+    return tuple(tiled)
+
+
+def _merge(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
+    """Row blocks of one format stacked into one tensor (the part itself when there is one)."""
+    if len(parts) == 1:
+        return parts[0]
+    return QuantizedTensor(parts[0].qtype, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                           torch.cat([p.data for p in parts]))
+
+
 class GGUFWeight:
     """A [out_features, in_features] weight kept in GGUF block formats.
 
@@ -84,17 +100,17 @@ class GGUFWeight:
         k = parts[0].shape[1]
         if any(p.shape[1] != k for p in parts):
             raise ValueError(f"GGUFWeight parts have different in_features: {[p.shape for p in parts]}")
-        merged: list[QuantizedTensor] = []
+        groups: list[list[QuantizedTensor]] = []
         for p in parts:  # adjacent parts of one format become one segment (one kernel call)
-            if merged and merged[-1].qtype == p.qtype:
-                last = merged[-1]
-                merged[-1] = QuantizedTensor(p.qtype, (last.shape[0] + p.shape[0], k), torch.cat([last.data, p.data]))
+            if groups and groups[-1][0].qtype == p.qtype:
+                groups[-1].append(p)
             else:
-                merged.append(p)
-        tiled = (_DEFAULT_TILED if qgemm.tiled_preferred() else ()) if TILED_LAYOUT is None else TILED_LAYOUT
-        assert all(f in TILED_FORMATS for f in tiled), tiled
-        # the stored copy is dropped (unless the caller keeps it): memory stays that of the blocks
-        merged = [qgemm.repack(p) if p.qtype in tiled else p for p in merged]
+                groups.append([p])
+        tiled = tiled_formats()
+        # the stored copy is dropped (unless the caller keeps it): memory stays that of the blocks. A tiled
+        # segment may come from the loader's tile cache (tile_cache.active): then nothing is merged or repacked.
+        merged = [tile_cache.tiled_segment(g, lambda g=g: qgemm.repack(_merge(g))) if g[0].qtype in tiled
+                  else _merge(g) for g in groups]
         self.parts = merged
         self.in_features = k
         self.out_features = sum(p.shape[0] for p in merged)
