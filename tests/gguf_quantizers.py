@@ -13,7 +13,7 @@ the best scales, so the error is somewhat larger, but every weight is within hal
 - Q6_K (256 weights, 16 sub-blocks of 16): ``w = d * sc[s] * (u - 32)``, u 6 bits, ``sc`` int8. Block
   bytes: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 scales, d (fp16).
 
-The byte layouts are the inverse of gguf-py's ``dequantize_blocks`` (and of qgemm.c's ``group_params``
+The byte layouts are the inverse of gguf-py's ``dequantize_blocks`` (and of csrc/qg_formats.h's ``group_params``
 / ``group_codes`` / ``k4_scale_min``); tests/test_kquant_models.py checks them against gguf-py.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The GGUF block formats tokenmill runs without dequantizing, and the tensor that carries them.
 
 Block layouts follow the GGUF file format (ggml type ids, block sizes and bytes per block below);
-``csrc/qgemm.c`` reads them. Q4_0, Q4_1 and Q8_0 also have a tiled layout (type id + ``TILED``): the
+the kernels in ``csrc/`` read them (``qg_formats.h``). Q4_0, Q4_1 and Q8_0 also have a tiled layout (type id + ``TILED``): the
 same bytes regrouped at load by ``qgemm.repack`` into tiles of ``TILE_ROWS`` rows for the SIMD
-kernels (described in qgemm.c), and so do the other formats (csrc/qg_tiles_kq.h). Pure
+kernels (described in csrc/qg_tiles.h), and so do the other formats (csrc/qg_tiles_kq.h). Pure
 metadata: no kernels here.
 """
 from __future__ import annotations
@@ -30,9 +30,9 @@ GGUF_QUANT_TYPES: dict[int, tuple[str, int, int]] = {
 # --quantization values: "gguf" (a GGUF file's own blocks, the default for GGUF models), "int8"
 # (weight-only int8 with per-output-channel scales, for HF checkpoints), "none" (dense weights).
 QUANTIZATION_METHODS: tuple[str, ...] = ("gguf", "int8", "none")
-TILED = 256  # added to a format's type id: its tiled layout (qgemm.c's QG_TILED)
-TILE_ROWS = 16  # weight rows per tile of the tiled layout (qgemm.c's TP)
-# the formats with a tiled layout: Q4_0, Q4_1, Q8_0 (qgemm.c) and the others (qg_tiles_kq.h)
+TILED = 256  # added to a format's type id: its tiled layout (csrc/qg_tiles.h's QG_TILED)
+TILE_ROWS = 16  # weight rows per tile of the tiled layout (csrc/qg_tiles.h's TP)
+# the formats with a tiled layout: Q4_0, Q4_1, Q8_0 (qg_tiles.h) and the others (qg_tiles_kq.h)
 TILED_FORMATS: tuple[int, ...] = (2, 3, 8, 6, 7, 10, 11, 12, 13, 14, 20, 23)
 AMX_TILED_FORMATS: tuple[int, ...] = (2, 3, 8)  # the tiled formats with AMX int8 and AMX bf16 products
 

@@ -1,7 +1,10 @@
-/* Tiled layouts and products of Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS (included by
- * qgemm.c after its Q4_0/Q4_1/Q8_0 tiles, whose conventions these follow: 16 weight rows per tile, the 16 rows'
- * codes of 4 consecutive k in one 64-byte chunk so a 32-bit broadcast of 4 activations multiplies every row at
- * once, one lane per row). The SIMD products are in qg_tiles_kq_body.h (one source for AVX2 and AVX-512).
+/* Tiled layouts and products of Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS. Part of qgemm.c's
+ * one translation unit (included there after qg_tiles.h, the Q4_0/Q4_1/Q8_0 tiles, whose conventions these
+ * follow: 16 weight rows per tile, the 16 rows' codes of 4 consecutive k in one 64-byte chunk so a 32-bit
+ * broadcast of 4 activations multiplies every row at once, one lane per row). Holds the layouts, the repacking
+ * into them (kt_repack, for qg_repack) and back (kt_info, kt_codes, kt_dequantize_row), the plain C product
+ * (kt_tile_portable) and the tasks; the SIMD products are in qg_tiles_kq_body.h (one source for AVX2 and
+ * AVX-512).
  *
  * qg_repack rewrites a weight of these formats, once at load, into the same number of bytes: rows
  * n < N - N % 16 in tiles of 16, the rest as stored. A tile is a run of tile blocks, one per stored block
@@ -259,24 +262,11 @@ static void kt_repack(int fmt, const uint8_t* src, int64_t N, int64_t K, uint8_t
     memcpy(dst + NT * TP * rb, src + NT * TP * rb, (size_t)((N - NT * TP) * rb));
 }
 
-/* Row r of a tiled weight of N rows as float32/bf16, the stored format's values bit for bit (the same
- * group_info and codes through the same expression as dequantize_row). */
-static void kt_dequantize_row(int fmt, const uint8_t* w, int64_t N, int64_t G, int64_t r, float* of, uint16_t* ob) {
+/* Row r of a tiled weight, a row in a tile (r < N - N % 16: the tail rows are as stored), as float32/bf16:
+ * the stored format's values bit for bit (the same group_info and codes through the same expression as
+ * dequantize_row). */
+static void kt_dequantize_row(int fmt, const uint8_t* w, int64_t G, int64_t r, float* of, uint16_t* ob) {
     const int64_t bb = qg_block_bytes(fmt), gpb = kt_groups(fmt), rb = G / gpb * bb;
-    if (r >= N / TP * TP) {
-        switch (fmt) { /* a constant format per call of dequantize_row */
-        case Q5_0: dequantize_row(Q5_0, w + r * rb, G, of, ob); break;
-        case Q5_1: dequantize_row(Q5_1, w + r * rb, G, of, ob); break;
-        case Q4_K: dequantize_row(Q4_K, w + r * rb, G, of, ob); break;
-        case Q5_K: dequantize_row(Q5_K, w + r * rb, G, of, ob); break;
-        case Q2_K: dequantize_row(Q2_K, w + r * rb, G, of, ob); break;
-        case Q3_K: dequantize_row(Q3_K, w + r * rb, G, of, ob); break;
-        case IQ4_NL: dequantize_row(IQ4_NL, w + r * rb, G, of, ob); break;
-        case IQ4_XS: dequantize_row(IQ4_XS, w + r * rb, G, of, ob); break;
-        default: dequantize_row(Q6_K, w + r * rb, G, of, ob); break;
-        }
-        return;
-    }
     const uint8_t* tile = w + (r / TP) * TP * rb;
     const int p = (int)(r % TP);
     for (int64_t g = 0; g < G; g++) {
