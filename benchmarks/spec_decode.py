@@ -44,7 +44,7 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import build_attention_metadata
 from tokenmill.bench.datasets import load_sharegpt
-from tokenmill.spec_decode.verify_rows import verify_rows_layout
+from tokenmill.runner.verify_rows import verify_rows_layout
 
 FENCE = re.compile(r"```[a-zA-Z0-9_+#.-]*\n(.*?)```", re.S)
 CODE_EDITS = ("Add a short comment above each function in this code. Reply with the complete code.",

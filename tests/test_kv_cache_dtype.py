@@ -108,7 +108,5 @@ def test_capacity_in_tokens_and_bytes(runs):
 def test_unsupported_combinations_are_refused(tmp_path):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(num_threads=1, kv_cache_dtype="int4")
-    with pytest.raises(ConfigError, match="offload"):
-        LLM(num_threads=1, kv_cache_dtype="int8", kv_offload_memory=0.1)
     with pytest.raises(ConfigError, match="batch-invariant"):
         LLM(num_threads=1, kv_cache_dtype="int8", deterministic=True)

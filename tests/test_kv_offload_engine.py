@@ -20,6 +20,7 @@ from tokenmill.kv_cache import KVCacheManager
 from tokenmill.kv_cache.block_hash import extend_block_hashes
 from tokenmill.kv_offload import DiskTier, TieredKVStore
 from tokenmill.kv_offload.disk_format import scan_segment
+from tokenmill.runner.kv_pool import KVPool
 from tokenmill.scheduler import Scheduler
 
 BLOCK_SIZE = 4
@@ -39,7 +40,7 @@ def test_block_data_survives_eviction_and_reload_through_the_scheduler(tmp_path)
     num_blocks = 10
     kv_cache = torch.zeros(1, 2, num_blocks, BLOCK_SIZE, 1, 2)  # (layers, 2, blocks, block_size, heads, dim)
     disk = DiskTier(tmp_path, "ab" * 32, 1 * 2 * BLOCK_SIZE * 1 * 2 * 4, capacity_bytes=1 << 20)
-    store = TieredKVStore(kv_cache, ram_blocks=6, disk=disk, max_staged_blocks=64)
+    store = TieredKVStore(KVPool.over(kv_cache), ram_blocks=6, disk=disk, max_staged_blocks=64)
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, lower_tiers=store)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=40), kv)
     rng = random.Random(3)
@@ -137,6 +138,39 @@ def test_outputs_identical_recomputed_or_from_primary_ram_disk_and_after_restart
         for pos, ref_pos in zip(outs[2].prompt_logprobs[1:], reference[2].prompt_logprobs[1:]):
             assert all(abs(lp.logprob - ref_pos[t].logprob) < 1e-5 for t, lp in pos.items())
     # The same KV bytes under the same batch shapes: the cached paths agree bit for bit.
+    for name in ("ram", "disk"):
+        assert [token_logprobs(o) for o in runs[name][:2]] == [token_logprobs(o) for o in runs["primary"][:2]], name
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_kv_cache_comes_back_from_ram_disk_and_a_restart_bit_for_bit(tiny_llama, tmp_path, kv_cache_dtype):
+    """int8/fp8 blocks travel with their scales (the pool's byte rows): a prefix served from RAM, disk or a
+    restarted engine's disk gives the tokens and log-probabilities of the same prefix served from the pool."""
+    disk_dir = str(tmp_path / "kv")
+    kw = {"kv_cache_dtype": kv_cache_dtype}
+    runs = {"primary": warm_evict_probe(make_llm(tiny_llama, num_kv_blocks=256, **kw))}
+    ram_llm = make_llm(tiny_llama, num_kv_blocks=24, kv_offload_memory=200 * BLOCK_BYTES / GIB, **kw)
+    assert ram_llm.engine.kv_store.block_bytes == ram_llm.engine.runner.kv_pool.block_bytes > (
+        ram_llm.engine.runner.kv_pool.kv_block_bytes)  # the scales travel in the same row
+    runs["ram"] = warm_evict_probe(ram_llm)
+    assert ram_llm.engine.kv_store.ram.stats.hits == 10
+    with make_llm(tiny_llama, num_kv_blocks=24, kv_offload_disk_path=disk_dir, **kw) as disk_llm:
+        runs["disk"] = warm_evict_probe(disk_llm)
+        assert disk_llm.engine.kv_store.disk.stats.hits == 10
+    with make_llm(tiny_llama, num_kv_blocks=24, kv_offload_disk_path=disk_dir, **kw) as restarted:
+        runs["restart"] = warm_evict_probe(restarted, warm=False)
+        assert restarted.engine.kv_store.disk.stats.hits >= 10
+    with make_llm(tiny_llama, num_kv_blocks=24, kv_offload_disk_path=disk_dir) as other_dtype:  # float KV: not its blocks
+        warm_evict_probe(other_dtype, warm=False)
+        assert other_dtype.engine.kv_store.disk.stats.hits == 0
+    for name in ("ram", "disk", "restart"):
+        outs = runs[name]
+        assert outs[0].num_cached_tokens >= 40 and outs[1].num_cached_tokens >= 40, name
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in runs["primary"]], name
+        for out, ref in zip(outs[:2], runs["primary"][:2]):
+            for pos, ref_pos in zip(token_logprobs(out), token_logprobs(ref)):
+                assert pos.keys() == ref_pos.keys() and all(abs(pos[t] - ref_pos[t]) < 1e-5 for t in pos), name
+    # The same KV bytes under the same batch shapes (warmed the same way): the cached paths agree bit for bit.
     for name in ("ram", "disk"):
         assert [token_logprobs(o) for o in runs[name][:2]] == [token_logprobs(o) for o in runs["primary"][:2]], name
 

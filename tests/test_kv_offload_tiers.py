@@ -20,6 +20,7 @@ from tokenmill.kv_offload import DiskTier, RamTier, TieredKVStore
 from tokenmill.kv_offload.disk_format import HEADER_SIZE, VERSION_STATE, decode_header
 from tokenmill.kv_offload.fingerprint import model_fingerprint
 from tokenmill.kv_offload.stats import drive_writes_per_day
+from tokenmill.runner.kv_pool import KVPool
 
 REPO = Path(__file__).resolve().parents[1]
 FP = "ab" * 32  # a model fingerprint (hex sha256)
@@ -61,8 +62,8 @@ def segment_files(tier: DiskTier) -> list[Path]:
 
 
 def test_ram_tier_evicts_least_recently_used_first_and_keeps_data():
-    ram = RamTier(3, (2,), torch.float32)
-    data = {h: torch.tensor([float(h), -float(h)]) for h in range(10)}
+    ram = RamTier(3, 8)  # 8-byte blocks: two float32 values each
+    data = {h: torch.tensor([float(h), -float(h)]).view(torch.uint8) for h in range(10)}
     assert ram.write([1, 2, 3], torch.stack([data[1], data[2], data[3]])) == []
     ram.touch(1)  # order now 2, 3, 1
     evicted = ram.write([4], data[4][None])
@@ -181,12 +182,12 @@ def test_unwritable_path_disables_the_disk_tier_and_ram_keeps_serving(tmp_path, 
     assert not disk.enabled and "Not a directory" in disk.error and str(tmp_path / "file") in disk.error
     assert "KV offload disk tier disabled" in caplog.text and "serving continues" in caplog.text
     kv_cache = torch.arange(1 * 2 * 4 * 2 * 1 * 4, dtype=torch.float32).reshape(1, 2, 4, 2, 1, 4)
-    store = TieredKVStore(kv_cache.clone(), ram_blocks=2, disk=disk, max_staged_blocks=4)
+    store = TieredKVStore(KVPool.over(kv_cache.clone()), ram_blocks=2, disk=disk, max_staged_blocks=4)
     store.transfer([(0, 100), (1, 101)], [])
     assert store.lookup([100, 101, 102]) == [RAM_TIER, RAM_TIER]
-    store.kv_cache[:, :, 2:4] = 0
+    store.pool.kv[:, :, 2:4] = 0
     store.transfer([], [(2, 100), (3, 101)])
-    assert torch.equal(store.kv_cache[:, :, 2:4], kv_cache[:, :, 0:2])
+    assert torch.equal(store.pool.kv[:, :, 2:4], kv_cache[:, :, 0:2])
     store.close([(0, 100)])
     disk.close()
 
@@ -205,11 +206,12 @@ DISK_FULL_SCRIPT = textwrap.dedent("""
     import json, logging, resource, sys, torch
     from tokenmill.kv_cache.offload_planner import RAM_TIER
     from tokenmill.kv_offload import DiskTier, TieredKVStore
+    from tokenmill.runner.kv_pool import KVPool
     logging.basicConfig(level=logging.ERROR)
     disk = DiskTier(sys.argv[1], "ab" * 32, 1 * 2 * 4 * 4 * 4, capacity_bytes=1 << 30, batch_bytes=1)
     # (layers, 2, blocks, block_size, heads, head_dim): 128-byte blocks
     kv_cache = torch.randn(1, 2, 8, 4, 1, 4)
-    store = TieredKVStore(kv_cache, ram_blocks=4, disk=disk, max_staged_blocks=8)
+    store = TieredKVStore(KVPool.over(kv_cache), ram_blocks=4, disk=disk, max_staged_blocks=8)
     resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))  # ~10 records per file, then EFBIG
     for step in range(20):  # each step evicts 8 blocks to RAM; RAM evicts older ones to disk
         store.transfer([(i, 1000 * step + i) for i in range(8)], [])
@@ -240,7 +242,7 @@ def test_store_lookup_reports_disk_hits_and_loads_them_back(tmp_path):
     disk = DiskTier(tmp_path, FP, 1 * 2 * 2 * 1 * 4 * 4, capacity_bytes=1 << 20)
     kv_cache = torch.randn(1, 2, 4, 2, 1, 4)
     original = kv_cache.clone()
-    store = TieredKVStore(kv_cache, ram_blocks=0, disk=disk, max_staged_blocks=8)
+    store = TieredKVStore(KVPool.over(kv_cache), ram_blocks=0, disk=disk, max_staged_blocks=8)
     store.transfer([(0, 10), (1, 11), (2, 12)], [])  # no RAM tier: straight to the disk writer
     assert store.lookup([10, 11, 12, 13]) == [DISK_TIER] * 3
     store.load_async([10, 11])

@@ -4,6 +4,7 @@ dies or stalls mid-transfer), each reported with its reason, each leaving no lea
 """
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -15,6 +16,7 @@ from tokenmill.kv_cache.block_hash import extend_block_hashes
 from tokenmill.kv_transfer.consumer import Expected, is_local_host, pull_blocks
 from tokenmill.kv_transfer.producer import KVProducer
 from tokenmill.kv_transfer.protocol import TransferError, TransferMeta, recv_frame, send_frame
+from tokenmill.runner.kv_pool import KVPool
 
 LAYERS, BLOCK_SIZE, HEADS, DIM, NUM_BLOCKS = 2, 4, 2, 8, 8
 SHAPE = [LAYERS, 2, BLOCK_SIZE, HEADS, DIM]
@@ -23,12 +25,13 @@ PROMPT = list(range(1000, 1011))  # 11 tokens: 3 blocks, the last one partial
 
 def make_producer(dtype=torch.float32, ttl: float = 30.0) -> KVProducer:
     kv = torch.randn(LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM).to(dtype)
-    return KVProducer(kv, BLOCK_SIZE, lambda: "fp-a", lease_ttl_s=ttl)
+    return KVProducer(KVPool.over(kv), BLOCK_SIZE, lambda: "fp-a", lease_ttl_s=ttl)
 
 
 def expected(**overrides) -> Expected:
+    dtype = getattr(torch, overrides.get("kv_dtype", "float32"))
     fields = dict(model_fingerprint="fp-a", kv_dtype="float32", block_size=BLOCK_SIZE, block_shape=SHAPE,
-                  prompt_token_ids=PROMPT + [5, 6], extra_keys=[])
+                  block_bytes=math.prod(SHAPE) * dtype.itemsize, prompt_token_ids=PROMPT + [5, 6], extra_keys=[])
     return Expected(**{**fields, **overrides})
 
 
@@ -40,18 +43,18 @@ def test_pull_returns_the_leased_blocks_and_the_lease_is_released(transport, dty
         lease = producer.add_lease("req-1", [5, 2, 7], PROMPT, ())
         meta, blocks, nbytes = pull_blocks("127.0.0.1", producer.port, lease.lease_id,
                                            expected(kv_dtype=str(dtype).removeprefix("torch.")), transport)
-        want = producer.kv_cache[:, :, [5, 2, 7]].permute(2, 0, 1, 3, 4, 5)
-        assert blocks.dtype == dtype and torch.equal(blocks, want)
+        want = producer.pool.kv[:, :, [5, 2, 7]].permute(2, 0, 1, 3, 4, 5)
+        assert blocks.dtype == torch.uint8 and torch.equal(producer.pool.split(blocks)[0], want)  # the pool's rows
         assert meta.num_tokens == len(PROMPT) and meta.token_ids == PROMPT and meta.num_blocks == 3
         assert len(meta.block_hashes) == len(PROMPT) // BLOCK_SIZE  # the chain of the full blocks
-        assert nbytes == blocks.numel() * blocks.element_size() == producer.stats.bytes_sent_total
+        assert nbytes == blocks.numel() == producer.stats.bytes_sent_total
         shm_path = next(iter(producer._leases.values())).shm_path
         assert (shm_path is not None) == (transport == "shm")
         assert producer.take_released() == ["req-1"] and producer.num_leases == 0
         lease = producer.add_lease("req-2", [5, 2, 7], PROMPT, ())  # only the blocks after a local hit
         meta, blocks, _ = pull_blocks("127.0.0.1", producer.port, lease.lease_id,
                                       expected(kv_dtype=str(dtype).removeprefix("torch.")), transport, first_block=2)
-        assert meta.first_block == 2 and torch.equal(blocks, want[2:])
+        assert meta.first_block == 2 and torch.equal(producer.pool.split(blocks)[0], want[2:])
         assert producer.take_released() == ["req-2"]
         assert shm_path is None or not shm_path.exists()
         with pytest.raises(TransferError) as info:  # one pull per lease
@@ -115,7 +118,7 @@ class HostileProducer:
             chain: list[int] = []
             extend_block_hashes(chain, PROMPT, BLOCK_SIZE)
             meta = TransferMeta(len(PROMPT), PROMPT, [], [f"{h:016x}" for h in chain], "fp-a", "float32", BLOCK_SIZE,
-                                SHAPE, 0, 3, hashlib.sha256(data).hexdigest())
+                                SHAPE, math.prod(SHAPE) * 4, 0, 3, hashlib.sha256(data).hexdigest())
             if self.mode == "corrupt":
                 data[100] ^= 0xFF
             send_frame(conn, {"ok": True, "meta": meta.as_dict(), "nbytes": len(data)})

@@ -15,6 +15,7 @@ import time
 
 import httpx2 as httpx
 import pytest
+import torch
 
 from tests.server_fixtures import ServerProcess
 from tests.tiny_models import make_tiny_model
@@ -245,3 +246,31 @@ def test_router_pd_disaggregation_end_to_end(tiny, tmp_path):
         for server in (p, d):
             server.stop()
         colocated.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_kv_cache_transfers_with_its_scales(tiny, kv_cache_dtype):
+    """int8/fp8 blocks move as the pool's byte rows (codes, then scales): the decode side's blocks hold the
+    producer's bytes exactly, and its greedy tokens are a colocated engine's with the same KV dtype."""
+    from tokenmill.kv_cache.block_hash import extend_block_hashes
+
+    kw = {**KW, "kv_cache_dtype": kv_cache_dtype}
+    with LLM(tiny, kv_transfer_config={"kv_role": "kv_producer"}, **kw) as producer, \
+            LLM(tiny, kv_transfer_config={"kv_role": "kv_consumer", "kv_connector": "TCPConnector",
+                                          "kv_connector_extra_config": {"transfer_timeout_s": 3.0}}, **kw) as consumer, \
+            LLM(tiny, **kw) as reference:
+        want = run(reference, "ref-q", PROMPT, GREEDY, None).outputs[0].token_ids
+        params = prefill(producer, "p-q")
+        out = run(consumer, "d-q", PROMPT, GREEDY, params)
+        assert consumer.engine.kv_connector.stats.remote_tokens == len(PROMPT) - 1
+        assert out.outputs[0].token_ids == want
+        hashes: list[int] = []
+        extend_block_hashes(hashes, PROMPT, BLOCK_SIZE, ())
+        rows = []
+        for llm in (producer, consumer):
+            ids = llm.engine.kv_cache_manager.cached_prefix_block_ids(hashes)
+            assert len(ids) == 3
+            rows.append(llm.engine.runner.kv_pool.gather(ids))
+        assert rows[0].shape[1] > consumer.engine.runner.kv_pool.kv_block_bytes  # scales included
+        assert torch.equal(rows[0], rows[1])
+        settle(producer, consumer)

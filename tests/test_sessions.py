@@ -180,3 +180,45 @@ def test_blocks_tensor_layout_matches_the_pool(tiny):
         assert blocks.shape == (2, kv.shape[0], 2, BLOCK_SIZE, kv.shape[4], kv.shape[5])
         for i, block_id in enumerate(ids):
             assert torch.equal(blocks[i], kv[:, :, block_id])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_kv_cache_saves_and_restores_with_its_scales(tiny, tmp_path, kv_cache_dtype):
+    """An int8/fp8 session carries its codes and their scales (``kv_scales``): restored into another engine it
+    is served from the prefix cache with the source's own cached-prefix output; missing or wrong scales are
+    refused by name, nothing changed."""
+    prompt = list(range(300, 350))  # 3 full blocks and 2 tokens
+    greedy = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+    with make_llm(tiny, kv_cache_dtype=kv_cache_dtype) as source:
+        source.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
+        want = source.generate({"prompt_token_ids": prompt}, greedy)[0]  # from its own prefix cache
+        assert want.num_cached_tokens == 48
+        meta, blocks, state = export_blocks(source.engine, prompt)
+        pool = source.engine.runner.kv_pool
+        ids = source.engine.kv_cache_manager.cached_prefix_block_ids([int(h, 16) for h in meta.block_hashes])
+        assert meta.kv_dtype == pool.dtype_name and blocks.dtype == pool.dtype
+        assert set(state) == {"kv_scales"} and state["kv_scales"].shape == (3, *pool.block_shape[:-1])
+        for i, block_id in enumerate(ids):  # the pool's codes and scales, as they are
+            assert torch.equal(blocks[i].view(torch.uint8), pool.kv[:, :, block_id].view(torch.uint8))
+            assert torch.equal(state["kv_scales"][i], pool.scales[:, :, block_id])
+    write_session(tmp_path / "sessions", "q", meta, blocks, state)
+    meta, blocks, state = read_session(tmp_path / "sessions", "q")
+    with make_llm(tiny, kv_cache_dtype=kv_cache_dtype) as target:
+        for bad in ({}, {"kv_scales": state["kv_scales"][:, :1]}):
+            with pytest.raises(KVBlocksError) as info:
+                import_blocks(target.engine, meta, blocks, bad)
+            assert info.value.param == "kv_scales" and not cached_hashes(target)
+        wrong = {"kv_scales": state["kv_scales"] * 2}
+        with pytest.raises(KVBlocksError) as info:
+            import_blocks(target.engine, meta, blocks, wrong)
+        assert info.value.param == "sha256" and not cached_hashes(target)
+        assert import_blocks(target.engine, meta, blocks, state)["num_imported"] == 3
+        got = target.generate({"prompt_token_ids": prompt}, greedy)[0]
+        assert got.num_cached_tokens == 48
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert ([{t: lp.logprob for t, lp in pos.items()} for pos in got.outputs[0].logprobs]
+                == [{t: lp.logprob for t, lp in pos.items()} for pos in want.outputs[0].logprobs])
+    with make_llm(tiny) as float_kv:  # a float KV cache refuses quantized blocks by their dtype
+        with pytest.raises(KVBlocksError) as info:
+            import_blocks(float_kv.engine, meta, blocks, state)
+        assert info.value.param == "kv_dtype"

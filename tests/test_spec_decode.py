@@ -30,6 +30,10 @@ import torch
 from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import build_attention_metadata
+from tokenmill.runner.verify_rows import verify_rows_layout
+from tokenmill.sampling.rejection_sampler import (
+    accept_sampled_prefix, rejection_sample, rejection_sample_reference,
+)
 from tokenmill.sampling.sampler import exponential_race
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.metrics import EngineStats, ServerMetrics
@@ -38,10 +42,6 @@ from tokenmill.spec_decode.adaptive import FIRST_PAUSE, AcceptanceEstimate, Step
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.metrics import SpecDecodingStats
 from tokenmill.spec_decode.ngram_proposer import propose_ngram, propose_ngram_reference
-from tokenmill.spec_decode.rejection_sampler import (
-    accept_sampled_prefix, rejection_sample, rejection_sample_reference,
-)
-from tokenmill.spec_decode.verify_rows import verify_rows_layout
 
 # Tiny models with a 64-token vocabulary: their greedy outputs fall into loops, so the n-gram
 # proposer's drafts are accepted often enough to exercise every path (multi-token steps, bonus tokens).

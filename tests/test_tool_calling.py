@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tokenmill.engine.chat_prompt import ChatPromptRenderer
+from tokenmill.chat_prompt import ChatPromptRenderer
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.tool_calling import (
     HERMES_SYSTEM_PROMPT,

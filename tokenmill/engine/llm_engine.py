@@ -58,9 +58,7 @@ class LLMEngine:
             check_deterministic_supported(torch.float32, self.device)
         if config.lora is not None and self.device.type not in ("cpu", "cuda"):
             raise ConfigError(f"`enable_lora` runs on the CPU and CUDA backends, not {self.device.type}")
-        # max_model_len: a sliding window (Mistral, Gemma, Phi-3) is allowed when it covers the served context
-        self.loaded = load_model(config.model, config.dtype, max_model_len=config.scheduler.max_model_len,
-                                 device=self.device, quantization=config.quantization)
+        self.loaded = load_model(config.model, config.dtype, device=self.device, quantization=config.quantization)
         self.tokenizer = self.loaded.tokenizer
         model_max = self.loaded.max_position_embeddings
         max_model_len = config.scheduler.max_model_len or model_max
@@ -111,7 +109,7 @@ class LLMEngine:
             self.scheduler_config = replace(self.scheduler_config, max_model_len=max_model_len)
             self.config = replace(self.config, scheduler=self.scheduler_config)
         # Host-RAM / disk tiers below the pool (None when off); torch-side, so built here, not in kv_cache/.
-        self.kv_store = build_kv_store(config.cache, self.runner.kv_cache, self.loaded, max_model_len)
+        self.kv_store = build_kv_store(config.cache, self.runner.kv_pool, self.loaded, max_model_len)
         # KV events (docs/kv_events.md): the pool, the manager and the tiers report into one collector.
         kv_events = KVEventCollector(config.cache.block_size) if config.kv_events_config.enable_kv_cache_events else None
         if kv_events is not None and not config.cache.enable_prefix_caching:
@@ -126,7 +124,11 @@ class LLMEngine:
             attach_state_pool(self)
         if self.kv_store is not None and kv_events is not None:
             self.kv_store.set_kv_events(kv_events)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.kv_connector = None  # prefill/decode disaggregation (tokenmill/kv_transfer, docs/pd_disaggregation.md)
+        if config.kv_transfer_config is not None:
+            self.kv_connector = self._build_kv_connector(config.kv_transfer_config)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager,
+                                   None if self.kv_connector is None else self.kv_connector.scheduler_side)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output_manager = StructuredOutputManager(
             config.structured_outputs_config, self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids
@@ -137,10 +139,6 @@ class LLMEngine:
         self.stats_logger = StatsLogger()
         self.model_name = self.loaded.model_path
         self.rl_state = RLState.initial(self.loaded)  # weight version and sleep state (tokenmill/rl, docs/rl.md)
-        self.kv_connector = None  # prefill/decode disaggregation (tokenmill/kv_transfer, docs/pd_disaggregation.md)
-        if config.kv_transfer_config is not None:
-            self.kv_connector = self._build_kv_connector(config.kv_transfer_config)
-            self.scheduler.connector = self.kv_connector
         self.kv_events = build_kv_event_publisher(config.kv_events_config, kv_events)  # binds its sockets: last
         # Everything alive now (modules, weights, tokenizer tables: ~350k objects) lives as long as the
         # engine: move it out of the collector's generations so that full collections, which would otherwise
@@ -161,9 +159,7 @@ class LLMEngine:
             raise ConfigError("`kv_transfer_config` runs on the CPU backend for now")
         if not self.config.cache.enable_prefix_caching:
             raise ConfigError("`kv_transfer_config` needs prefix caching (transferred blocks are prefix-cache entries)")
-        if self.runner.kv_scales is not None:
-            raise ConfigError("`kv_transfer_config` does not move int8/fp8 KV caches' scales yet: drop `kv_cache_dtype`")
-        return KVConnector(transfer_config, self.runner.kv_cache, self.config.cache.block_size,
+        return KVConnector(transfer_config, self.runner.kv_pool, self.config.cache.block_size,
                            lambda: engine_fingerprints(self)[0])
 
     def _build_speculator(self, spec_config, max_model_len: int) -> Speculator:
@@ -351,7 +347,11 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
+        if self.kv_connector is not None:  # K/V that arrived from producers into its blocks, before planning
+            self.kv_connector.before_schedule()
         scheduler_output = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            self.kv_connector.after_schedule(scheduler_output.kv_loads)
         if self.kv_store is not None:  # copies to / from the lower KV tiers, before the forward
             self.kv_store.transfer(scheduler_output.blocks_to_offload, scheduler_output.blocks_to_load)
         if scheduler_output.is_empty:

@@ -13,24 +13,21 @@ from tokenmill.kv_offload.stats import TierStats
 
 
 class RamTier:
-    """``capacity_blocks`` slots of shape ``block_shape``; block_hash -> slot, least recent first.
+    """``capacity_blocks`` slots of one block's bytes each; block_hash -> slot, least recent first.
 
     Args:
         capacity_blocks: number of slots (>= 1).
-        block_shape: one block's shape, ``(layers, 2, block_size, kv_heads, head_dim)``.
-        dtype: the KV dtype.
+        block_bytes: one block's size (``KVPool.block_bytes``: its byte row, scales included).
         pin_memory: page-lock the slab (for fast copies to and from a GPU pool).
     """
 
     name = "ram"
 
-    def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 pin_memory: bool = False) -> None:
+    def __init__(self, capacity_blocks: int, block_bytes: int, pin_memory: bool = False) -> None:
         assert capacity_blocks >= 1
         self.capacity_blocks = capacity_blocks
-        # (capacity_blocks, layers, 2, block_size, kv_heads, head_dim)
-        self.slab = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin_memory)
-        self.block_bytes = self.slab[0].numel() * self.slab.element_size()
+        self.slab = torch.empty((capacity_blocks, block_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+        self.block_bytes = block_bytes
         self._slots: OrderedDict[int, int] = OrderedDict()  # block_hash -> slot, least recently used first
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))  # pop() gives the lowest slot
         self.stats = TierStats(capacity_blocks=capacity_blocks)
@@ -63,7 +60,7 @@ class RamTier:
         self._slots.move_to_end(block_hash)
 
     def read(self, block_hashes: list[int]) -> torch.Tensor:
-        """Copies of stored blocks, ``(len(block_hashes), *block_shape)``; they become most recent."""
+        """Copies of stored blocks, ``(len(block_hashes), block_bytes)`` uint8; they become most recent."""
         slots = [self._slots[h] for h in block_hashes]
         for h in block_hashes:
             self._slots.move_to_end(h)

@@ -1,8 +1,9 @@
 """TieredKVStore: the KV tiers below the primary pool (host RAM, then disk) behind one facade.
 
 Engine thread only (the disk tier runs its own writer and loader threads). It implements the KV
-cache manager's ``LowerTiers`` (lookup, load_async) and does each step's copies against the
-runner's KV tensor (``transfer``), so the scheduler and the KV cache manager stay torch-free.
+cache manager's ``LowerTiers`` (lookup, load_async) and does each step's copies through the runner's
+``KVPool`` (``transfer``), so the scheduler and the KV cache manager stay torch-free. A block is the pool's
+byte row (``KVPool.block_bytes``: K/V, then the scales of an int8/fp8 KV cache) in every tier.
 
 Flow (write-back): a cached block evicted from the primary pool is copied to RAM before the step's
 forward can overwrite it; RAM evicts least recently used blocks to the disk writer (unless the
@@ -16,11 +17,10 @@ prefix cache's checkpoints as soon as it arrives, so the hit resumes from it as 
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import time
 from collections import OrderedDict
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -30,6 +30,9 @@ from tokenmill.kv_offload.disk_format import HEADER_SIZE
 from tokenmill.kv_offload.disk_tier import DiskTier
 from tokenmill.kv_offload.ram_tier import RamTier
 from tokenmill.kv_offload.stats import drive_writes_per_day
+
+if TYPE_CHECKING:
+    from tokenmill.runner.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -53,22 +56,20 @@ class TieredKVStore:
     """Host-RAM and disk tiers under one primary KV pool.
 
     Args:
-        kv_cache: the primary pool, ``(layers, 2, num_blocks, block_size, kv_heads, head_dim)``.
+        pool: the primary pool (the runner's ``KVPool``).
         ram_blocks: RAM tier capacity in blocks (0: no RAM tier).
         disk: the disk tier, or None.
         max_staged_blocks: most blocks read back from disk and not yet taken by a request.
         drive_bytes: size of the drive under the disk tier, for the DWPD estimate.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, ram_blocks: int, disk: DiskTier | None, max_staged_blocks: int,
+    def __init__(self, pool: KVPool, ram_blocks: int, disk: DiskTier | None, max_staged_blocks: int,
                  drive_bytes: int = 0) -> None:
-        self.kv_cache = kv_cache
-        num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
-        self.block_bytes = math.prod(self.block_shape) * kv_cache.element_size()
+        self.pool = pool
+        self.block_bytes = pool.block_bytes
         self.ram: RamTier | None = None
         if ram_blocks:
-            self.ram = RamTier(ram_blocks, self.block_shape, kv_cache.dtype, pin_memory=kv_cache.is_cuda)
+            self.ram = RamTier(ram_blocks, self.block_bytes, pin_memory=pool.device.type == "cuda")
         self.disk = disk
         self.max_staged_blocks = max(1, max_staged_blocks)
         self.drive_bytes = drive_bytes
@@ -153,8 +154,7 @@ class TieredKVStore:
                 self.linear_state.install_checkpoint(block_hash, memoryview(payload)[self.block_bytes:])
             payload = memoryview(payload)[: self.block_bytes]
         buf = payload if isinstance(payload, memoryview) and not payload.readonly else bytearray(payload)
-        block = torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_cache.dtype).view(self.block_shape)
-        self._staged[block_hash] = block
+        self._staged[block_hash] = torch.frombuffer(buf, dtype=torch.uint8)  # one byte row
         self._staged.move_to_end(block_hash)
         while len(self._staged) > self.max_staged_blocks:
             self._staged.popitem(last=False)
@@ -192,9 +192,7 @@ class TieredKVStore:
             hashes.append(h)
         if not block_ids:
             return None
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
-        # (layers, 2, k, block_size, kv_heads, head_dim) -> (k, layers, 2, block_size, kv_heads, head_dim)
-        return hashes, self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5)
+        return hashes, self.pool.gather(block_ids)  # (k, block_bytes) uint8
 
     def _load(self, blocks: list[tuple[int, int]]) -> None:
         from_ram = [(b, h) for b, h in blocks if self.ram is not None and h in self.ram]
@@ -210,9 +208,7 @@ class TieredKVStore:
             self._staged.pop(h, None)
 
     def _copy_in(self, block_ids: list[int], data: torch.Tensor) -> None:
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
-        # (k, layers, 2, block_size, kv_heads, head_dim) -> (layers, 2, k, block_size, kv_heads, head_dim)
-        self.kv_cache.index_copy_(2, ids, data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.device))
+        self.pool.scatter(block_ids, data)  # data: (k, block_bytes) uint8
 
     def _store(self, hashes: list[int], data: torch.Tensor) -> None:
         evicted = self.ram.write(hashes, data) if self.ram is not None else list(zip(hashes, data))
@@ -317,8 +313,7 @@ class TieredKVStore:
             todo = [(b, h) for b, h in cached_blocks if h not in self.disk and h not in self.stale_hashes]
             for start in range(0, len(todo), 64):
                 chunk = todo[start : start + 64]
-                ids = torch.tensor([b for b, _ in chunk], dtype=torch.int64, device=self.kv_cache.device)
-                data = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5)
+                data = self.pool.gather([b for b, _ in chunk])
                 for (_, h), block in zip(chunk, data):
                     num_saved += self.disk.put(h, self._disk_payload(h, block), wait=True)
             self.disk.flush()
@@ -336,11 +331,11 @@ class TieredKVStore:
 
 
 def _block_bytes(block: torch.Tensor) -> bytes:
-    """One block's raw bytes, ``(layers, 2, block_size, kv_heads, head_dim)`` in the KV dtype."""
-    return block.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    """One block's byte row (``KVPool.block_bytes``) as bytes."""
+    return block.to("cpu").contiguous().numpy().tobytes()
 
 
-def build_kv_store(cache, kv_cache: torch.Tensor, loaded, max_model_len: int) -> TieredKVStore | None:
+def build_kv_store(cache, pool: KVPool, loaded, max_model_len: int) -> TieredKVStore | None:
     """The store for a ``CacheConfig`` (None when no lower tier is configured). For a hybrid model the disk
     tier's records may carry one state checkpoint each (its size from the model's linear layers); the engine
     hook connects the checkpoints (``TieredKVStore.linear_state``).
@@ -350,8 +345,7 @@ def build_kv_store(cache, kv_cache: torch.Tensor, loaded, max_model_len: int) ->
     """
     if not cache.kv_offload_enabled:
         return None
-    num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * kv_cache.element_size()
+    block_size, num_blocks, block_bytes = pool.block_shape[2], pool.num_blocks, pool.block_bytes
     ram_blocks = int(cache.kv_offload_memory_gib * GIB) // block_bytes
     if cache.kv_offload_memory_gib > 0 and ram_blocks < 1:
         raise ConfigError(
@@ -367,13 +361,13 @@ def build_kv_store(cache, kv_cache: torch.Tensor, loaded, max_model_len: int) ->
         from tokenmill.kv_offload.fingerprint import model_fingerprint
 
         t0 = time.perf_counter()
-        fingerprint = model_fingerprint(loaded.model, loaded.hf_config, loaded.dtype, block_size, kv_cache.dtype)
+        fingerprint = model_fingerprint(loaded.model, loaded.hf_config, loaded.dtype, block_size, pool.dtype)
         logger.info("KV offload: model fingerprint %s (%.2fs)", fingerprint[:16], time.perf_counter() - t0)
         disk = DiskTier(cache.kv_offload_disk_path, fingerprint, block_bytes, int(cache.disk_tier_size_gib * GIB),
                         state_bytes=_checkpoint_bytes(loaded) if cache.enable_prefix_caching else 0)
     drive_gib = cache.kv_offload_disk_drive_size_gib or cache.disk_tier_size_gib
     max_staged = min(num_blocks, 4 * -(-max_model_len // block_size))
-    store = TieredKVStore(kv_cache, ram_blocks, disk, max_staged, int(drive_gib * GIB))
+    store = TieredKVStore(pool, ram_blocks, disk, max_staged, int(drive_gib * GIB))
     logger.info("KV offload tiers: RAM %d blocks (%.2f GiB), disk %s", ram_blocks, ram_blocks * block_bytes / GIB,
                 "off" if disk is None
                 else f"{cache.disk_tier_size_gib} GiB at {cache.kv_offload_disk_path}" if disk.enabled

@@ -21,6 +21,7 @@ import torch
 from tokenmill.kv_cache.block_hash import extend_block_hashes
 
 FORMAT_VERSION = 1  # KV blocks only
+KV_SCALES = "kv_scales"  # the name of an int8/fp8 KV cache's scales among the exported tensors
 FORMAT_VERSION_STATE = 2  # KV blocks and linear-attention state checkpoints (hybrid models)
 
 
@@ -43,7 +44,8 @@ class KVBlockMeta:
         (``cache_salt``, ``lora:<adapter digest>``). model_fingerprint: ``kv_offload.fingerprint``'s
         sha256 of weights, config, compute dtype, block size and KV dtype. tokenizer_fingerprint: sha256
         of the tokenizer's serialised vocabulary and rules. block_shape: one block's
-        ``(layers, 2, block_size, kv_heads, head_dim)``. sha256: of the blocks' bytes in order.
+        ``(layers, 2, block_size, kv_heads, head_dim)``. sha256: of the blocks' bytes in order (each block's
+        ``KVPool`` byte row: K/V, then an int8/fp8 cache's scales).
         state_blocks: (format version 2, hybrid models) indices of the blocks whose state checkpoint (the
         linear layers' state after that block) travels with them, ascending; state_sha256: of the
         ``state_conv`` then ``state_recurrent`` tensors' bytes.
@@ -97,9 +99,9 @@ def engine_fingerprints(engine) -> tuple[str, str]:
     """(model fingerprint, tokenizer fingerprint) of an engine now (one pass over the weights)."""
     from tokenmill.kv_offload.fingerprint import model_fingerprint
 
-    loaded, kv_cache = engine.loaded, engine.runner.kv_cache
+    loaded = engine.loaded
     model = model_fingerprint(loaded.model, loaded.hf_config, loaded.dtype, engine.config.cache.block_size,
-                              kv_cache.dtype)
+                              engine.runner.kv_pool.dtype)
     return model, tokenizer_fingerprint(engine.tokenizer)
 
 
@@ -119,8 +121,9 @@ def export_blocks(engine, token_ids: list[int], extra_keys: tuple = (), lora_nam
     """The pool's blocks for the full blocks of ``token_ids``, copied out, with a hybrid model's state
     checkpoints held for them.
 
-    Returns (metadata, blocks ``(num_blocks, layers, 2, block_size, kv_heads, head_dim)`` on the CPU, state):
-    state is empty, or for a hybrid model with k of the blocks holding a checkpoint ``state_conv``
+    Returns (metadata, blocks ``(num_blocks, layers, 2, block_size, kv_heads, head_dim)`` in the KV dtype on
+    the CPU, state): state holds, for an int8/fp8 KV cache, ``kv_scales`` ``(num_blocks, layers, 2, block_size,
+    kv_heads)`` float16; and for a hybrid model with k of the blocks holding a checkpoint ``state_conv``
     ``(k, linear layers, conv_dim, kernel - 1)`` and ``state_recurrent`` ``(k, linear layers, value heads,
     head_k_dim, head_v_dim)`` float32 (``meta.state_blocks`` names the k blocks).
 
@@ -128,7 +131,6 @@ def export_blocks(engine, token_ids: list[int], extra_keys: tuple = (), lora_nam
         KVBlocksError: fewer than one full block, or some of them are not in the pool (409: compute
             them first, e.g. with a 1-token generation over ``token_ids``).
     """
-    _check_unquantized(engine)
     manager = engine.kv_cache_manager
     block_size = manager.block_size
     hashes: list[int] = []
@@ -138,16 +140,18 @@ def export_blocks(engine, token_ids: list[int], extra_keys: tuple = (), lora_nam
     block_ids = manager.cached_prefix_block_ids(hashes)
     if len(block_ids) < len(hashes):
         raise KVBlocksError(f"only {len(block_ids)} of {len(hashes)} blocks are in the KV pool", "token_ids", 409)
-    kv_cache = engine.runner.kv_cache  # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
-    index = torch.tensor(block_ids, device=kv_cache.device)
-    blocks = kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+    pool = engine.runner.kv_pool
+    rows = pool.gather(block_ids).cpu()  # (n, block_bytes): K/V, then an int8/fp8 cache's scales
+    blocks, scales = pool.split(rows)
     model_fp, tokenizer_fp = engine_fingerprints(engine)
     state_blocks, state = _export_state(engine, hashes)
     meta = KVBlockMeta(FORMAT_VERSION_STATE if state_blocks else FORMAT_VERSION,
                        list(token_ids[: len(hashes) * block_size]), [f"{h:016x}" for h in hashes],
-                       list(extra_keys), lora_name, model_fp, tokenizer_fp, str(kv_cache.dtype).removeprefix("torch."),
-                       block_size, list(blocks.shape[1:]), blocks_sha256(blocks), state_blocks,
+                       list(extra_keys), lora_name, model_fp, tokenizer_fp, pool.dtype_name,
+                       block_size, list(blocks.shape[1:]), blocks_sha256(rows), state_blocks,
                        _state_sha256(state) if state_blocks else None)
+    if scales is not None:
+        state = {**state, KV_SCALES: scales}
     return meta, blocks, state
 
 
@@ -179,15 +183,21 @@ def _state_sha256(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _check_unquantized(engine) -> None:
-    if getattr(engine.runner, "kv_scales", None) is not None:
-        raise KVBlocksError("sessions of an int8/fp8 KV cache are not supported yet (its scales are not saved): "
-                            "start the server without --kv-cache-dtype", "kv_cache_dtype")
-
-
 def blocks_sha256(blocks: torch.Tensor) -> str:
-    """sha256 of a contiguous CPU tensor's bytes."""
+    """sha256 of a contiguous CPU tensor's bytes (for blocks: their ``KVPool`` byte rows, K/V then scales)."""
     return hashlib.sha256(memoryview(blocks.reshape(-1).view(torch.uint8).numpy())).hexdigest()
+
+
+def _rows(engine, blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """The pool's byte rows of ``blocks`` and their ``scales``.
+
+    Raises:
+        KVBlocksError: scales missing for an int8/fp8 KV cache, present for another, or of the wrong shape.
+    """
+    try:
+        return engine.runner.kv_pool.join(blocks, scales)
+    except ValueError as exc:
+        raise KVBlocksError(f"{KV_SCALES}: {exc}", KV_SCALES) from None
 
 
 def check_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor,
@@ -202,11 +212,10 @@ def check_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor,
             (``state_blocks``) that are missing, shaped otherwise than this model's, for an engine without
             them (prefix caching off), or whose bytes do not match ``state_sha256``.
     """
-    _check_unquantized(engine)
-    kv_cache = engine.runner.kv_cache
+    pool = engine.runner.kv_pool
     block_size = engine.config.cache.block_size
-    kv_dtype = str(kv_cache.dtype).removeprefix("torch.")
-    want_shape = [kv_cache.shape[0], 2, block_size, kv_cache.shape[4], kv_cache.shape[5]]
+    kv_dtype = pool.dtype_name
+    want_shape = list(pool.block_shape)
     if meta.block_size != block_size:
         raise KVBlocksError(f"block_size {meta.block_size} does not match this server's {block_size}", "block_size")
     if meta.kv_dtype != kv_dtype:
@@ -227,7 +236,7 @@ def check_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor,
     extend_block_hashes(hashes, list(meta.token_ids), block_size, extra_keys)
     if [f"{h:016x}" for h in hashes] != list(meta.block_hashes) or blocks.shape[0] != len(hashes):
         raise KVBlocksError("block_hashes do not follow from token_ids and extra_keys", "block_hashes")
-    if blocks_sha256(blocks.contiguous()) != meta.sha256:
+    if blocks_sha256(_rows(engine, blocks, (state or {}).get(KV_SCALES))) != meta.sha256:
         raise KVBlocksError("the blocks' checksum does not match (corrupt data)", "sha256")
     if meta.state_blocks:
         _check_state(engine, meta, state or {}, len(hashes))
@@ -278,9 +287,8 @@ def import_blocks(engine, meta: KVBlockMeta, blocks: torch.Tensor, state: dict[s
         offloads, loads = manager.take_kv_transfers()
         if engine.kv_store is not None and (offloads or loads):
             engine.kv_store.transfer(offloads, loads)
-        kv_cache = engine.runner.kv_cache
-        source = blocks[torch.tensor(indices)].to(kv_cache.device)  # (n, layers, 2, block_size, heads, dim)
-        kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)] = source.permute(1, 2, 0, 3, 4, 5)
+        rows = _rows(engine, blocks, (state or {}).get(KV_SCALES))  # (num_blocks, block_bytes)
+        engine.runner.kv_pool.scatter(block_ids, rows[torch.tensor(indices)])
     num_states = 0
     if meta.state_blocks:
         cache = _state_cache(engine)

@@ -29,6 +29,7 @@ class Expected:
     kv_dtype: str
     block_size: int
     block_shape: list[int]
+    block_bytes: int
     prompt_token_ids: list[int]
     extra_keys: list
 
@@ -51,8 +52,8 @@ def is_local_host(host: str) -> bool:
 
 def pull_blocks(host: str, port: int, lease_id: str, expected: Expected, transport: str = "auto",
                 timeout_s: float = 30.0, first_block: int = 0) -> tuple[TransferMeta, torch.Tensor, int]:
-    """Blocks of a lease from its block ``first_block`` on: (meta, blocks ``(n, layers, 2, block_size,
-    kv_heads, head_dim)``, bytes moved).
+    """Blocks of a lease from its block ``first_block`` on: (meta, blocks as the pool's byte rows, uint8
+    ``(n, block_bytes)``, bytes moved).
 
     ``transport``: ``tcp``, ``shm`` or ``auto`` (shm when ``host`` is this machine).
 
@@ -79,10 +80,8 @@ def pull_blocks(host: str, port: int, lease_id: str, expected: Expected, transpo
         problem = _mismatch(meta, expected)
         if problem is None and meta.first_block != first_block:
             problem = f"the payload starts at block {meta.first_block}, not {first_block}"
-        dtype = getattr(torch, meta.kv_dtype, None) if problem is None else None
-        element = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 0
-        if problem is None and nbytes != meta.num_blocks * element * _prod(meta.block_shape):
-            problem = f"payload of {nbytes} bytes does not hold {meta.num_blocks} blocks of {meta.block_shape}"
+        if problem is None and nbytes != meta.num_blocks * expected.block_bytes:
+            problem = f"payload of {nbytes} bytes does not hold {meta.num_blocks} blocks of {expected.block_bytes}"
         buf = bytearray(max(nbytes, 0))
         shm_path = reply.get("shm_path")
         if shm_path is None:  # the bytes follow on the socket: read them even to refuse them
@@ -102,15 +101,8 @@ def pull_blocks(host: str, port: int, lease_id: str, expected: Expected, transpo
         recv_frame(sock)
         if problem is not None:
             raise TransferError(reason, problem)
-    blocks = torch.frombuffer(buf, dtype=dtype).view(meta.num_blocks, *meta.block_shape)
+    blocks = torch.frombuffer(buf, dtype=torch.uint8).view(meta.num_blocks, expected.block_bytes)
     return meta, blocks, nbytes
-
-
-def _prod(values: list[int]) -> int:
-    out = 1
-    for v in values:
-        out *= int(v)
-    return out
 
 
 def _mismatch(meta: TransferMeta, expected: Expected) -> str | None:
@@ -119,8 +111,10 @@ def _mismatch(meta: TransferMeta, expected: Expected) -> str | None:
         return "the producer runs another model (weights, config, dtype, block size or KV dtype differ)"
     if meta.kv_dtype != expected.kv_dtype:
         return f"kv_dtype {meta.kv_dtype} is not this engine's {expected.kv_dtype}"
-    if meta.block_size != expected.block_size or list(meta.block_shape) != list(expected.block_shape):
-        return f"block shape {meta.block_shape} is not this engine's {expected.block_shape}"
+    if (meta.block_size != expected.block_size or list(meta.block_shape) != list(expected.block_shape)
+            or meta.block_bytes != expected.block_bytes):
+        return (f"block shape {meta.block_shape} ({meta.block_bytes} bytes) is not this engine's "
+                f"{expected.block_shape} ({expected.block_bytes} bytes)")
     if list(meta.extra_keys) != list(expected.extra_keys):
         return "the producer hashed the prompt with other extra keys (cache_salt or adapter)"
     if meta.token_ids != expected.prompt_token_ids[: meta.num_tokens] or meta.num_tokens < 1:

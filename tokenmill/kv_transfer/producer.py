@@ -21,11 +21,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenmill.kv_cache.block_hash import extend_block_hashes
 from tokenmill.kv_transfer.protocol import TransferError, TransferMeta, recv_frame, send_frame
+
+if TYPE_CHECKING:
+    from tokenmill.runner.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +66,16 @@ class KVProducer:
     """Leases and the pull server of one prefill worker.
 
     Args:
-        kv_cache: the engine's KV tensor ``(layers, 2, num_blocks, block_size, kv_heads, head_dim)``.
+        pool: the engine's ``KVPool`` (blocks leave as its byte rows).
         block_size: tokens per block.
         fingerprint: returns the model fingerprint (called once, on the first pull, from the server thread).
         host, port: where the server listens (port 0: any free port; see ``address``).
         lease_ttl_s: seconds a lease waits for its consumer before its blocks are freed.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, block_size: int, fingerprint: Callable[[], str], host: str = "127.0.0.1",
+    def __init__(self, pool: KVPool, block_size: int, fingerprint: Callable[[], str], host: str = "127.0.0.1",
                  port: int = 0, lease_ttl_s: float = 30.0) -> None:
-        self.kv_cache = kv_cache
+        self.pool = pool
         self.block_size = block_size
         self._fingerprint_fn = fingerprint
         self._fingerprint: str | None = None
@@ -184,18 +186,16 @@ class KVProducer:
                         lease.state = "done"
 
     def _send(self, conn: socket.socket, lease: Lease, use_shm: bool, first_block: int) -> None:
-        index = torch.tensor(lease.block_ids[first_block:], device=self.kv_cache.device)
-        # (layers, 2, n, block_size, heads, dim) -> (n, layers, 2, block_size, heads, dim)
-        blocks = self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
-        data = memoryview(blocks.reshape(-1).view(torch.uint8).numpy())
+        rows = self.pool.gather(lease.block_ids[first_block:]).cpu()  # (n, block_bytes) uint8
+        data = memoryview(rows.reshape(-1).numpy())
         if self._fingerprint is None:
             self._fingerprint = self._fingerprint_fn()
         chain: list[int] = []
         extend_block_hashes(chain, lease.token_ids, self.block_size, tuple(lease.extra_keys))
         meta = TransferMeta(lease.num_tokens, lease.token_ids, lease.extra_keys, [f"{h:016x}" for h in chain],
                             self._fingerprint,
-                            str(blocks.dtype).removeprefix("torch."), self.block_size, list(blocks.shape[1:]),
-                            first_block, blocks.shape[0], hashlib.sha256(data).hexdigest())
+                            self.pool.dtype_name, self.block_size, list(self.pool.block_shape), self.pool.block_bytes,
+                            first_block, rows.shape[0], hashlib.sha256(data).hexdigest())
         reply = {"ok": True, "meta": meta.as_dict(), "nbytes": len(data)}
         if use_shm and SHM_DIR.is_dir():
             path = SHM_DIR / f"tokenmill-kv-{os.getpid()}-{lease.lease_id}"

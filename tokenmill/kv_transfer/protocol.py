@@ -41,8 +41,9 @@ class TransferMeta:
     partial). token_ids: those tokens. extra_keys: what the producer hashed the prompt with
     (``cache_salt``, adapter digest). block_hashes: the prefix-cache hash chain of the full blocks among
     those tokens (hex), as the producer computed it. model_fingerprint: see ``kv_offload.fingerprint``. kv_dtype,
-    block_size, block_shape ``(layers, 2, block_size, kv_heads, head_dim)``. first_block: the lease's
-    block the payload starts at; num_blocks: blocks in the payload. sha256: of the payload bytes."""
+    block_size, block_shape ``(layers, 2, block_size, kv_heads, head_dim)``, block_bytes: one block's byte row
+    (``KVPool.block_bytes``: K/V, then an int8/fp8 cache's scales). first_block: the lease's block the payload
+    starts at; num_blocks: blocks in the payload (``num_blocks * block_bytes`` bytes). sha256: of the payload."""
 
     num_tokens: int
     token_ids: list[int]
@@ -52,6 +53,7 @@ class TransferMeta:
     kv_dtype: str
     block_size: int
     block_shape: list[int]
+    block_bytes: int
     first_block: int
     num_blocks: int
     sha256: str

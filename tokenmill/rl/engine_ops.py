@@ -56,10 +56,8 @@ class RLState:
     fingerprint: str | None = None
     sleep_level: int = 0
     weights_freed: bool = False
-    kv_bytes: dict[str, int] = field(default_factory=dict)  # runner attribute -> storage bytes, while freed
     param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # while the weights are freed
     host_weights: dict[str, torch.Tensor] | None = None  # level-2 copy when there is no exact source path
-    had_graphs: bool = False  # CUDA graphs to capture again on wake-up
 
     @classmethod
     def initial(cls, loaded) -> RLState:
@@ -266,13 +264,7 @@ def sleep(engine, level: int) -> None:
     assert engine.kv_cache_manager.block_pool.reset_prefix_cache()
     state.num_flushes += 1
     _publish_kv_events(engine)
-    state.had_graphs = getattr(runner, "graphs", None) is not None
-    if state.had_graphs:
-        runner.graphs = None  # captured against the freed tensors' addresses
-    for name, tensor in _kv_tensors(runner).items():  # every view (per-layer caches, the tiers') stays valid
-        storage = tensor.untyped_storage()
-        state.kv_bytes[name] = storage.nbytes()
-        storage.resize_(0)
+    runner.release_kv()  # every view (per-layer caches, the tiers') stays valid; CUDA graphs are dropped
     if level == 2:
         _free_weights(engine)
     state.sleep_level = level
@@ -300,29 +292,9 @@ def wake_up(engine) -> None:
             tensors = read_checkpoint(state.source_path, engine.loaded.hf_config, state.targets,
                                       use_gguf_cache=state.use_gguf_cache)
             copy_into(engine.loaded.model, state.targets, tensors)
-    for name, tensor in _kv_tensors(runner).items():
-        tensor.untyped_storage().resize_(state.kv_bytes.pop(name))
-        tensor.zero_()
-    if state.had_graphs:
-        from tokenmill.runner.cuda_graph import DecodeGraphs
-
-        with torch.inference_mode():
-            runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.decode_buffers,
-                                         runner.decode_batch_sizes)
+    runner.restore_kv()  # zeroed; CUDA graphs captured again
     state.sleep_level = 0
     logger.info("engine awake")
-
-
-def _kv_tensors(runner) -> dict[str, torch.Tensor]:
-    """The runner's KV pool tensors by attribute: ``kv_cache`` (layers, 2, blocks, block_size, heads, dim)
-    and, with a quantized KV cache, its ``kv_scales``. Sleep shrinks their storage to nothing and wake-up
-    grows it back, so every view taken of them (per-layer caches, the lower tiers') stays valid."""
-    tensors = {}
-    for name in ("kv_cache", "kv_scales"):
-        tensor = getattr(runner, name, None)
-        if isinstance(tensor, torch.Tensor):
-            tensors[name] = tensor
-    return tensors
 
 
 def _free_weights(engine) -> None:

@@ -56,7 +56,7 @@ class RouterTokenizer:
         Raises:
             ValueError: messages the template (or tools validation) rejects; the worker refuses them too.
         """
-        from tokenmill.engine.chat_prompt import ChatPromptRenderer  # pure Python, but a package the router
+        from tokenmill.chat_prompt import ChatPromptRenderer  # pure Python, but a package the router
         from tokenmill.tool_calling import conversation_for_template, parse_tools, template_supports_tools  # loads late
 
         template_tools = None

@@ -145,6 +145,19 @@ class CudaModelRunner(ModelRunner):
         self._graphs_pending = False
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.decode_buffers, self.decode_batch_sizes)
 
+    def release_kv(self) -> None:
+        """As ``ModelRunner.release_kv``; the decode graphs (captured against the released memory) are dropped
+        and captured again by ``restore_kv``."""
+        self._graphs_pending = self._graphs_pending or self.graphs is not None
+        self.graphs = None
+        super().release_kv()
+
+    def restore_kv(self) -> None:
+        super().restore_kv()
+        if self._graphs_pending and (not self.is_hybrid or self.state_cache is not None):
+            with torch.inference_mode():
+                self._capture_graphs()
+
     def allocate_state_cache(self, num_slots: int):
         """A hybrid model's linear-attention state pool: ``num_slots`` live slots plus one padding slot that padded
         decode rows read and write; every decode bucket's metadata reads the rows' slots from the decode buffers,

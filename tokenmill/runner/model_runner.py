@@ -18,13 +18,14 @@ from tokenmill.config import ConfigError
 from tokenmill.lora.mapping import build_lora_mapping
 from tokenmill.outputs import Logprob, PositionLogprobs
 from tokenmill.quantization.gguf_weight import dispatch_rows
+from tokenmill.runner.cpu_threads import omp_spin_note
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
-from tokenmill.runner.huge_pages import zeros_on_huge_pages
+from tokenmill.runner.kv_pool import KVPool
+from tokenmill.runner.verify_rows import verify_rows_layout
 from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
 from tokenmill.sampling.grammar_mask import apply_token_bitmask_
+from tokenmill.sampling.rejection_sampler import accept_sampled_prefix
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.spec_decode.rejection_sampler import accept_sampled_prefix
-from tokenmill.spec_decode.verify_rows import verify_rows_layout
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +99,11 @@ class ModelRunner:
             self.kernel_choice = plan.describe()
         if self.device.type == "cpu":
             logger.info("CPU kernels: %s", self.kernel_choice)
+            if (note := omp_spin_note()) is not None:
+                logger.info("OpenMP: %s", note)
         self.block_size = block_size
         self.vocab_size = loaded.vocab_size
         self.kv_dtype = storage_dtype(kv_cache_dtype) or loaded.dtype  # int8 / fp8 codes, or the model's dtype
-        self.kv_scales: torch.Tensor | None = None  # (layers, 2, num_blocks, block_size, kv_heads) when quantized
         self.bytes_per_token = kv_bytes_per_token(
             loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, torch.empty(0, dtype=self.kv_dtype).element_size()
         )
@@ -110,20 +112,21 @@ class ModelRunner:
         if num_kv_blocks is None:
             num_kv_blocks = num_blocks_for_budget(int(kv_cache_memory_gib * GIB), block_size, self.bytes_per_token)
         self.num_kv_blocks = num_kv_blocks
-        # (layers, 2, num_blocks + padding blocks, block_size, kv_heads, head_dim)
-        shape = (loaded.num_layers, 2, num_kv_blocks + num_padding_blocks, block_size, loaded.num_kv_heads,
-                 loaded.head_dim)
         try:
-            self.kv_cache = zeros_on_huge_pages(shape, self.kv_dtype, self.device)  # scattered block reads: fewer TLB misses
+            self.kv_pool = KVPool(loaded.num_layers, num_kv_blocks + num_padding_blocks, block_size,
+                                  loaded.num_kv_heads, loaded.head_dim, self.kv_dtype, self.device,
+                                  SCALE_DTYPE if self.kv_dtype != loaded.dtype else None)
         except (RuntimeError, MemoryError) as exc:  # the allocator refused: the budget is larger than memory
             pool_gib = num_kv_blocks * block_size * self.bytes_per_token / GIB
             raise ConfigError(
                 f"the KV pool of {num_kv_blocks} blocks ({pool_gib:.3g} GiB) cannot be allocated "
                 f"({str(exc).splitlines()[0][:120]}); lower `kv_cache_memory` or `num_kv_blocks`"
             ) from None
+        # the pool's tensors, for the forward only: every block copy goes through self.kv_pool
+        # (layers, 2, num_blocks + padding blocks, block_size, kv_heads, head_dim); scales without head_dim
+        self.kv_cache, self.kv_scales = self.kv_pool.kv, self.kv_pool.scales
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(loaded.num_layers)]
-        if self.kv_dtype != loaded.dtype:
-            self.kv_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+        if self.kv_scales is not None:
             self.kv_caches = [(QuantizedKVCache(self.kv_cache[i, 0], self.kv_scales[i, 0]),
                                QuantizedKVCache(self.kv_cache[i, 1], self.kv_scales[i, 1]))
                               for i in range(loaded.num_layers)]
@@ -148,8 +151,17 @@ class ModelRunner:
                 self.kernel_choice = self.kernel_plan.describe() + ", lean decode step"
             logger.info("lean decode step: %s", why_not or "on")
         self.sampler = Sampler(self.vocab_size)
-        self.verify_as_decode_rows = True  # verify steps of decoding requests as decode rows (spec_decode.verify_rows)
+        self.verify_as_decode_rows = True  # verify steps of decoding requests as decode rows (runner.verify_rows)
         self.state_cache = None  # hybrid models: the linear layers' state pool (allocate_state_cache)
+
+    def release_kv(self) -> None:
+        """Give the KV pool's memory back (the engine sleeps: ``tokenmill.rl``); every view stays valid. The
+        CUDA runner also drops its decode graphs, captured against the released memory."""
+        self.kv_pool.release()
+
+    def restore_kv(self) -> None:
+        """Bring the KV pool back, zeroed (wake up); the CUDA runner captures its decode graphs again."""
+        self.kv_pool.restore()
 
     def allocate_state_cache(self, num_slots: int):
         """Allocate a hybrid model's linear-attention state pool (``num_slots`` sequences) beside the KV pool;
@@ -226,7 +238,7 @@ class ModelRunner:
         """Speculative decoding's verify: logits at every draft position and the bonus position of
         each sampling request (m_i drafts: its last m_i + 1 scheduled tokens), each row sampled as plain
         decoding would sample that position given the drafts before it; the drafts accepted are the
-        longest prefix equal to those samples (``spec_decode.rejection_sampler.accept_sampled_prefix``).
+        longest prefix equal to those samples (``sampling.rejection_sampler.accept_sampled_prefix``).
 
         ``last_token_idx`` [B] (host) is each request's last row in ``hidden`` [T, hidden]."""
         requests = scheduler_output.scheduled_requests

@@ -22,6 +22,8 @@ class SchedulerOutput:
     ``scheduled_spec_decode_tokens`` (vLLM's name) maps a request verifying draft tokens this step to
     them: they are the last ``len(drafts)`` of its ``num_scheduled_tokens``, after its last sampled
     token, and are not part of ``all_token_ids`` (nothing unverified is ever hashed or cached).
+    ``kv_loads``: the prompt K/V pulls from producers (prefill/decode disaggregation) this plan parked
+    requests for; the engine hands them to the KV connector's worker half.
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
@@ -32,6 +34,7 @@ class SchedulerOutput:
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
     grammar_bitmask: Any = None
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    kv_loads: list = field(default_factory=list)  # KV transfer pulls to start (kv_transfer.scheduler_side.KVLoad)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

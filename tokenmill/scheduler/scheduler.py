@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.kv_cache_manager import KVCacheManager
 from tokenmill.lora.step_adapters import StepAdapters
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:  # torch-free either way: the scheduler half of KV transfer moves no bytes
+    from tokenmill.kv_transfer.scheduler_side import KVConnectorScheduler
 
 
 class Scheduler:
@@ -20,18 +24,20 @@ class Scheduler:
     Args:
         config: limits (max_num_seqs, max_num_batched_tokens, max_model_len, max_loras adapters per step).
         kv_cache_manager: the only door into the KV cache.
+        connector: the scheduler half of KV transfer (prefill/decode disaggregation), or None: requests
+            whose prompt K/V is arriving from a producer, and finished requests whose blocks a consumer has
+            yet to pull. Loads it plans leave in ``SchedulerOutput.kv_loads``; nothing here copies bytes.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
-        # KV transfer (tokenmill/kv_transfer/connector.py; None: off): requests whose prompt K/V is
-        # arriving from a producer, and finished requests whose blocks a consumer has yet to pull.
-        self.connector = None
+        self.connector = connector
         self.waiting_for_remote: dict[str, Request] = {}
         self.leased: dict[str, Request] = {}
 
@@ -128,7 +134,7 @@ class Scheduler:
             if kv.is_loading(request):
                 skipped.append(self.waiting.popleft())
                 continue
-            if self.connector is not None and self._start_remote_prefill(request, hits, num_hit_tokens):
+            if self.connector is not None and self._start_remote_prefill(out, request, hits, num_hit_tokens):
                 continue
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -151,9 +157,10 @@ class Scheduler:
         out.blocks_to_offload, out.blocks_to_load = kv.take_kv_transfers()
         return out
 
-    def _start_remote_prefill(self, request: Request, hits: list, num_hit_tokens: int) -> bool:
-        """Park the head waiting request while its prompt K/V loads from a producer, if it should:
-        its blocks are allocated now (not indexed until the K/V is in). False: schedule it as usual."""
+    def _start_remote_prefill(self, out: SchedulerOutput, request: Request, hits: list, num_hit_tokens: int) -> bool:
+        """Park the head waiting request while its prompt K/V loads from a producer, if it should: its blocks
+        are allocated now (not indexed until the K/V is in) and the load goes out in ``out.kv_loads``.
+        False: schedule it as usual."""
         num_remote = self.connector.num_remote_tokens(request, num_hit_tokens)
         kv = self.kv_cache_manager
         if num_remote <= 0 or kv.allocate_slots(request, num_remote, hits, delay_cache_blocks=True) is None:
@@ -163,13 +170,15 @@ class Scheduler:
         request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote[request.request_id] = request
-        self.connector.start_load(request, num_hit_tokens, num_remote, kv.get_block_ids(request.request_id),
-                                  kv.extra_keys(request.cache_salt, request.lora_digest, request.lora_request))
+        out.kv_loads.append(self.connector.start_load(
+            request, num_hit_tokens, num_remote, kv.get_block_ids(request.request_id),
+            kv.extra_keys(request.cache_salt, request.lora_digest, request.lora_request)))
         return True
 
     def _update_from_connector(self) -> None:
-        """Loads that ended go back to the head of the queue (K/V in: only the last prompt token left to
-        compute; failed: blocks freed, the prompt computed here); ended leases free their blocks."""
+        """Loads that ended go back to the head of the queue (K/V in, copied by the worker half before this
+        schedule: only the last prompt token left to compute; failed: blocks freed, the prompt computed
+        here); ended leases free their blocks."""
         kv = self.kv_cache_manager
         for request_id, ok in self.connector.poll_loads():
             request = self.waiting_for_remote.pop(request_id, None)

@@ -19,7 +19,7 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tokenmill.engine.chat_prompt import ContentSpecialTokensError
+from tokenmill.chat_prompt import ContentSpecialTokensError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import EngineRequest, RequestStream
