@@ -12,6 +12,7 @@ import pytest
 
 from tests.server_fixtures import REPO, free_port
 from tests.tiny_models import make_tiny_model
+from tokenmill.engine_args import EngineArgs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.async_engine import AsyncEngine, EngineDeadError, EngineRequest
 
@@ -24,7 +25,7 @@ def tiny_path(tmp_path_factory) -> str:
 
 
 async def started(kwargs: dict, **options) -> AsyncEngine:
-    engine = AsyncEngine(kwargs, **options)
+    engine = AsyncEngine(EngineArgs(**kwargs), **options)
     engine.start(asyncio.get_running_loop())
     await asyncio.to_thread(engine.wait_loaded, 120)
     return engine

@@ -16,13 +16,6 @@ if TYPE_CHECKING:
 
 DEFAULT_KV_OFFLOAD_DISK_SIZE_GIB = 16.0
 
-# Command-line spellings that are not simply "--" + the keyword with dashes.
-_FLAG_SPELLING = {
-    "enable_prefix_caching": "--no-enable-prefix-caching",
-    "enable_chunked_prefill": "--no-enable-chunked-prefill",
-    "cpu_kernels": "--no-cpu-kernels",
-}
-
 
 class ConfigError(ValueError):
     """An engine setting out of range, or inconsistent with another setting.
@@ -41,7 +34,10 @@ class ConfigError(ValueError):
 
     def for_cli(self) -> str:
         """The message with each setting spelled as its command-line flag."""
-        return self._NAME.sub(lambda m: _FLAG_SPELLING.get(m[2], "--" + m[2].replace("_", "-")), self.template)
+        # The flags are written with the options in engine_args, which imports this module: import it when called.
+        from tokenmill.engine_args import cli_flag
+
+        return self._NAME.sub(lambda m: cli_flag(m[2]), self.template)
 
 
 def check_int(name: str, value: object, minimum: int = 1, maximum: int | None = None, optional: bool = False) -> None:
@@ -133,9 +129,6 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3", "fp8"):
             raise ConfigError(f"`kv_cache_dtype` must be auto, int8, fp8_e4m3 or fp8, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and self.kv_offload_enabled:
-            raise ConfigError("`kv_cache_dtype` int8/fp8 does not work with the KV offload tiers yet "
-                              "(`kv_offload_memory` / `kv_offload_disk_path`): use one of the two")
         check_int("block_size", self.block_size)
         check_int("state_checkpoint_interval", self.state_checkpoint_interval)
         check_int("num_kv_blocks", self.num_kv_blocks, optional=True)

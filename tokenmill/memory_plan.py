@@ -39,6 +39,7 @@ from pathlib import Path
 
 from tokenmill.config import ConfigError, check_int, check_number
 from tokenmill.csrc_build import cpu_has_native_bf16
+from tokenmill.engine_args import EngineArgs
 from tokenmill.kv_cache.state_slots import state_bytes_per_sequence, state_pool_sizes
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
 
@@ -187,23 +188,26 @@ def read_model_shape(model: str | None) -> ModelShape:
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """The planner's inputs (engine flag names; memory in GiB).
+    """The planner's inputs: ``memory`` (GiB) and ``memory_utilization``, then the engine options the plan
+    depends on, by their ``EngineArgs`` names and with its defaults (``tokenmill plan`` adds their flags).
 
-    ``kv_cache_memory`` set: plan that KV budget directly (``memory`` only checks the fit).
+    ``kv_cache_memory`` set: plan that KV budget directly (``memory`` only checks the fit); None (the plan's
+    default, unlike the engine's): the KV budget is what ``memory`` leaves. ``kv_cache_dtype`` also takes
+    float32 and bfloat16 here, for planning.
     """
 
     memory: float
     memory_utilization: float = 0.9
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 128
+    dtype: str = EngineArgs.dtype
+    kv_cache_dtype: str = EngineArgs.kv_cache_dtype
+    max_model_len: int | None = EngineArgs.max_model_len
+    block_size: int = EngineArgs.block_size
+    max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
+    max_num_seqs: int = EngineArgs.max_num_seqs
     kv_cache_memory: float | None = None
-    quantization: str | None = None
-    enable_prefix_caching: bool = True  # hybrid models: prefix caching adds max_num_seqs state checkpoints
-    state_cache_memory: float | None = None  # hybrid models: GiB for the state pool (None: max_num_seqs of each)
+    quantization: str | None = EngineArgs.quantization
+    enable_prefix_caching: bool = EngineArgs.enable_prefix_caching  # hybrid models: adds max_num_seqs checkpoints
+    state_cache_memory: float | None = EngineArgs.state_cache_memory  # hybrid models: GiB for the state pool
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "gguf", "int8", "none"):

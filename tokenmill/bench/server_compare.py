@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenmill import csrc_build
@@ -38,6 +38,7 @@ from tokenmill.bench.serve_client import ClientConfig, make_client
 from tokenmill.bench.serve_report import error_summary, resolve_model
 from tokenmill.bench.table import Column, comparison_lines, format_rows
 from tokenmill.bench.workload import Conversation
+from tokenmill.engine_args import EngineArgs
 
 WARMUP_PROMPT_TOKENS = 16
 WARMUP_OUTPUT_TOKENS = 4
@@ -131,9 +132,9 @@ def _served_run(engine: str, run: ServeRun, requests: list[SampledRequest], load
     return ServedRun(engine, run.metrics, asked, load_s, note, error_summary([r.error for r in run.results]))
 
 
-def run_tokenmill_server(engine_kwargs: dict, requests: list[SampledRequest], config: ServerCompareConfig,
+def run_tokenmill_server(engine_args: EngineArgs, requests: list[SampledRequest], config: ServerCompareConfig,
                          tokenizer: Any) -> ServedRun:
-    """``tokenmill serve`` with ``engine_kwargs`` (``num_threads`` set to ``config.threads``) in a spawned
+    """``tokenmill serve`` with ``engine_args`` (``num_threads`` set to ``config.threads``) in a spawned
     process on a free port: wait for ``/health``, run the workload, stop it.
 
     Raises:
@@ -141,11 +142,11 @@ def run_tokenmill_server(engine_kwargs: dict, requests: list[SampledRequest], co
     """
     from tokenmill.cli.serve import default_served_model_name
     from tokenmill.procs import free_port, stop_processes, wait_healthy
-    from tokenmill.router.replicas import start_replica
+    from tokenmill.cli.replicas import start_replica
     from tokenmill.server.state import ServerConfig
 
-    kwargs = {**engine_kwargs, "num_threads": config.threads}
-    server = ServerConfig(served_model_name=default_served_model_name(kwargs.get("model")), engine_kwargs=kwargs,
+    engine_args = replace(engine_args, num_threads=config.threads)
+    server = ServerConfig(served_model_name=default_served_model_name(engine_args.model), engine_args=engine_args,
                           port=free_port(), enable_log_requests=False)
     log_args = argparse.Namespace(command="bench", log_level=config.log_level, verbose=0)
     start = time.perf_counter()
@@ -163,9 +164,8 @@ def run_tokenmill_server(engine_kwargs: dict, requests: list[SampledRequest], co
         run = run_workload(url, requests, config, tokenizer)
     finally:
         stop_processes([process])
-    quantization = kwargs.get("quantization") or "default"
-    note = (f"tokenmill serve --dtype {kwargs.get('dtype', 'auto')} --quantization {quantization} "
-            f"--kv-cache-dtype {kwargs.get('kv_cache_dtype', 'auto')} --max-num-seqs {kwargs.get('max_num_seqs')}")
+    note = (f"tokenmill serve --dtype {engine_args.dtype} --quantization {engine_args.quantization or 'default'} "
+            f"--kv-cache-dtype {engine_args.kv_cache_dtype} --max-num-seqs {engine_args.max_num_seqs}")
     return _served_run("tokenmill", run, requests, load_s, note)
 
 
@@ -197,7 +197,7 @@ def run_llama_server(peer: ServerPeer, model_path: Any, requests: list[SampledRe
     return _served_run(peer.name, run, requests, load_s, note), command
 
 
-def compare_servers(engine_kwargs: dict, peers: list[ServerPeer], requests: list[SampledRequest],
+def compare_servers(engine_args: EngineArgs, peers: list[ServerPeer], requests: list[SampledRequest],
                     config: ServerCompareConfig, tokenizer: Any) -> tuple[list[ServedRun], dict[str, str], list[str],
                                                                           dict[str, list[str]]]:
     """Run the workload through tokenmill's server, then through each runnable peer.
@@ -213,8 +213,8 @@ def compare_servers(engine_kwargs: dict, peers: list[ServerPeer], requests: list
 
     if not requests:
         raise ValueError("num_prompts: the workload is empty")
-    model_path = model_file(engine_kwargs.get("model"))
-    runs = [run_tokenmill_server(engine_kwargs, requests, config, tokenizer)]
+    model_path = model_file(engine_args.model)
+    runs = [run_tokenmill_server(engine_args, requests, config, tokenizer)]
     skipped: dict[str, str] = {}
     commands: dict[str, list[str]] = {}
     for peer in peers:

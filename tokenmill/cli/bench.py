@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from tokenmill.bench.workload import add_dataset_args, build_workload, dataset_config, load_tokenizer
-from tokenmill.cli.main import add_engine_args, engine_kwargs
+from tokenmill.cli.main import engine_kwargs
+from tokenmill.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def register(subparsers) -> None:
     serve.set_defaults(func=cmd_bench_serve)
 
     offline = sub.add_parser("offline", help="the engine in-process, no HTTP: throughput, TTFT, TPOT")
-    add_engine_args(offline)
+    EngineArgs.add_cli_args(offline)
     add_dataset_args(offline, with_seed=False)
     offline.add_argument("--result-file", type=Path, default=None, help="write the result JSON here")
     offline.add_argument("--disable-tqdm", action="store_true")
@@ -72,7 +73,7 @@ def register(subparsers) -> None:
 
     compare = sub.add_parser("compare", help="the same workload on tokenmill and peers: in-process (--peers) or "
                                               "over HTTP against native servers (--peer llama-server)")
-    add_engine_args(compare)
+    EngineArgs.add_cli_args(compare)
     add_dataset_args(compare, with_seed=False)
     compare.add_argument("--peers", default=None,
                          help="in-process peers, comma-separated (transformers, llama_cpp) or 'none' (default: both; "
@@ -245,7 +246,7 @@ def _cmd_compare_servers(args: argparse.Namespace, dataset) -> int:
     tokenizer = load_tokenizer(args.model)
     requests = [c.turns[0] for c in build_workload(dataset, tokenizer)]
     config = server_compare_config(args, len(requests))
-    runs, skipped, notes, commands = compare_servers(engine_kwargs(args), peers, requests, config, tokenizer)
+    runs, skipped, notes, commands = compare_servers(EngineArgs.from_cli_args(args), peers, requests, config, tokenizer)
     print(format_server_table(runs, skipped, notes))
     _write_result(args, dataset, server_compare_record(runs, skipped, notes, commands, config))
     return 0

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import asdict
 
+from tokenmill.engine_args import OPTION_NAMES, EngineArgs, cli_values
 from tokenmill.memory_plan import (
     DTYPE_BYTES,
     KV_CACHE_DTYPES,
@@ -18,32 +20,21 @@ from tokenmill.memory_plan import (
 from tokenmill.runner.kv_cache_sizing import GIB
 
 MIB = 1024**2
+# The engine options the plan depends on: PlanConfig's fields named as EngineArgs' (their flags are the engine's).
+PLAN_OPTIONS = tuple(f.name for f in dataclasses.fields(PlanConfig) if f.name in OPTION_NAMES)
 
 
 def register(subparsers) -> None:
     """Add the ``plan`` subcommand."""
     p = subparsers.add_parser("plan", help="plan memory: weights, activation reserve, KV-cache capacity")
-    p.add_argument("model", nargs="?", default=None,
-                   help="local HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--model", dest="model_flag", metavar="MODEL", default=None, help="same as the positional MODEL")
     p.add_argument("--memory", type=float, default=None, help="memory in GiB (default: this machine's RAM)")
-    p.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of --memory tokenmill may use")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=["gguf", "int8", "none"],
-                   help="weights as the engine would hold them (default: gguf for a .gguf file, else none)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="auto = model dtype; fp8 = 1 byte per element")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="plan this KV budget in GiB instead of what --memory leaves")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="hybrid models: prefix caching keeps max_num_seqs state checkpoints beside the live state")
-    p.add_argument("--state-cache-memory", type=float, default=None, metavar="GIB",
-                   help="hybrid models: plan this state pool budget in GiB (up to --max-num-seqs live slots, the "
-                        "rest prefix-cache checkpoints) instead of --max-num-seqs of each")
+    p.add_argument("--memory-utilization", type=float, default=PlanConfig.memory_utilization,
+                   help="fraction of --memory tokenmill may use")
+    EngineArgs.add_cli_args(p, include=("model", *PLAN_OPTIONS), overrides={
+        "kv_cache_memory": {"default": PlanConfig.kv_cache_memory,
+                            "help": "plan this KV budget in GiB instead of what --memory leaves"},
+        "kv_cache_dtype": {"choices": KV_CACHE_DTYPES, "help": "auto = model dtype; fp8 = 1 byte per element"},
+    })
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -124,14 +115,8 @@ def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the memory plan; returns the exit code."""
-    config = PlanConfig(
-        memory=args.memory if args.memory is not None else physical_memory_gib(),
-        memory_utilization=args.memory_utilization, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=args.max_model_len, block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-        enable_prefix_caching=args.enable_prefix_caching, state_cache_memory=args.state_cache_memory,
-    )
+    config = PlanConfig(memory=args.memory if args.memory is not None else physical_memory_gib(),
+                        memory_utilization=args.memory_utilization, **cli_values(args, PLAN_OPTIONS))
     plan = plan_memory(read_model_shape(args.model), config)
     print(json.dumps(plan_record(plan), indent=2) if args.json else format_plan(plan, args.model))
     return 0

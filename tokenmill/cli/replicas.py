@@ -35,7 +35,7 @@ def split_threads(total: int | None, replicas: int) -> int:
 def replica_config(config: Any, port: int, num_threads: int, host: str = "127.0.0.1") -> Any:
     """``config`` (a ``ServerConfig``) for one replica: its own address and thread count."""
     return dataclasses.replace(config, host=host, port=port,
-                               engine_kwargs={**config.engine_kwargs, "num_threads": num_threads})
+                               engine_args=dataclasses.replace(config.engine_args, num_threads=num_threads))
 
 
 def _replica_main(config: Any, args: argparse.Namespace) -> None:
@@ -99,7 +99,7 @@ def run_data_parallel(config: Any, args: argparse.Namespace) -> int:
 
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per health poll
     size = args.data_parallel_size
-    threads = split_threads(config.engine_kwargs.get("num_threads"), size)
+    threads = split_threads(config.engine_args.num_threads, size)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _stop_on_signal)
     if args.distributed_executor_backend == "ray":

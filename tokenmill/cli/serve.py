@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tokenmill.cli.main import add_engine_args, engine_kwargs
+from tokenmill.engine_args import EngineArgs
 
 
 def port_number(text: str) -> int:
@@ -44,7 +44,7 @@ def register(subparsers) -> None:
     from tokenmill.router.policies import POLICY_NAMES
 
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
@@ -109,16 +109,15 @@ def default_served_model_name(model: str | None) -> str:
     return Path(default_model_path()).name.split(".")[0]
 
 
-def check_engine_kwargs(kwargs: dict) -> None:
+def check_engine_args(engine_args: EngineArgs) -> None:
     """Validate engine settings without loading the model: ranges, the device, deterministic mode.
 
     Raises:
         ValueError: naming the setting at fault.
     """
-    from tokenmill.engine.llm import build_engine_config
     from tokenmill.runner.device import resolve_device
 
-    config = build_engine_config(**kwargs)
+    config = engine_args.create_engine_config()
     device = resolve_device(config.device)
     if config.deterministic:
         import torch
@@ -133,7 +132,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.api_server import run_server
     from tokenmill.server.state import ServerConfig
 
-    check_engine_kwargs(engine_kwargs(args))  # bad flags: a one-line error before the port is bound
+    engine_args = EngineArgs.from_cli_args(args)
+    check_engine_args(engine_args)  # bad flags: a one-line error before the port is bound
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
@@ -142,7 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(
         served_model_name=args.served_model_name or default_served_model_name(args.model),
-        engine_kwargs=engine_kwargs(args),
+        engine_args=engine_args,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -158,7 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_paused_requests=args.max_paused_requests,
     )
     if args.data_parallel_size > 1:
-        from tokenmill.router.replicas import run_data_parallel
+        from tokenmill.cli.replicas import run_data_parallel
 
         return run_data_parallel(config, args)
     return run_server(config)

@@ -3,136 +3,50 @@ from __future__ import annotations
 
 import gc
 import itertools
-import os
 import weakref
 
 from tqdm import tqdm
 
-from tokenmill.config import (
-    CacheConfig,
-    EngineConfig,
-    KVEventsConfig,
-    LoRAConfig,
-    SchedulerConfig,
-    StructuredOutputsConfig,
-    check_bool,
-)
-from tokenmill.engine.chat_prompt import ChatPromptRenderer
+from tokenmill.chat_prompt import ChatPromptRenderer
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.engine_args import EngineArgs, options_doc, with_options_signature
 from tokenmill.lora import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.rl import engine_ops
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.config import SpeculativeConfig
 
 
 class LLM:
-    """Offline batch generation over an in-process engine.
+    __doc__ = f"""Offline batch generation over an in-process engine.
+
+    Takes the engine options (the fields of ``tokenmill.engine_args.EngineArgs``) as keyword arguments, the
+    model also positionally; ``LLM.from_engine_args`` takes an ``EngineArgs``. With a disk KV tier, call
+    ``close()`` (or use ``with LLM(...) as llm``) so cached blocks are written there for the next run. With
+    ``enable_lora``, ``generate(..., lora_request=LoRARequest(name, id, path))`` picks an adapter per prompt.
 
     Args:
-        model: local HF directory, GGUF file, or None for the embedded SmolLM2-135M-Instruct.
-        dtype: "auto", "float32" or "bfloat16".
-        kv_cache_memory: KV pool budget in GiB (ignored if num_kv_blocks is set).
-        Others as in vLLM (max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
-        enable_prefix_caching, enable_chunked_prefill).
-        deterministic: batch-invariant mode; each request's tokens and log-probabilities are
-            bit-identical whatever else is batched with it (docs/deterministic.md).
-        kv_offload_memory: host-RAM KV tier below the pool, in GiB (0: off).
-        kv_offload_disk_path: directory of the disk KV tier (None: off); call ``close()`` (or use
-            ``with LLM(...) as llm``) so cached blocks are written there for the next run.
-        kv_offload_disk_size: most GiB the disk tier keeps (None: 16); needs kv_offload_disk_path.
-        kv_offload_disk_drive_size: drive size in GiB for the DWPD estimate (default: the tier size).
-        kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8_e4m3" ("fp8"): K/V in one byte with
-            a scale per token and KV head, about twice the tokens of bf16 in the same memory (CPU;
-            docs/kv_cache_dtype.md).
-        state_checkpoint_interval: hybrid linear-attention models with prefix caching: a state
-            checkpoint every this many blocks; a prefix hit resumes from the latest one (docs/hybrid_models.md).
-        state_cache_memory: hybrid linear-attention models: GiB for the state pool (live slots, at most
-            max_num_seqs, then prefix-cache checkpoints); None: max_num_seqs of each.
-        device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
-        gpu_memory_utilization: on CUDA, the fraction of device memory for weights, activations
-            and KV cache; the KV pool gets what a profiling forward pass leaves.
-        enforce_eager: on CUDA, never capture or replay CUDA graphs.
-        cpu_kernels: on CPU, use the compiled C kernels where they beat torch on this machine
-            (measured once per machine); False runs every layer on torch's ops.
-        structured_outputs_config: constrained decoding backend, ``{"backend": "auto" | "guidance" |
-            "xgrammar"}`` (a dict, its JSON text or a ``StructuredOutputsConfig``); ``auto`` is llguidance.
-        enable_lora: serve PEFT LoRA adapters (``generate(..., lora_request=LoRARequest(...))``); CPU, and CUDA through Triton kernels.
-        max_loras: adapter slots: the most distinct adapters in one step (others wait their turn).
-        max_lora_rank: the largest adapter rank accepted (slot weights are padded to it).
-        max_cpu_loras: adapters kept loaded in host memory (LRU; default ``max_loras``).
-        kv_events_config: KV cache events for a KV-aware router, vLLM's fields
-            (``{"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", ...}``; a dict, its JSON
-            text or a ``KVEventsConfig``; docs/kv_events.md).
-        speculative_config: speculative decoding, vLLM's fields (``{"method": "ngram",
-            "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
-            "disable_by_batch_size": 8}``; a dict, its JSON text or a ``SpeculativeConfig``; None: off;
-            docs/spec_decode.md). Outputs are the same as without it.
-        quantization: "gguf" (a GGUF file's quantized weights run as stored; the default for GGUF
-            models on CPU), "int8" (weight-only int8 for safetensors checkpoints), "none" (dense
-            weights in ``dtype``); docs/quantization.md.
-        kv_transfer_config: prefill/decode disaggregation, vLLM's fields (``{"kv_role": "kv_producer" |
-            "kv_consumer" | "kv_both", "kv_connector": ..., "kv_ip", "kv_port"}``; a dict or its JSON
-            text; None: off; docs/pd_disaggregation.md).
+{options_doc(indent=" " * 8)}
+
+    Raises:
+        TypeError: an unknown keyword, naming it.
+        ValueError: an option out of range or inconsistent with another, naming it.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 1024,
-        max_model_len: int | None = None,
-        kv_cache_memory: float = 2.0,
-        num_kv_blocks: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        seed: int = 0,
-        num_threads: int | None = None,
-        deterministic: bool = False,
-        kv_offload_memory: float = 0.0,
-        kv_offload_disk_path: str | None = None,
-        kv_offload_disk_size: float | None = None,
-        kv_offload_disk_drive_size: float | None = None,
-        kv_cache_dtype: str = "auto",
-        device: str = "auto",
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        cpu_kernels: bool = True,
-        structured_outputs_config: dict | str | StructuredOutputsConfig | None = None,
-        enable_lora: bool = False,
-        max_loras: int = 1,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
-        kv_events_config: dict | str | KVEventsConfig | None = None,
-        speculative_config: dict | str | SpeculativeConfig | None = None,
-        quantization: str | None = None,
-        kv_transfer_config: dict | str | None = None,
-        state_checkpoint_interval: int = 8,
-        state_cache_memory: float | None = None,
-    ) -> None:
-        config = build_engine_config(
-            model=model, dtype=dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            seed=seed, num_threads=num_threads, deterministic=deterministic,
-            kv_offload_memory=kv_offload_memory, kv_offload_disk_path=kv_offload_disk_path,
-            kv_offload_disk_size=kv_offload_disk_size,
-            kv_offload_disk_drive_size=kv_offload_disk_drive_size, kv_cache_dtype=kv_cache_dtype, device=device,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, cpu_kernels=cpu_kernels,
-            structured_outputs_config=structured_outputs_config, enable_lora=enable_lora, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, kv_events_config=kv_events_config,
-            speculative_config=speculative_config, quantization=quantization, kv_transfer_config=kv_transfer_config,
-            state_checkpoint_interval=state_checkpoint_interval, state_cache_memory=state_cache_memory,
-        )
+    @with_options_signature
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        config = EngineArgs.from_kwargs("LLM", {"model": model, **kwargs}).create_engine_config()
         self.engine = LLMEngine(config)
         # The engine froze the heap out of the garbage collector (LLMEngine.__init__): once this LLM is
         # freed without close(), its engine's reference cycles must be collectable again.
         weakref.finalize(self, gc.unfreeze)
         self._counter = itertools.count()
         self._chat_renderer = ChatPromptRenderer(self.get_tokenizer())
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """An LLM with these engine options."""
+        return cls(**engine_args.kwargs())
 
     def get_tokenizer(self):
         return self.engine.get_tokenizer()
@@ -276,89 +190,11 @@ class LLM:
                                           tools=tools)
 
 
-def build_engine_config(
-    model: str | None = None,
-    dtype: str = "auto",
-    max_num_seqs: int = 128,
-    max_num_batched_tokens: int = 1024,
-    max_model_len: int | None = None,
-    kv_cache_memory: float = 2.0,
-    num_kv_blocks: int | None = None,
-    block_size: int = 16,
-    enable_prefix_caching: bool = True,
-    enable_chunked_prefill: bool = True,
-    seed: int = 0,
-    num_threads: int | None = None,
-    deterministic: bool = False,
-    kv_offload_memory: float = 0.0,
-    kv_offload_disk_path: str | None = None,
-    kv_offload_disk_size: float | None = None,
-    kv_offload_disk_drive_size: float | None = None,
-    kv_cache_dtype: str = "auto",
-    device: str = "auto",
-    gpu_memory_utilization: float = 0.9,
-    enforce_eager: bool = False,
-    cpu_kernels: bool = True,
-    structured_outputs_config: dict | str | StructuredOutputsConfig | None = None,
-    enable_lora: bool = False,
-    max_loras: int = 1,
-    max_lora_rank: int = 16,
-    max_cpu_loras: int | None = None,
-    kv_events_config: dict | str | KVEventsConfig | None = None,
-    speculative_config: dict | str | SpeculativeConfig | None = None,
-    quantization: str | None = None,
-    kv_transfer_config: dict | str | None = None,
-    state_checkpoint_interval: int = 8,
-    state_cache_memory: float | None = None,
-) -> EngineConfig:
+def build_engine_config(**kwargs) -> EngineConfig:
     """The EngineConfig for ``LLM(**kwargs)`` (same keyword names), without loading anything.
 
     Raises:
+        TypeError: an unknown keyword.
         ValueError: a setting out of range, naming the field.
     """
-    check_bool("enable_lora", enable_lora)
-    return EngineConfig(
-        model=model,
-        dtype=dtype,
-        seed=seed,
-        num_threads=num_threads,
-        deterministic=deterministic,
-        device=device,
-        gpu_memory_utilization=gpu_memory_utilization,
-        enforce_eager=enforce_eager,
-        cpu_kernels=cpu_kernels,
-        structured_outputs_config=StructuredOutputsConfig.from_value(structured_outputs_config),
-        lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
-        kv_events_config=KVEventsConfig.from_value(kv_events_config),
-        speculative_config=SpeculativeConfig.from_value(speculative_config),
-        quantization=quantization,
-        kv_transfer_config=_kv_transfer_config(kv_transfer_config),
-        cache=CacheConfig(
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_gib=kv_cache_memory,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_offload_memory_gib=kv_offload_memory,
-            kv_offload_disk_path=(  # a str or PathLike; anything else is left for CacheConfig to refuse
-                os.fspath(kv_offload_disk_path) if isinstance(kv_offload_disk_path, os.PathLike)
-                else kv_offload_disk_path
-            ),
-            kv_offload_disk_size_gib=kv_offload_disk_size,
-            kv_offload_disk_drive_size_gib=kv_offload_disk_drive_size,
-            kv_cache_dtype=kv_cache_dtype,
-            state_checkpoint_interval=state_checkpoint_interval,
-            state_cache_memory_gib=state_cache_memory,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-        ),
-    )
-
-
-def _kv_transfer_config(value):
-    from tokenmill.kv_transfer.config import kv_transfer_config
-
-    return kv_transfer_config(value)
+    return EngineArgs.from_kwargs("build_engine_config", kwargs).create_engine_config()

@@ -4,7 +4,7 @@
 of 32 to int8, integer dot products; see the C file for the error bound); ``dequantize`` expands rows
 to float32/bf16 (embedding lookups, and the prefill path that hands a dequantized tile to torch's GEMM).
 ``repack`` rewrites a Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weight into its tiled layout (same bytes,
-16 rows interleaved per group of 32; qgemm.c and csrc/qg_tiles_kq.h), which both take as well and which the SIMD builds multiply several times faster
+16 rows interleaved per group of 32; csrc/qg_tiles.h and csrc/qg_tiles_kq.h), which both take as well and which the SIMD builds multiply several times faster
 (``tiled_preferred``).
 Built on first use for the ISA path of ``tokenmill.csrc_build`` (plus AVX-512 VNNI where the CPU
 reports it).

@@ -189,7 +189,7 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
         """The base model, then each LoRA adapter (``parent``: its base model)."""
         max_model_len = state.max_model_len if state.engine.is_healthy else None
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
-                "root": config.engine_kwargs.get("model") or state.model_name, "parent": None}
+                "root": config.engine_args.model or state.model_name, "parent": None}
         if max_model_len is not None:
             card["max_model_len"] = max_model_len
         return [card, *state.adapters.cards(max_model_len)]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tokenmill.engine.llm import LLM
+from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -106,7 +107,7 @@ class AsyncEngine:
     """Owns the engine thread. ``start()`` builds the engine there (``/health`` is 503 meanwhile).
 
     Args:
-        engine_kwargs: keyword arguments of ``LLM(...)`` (model, dtype, max_model_len, ...).
+        engine_args: the engine options (model, dtype, max_model_len, ...).
         tracker: per-request latency/counter metrics, updated from the engine thread.
         on_load_failure: called (from the engine thread) if the engine cannot be built.
         on_loaded: called with the LLM on the engine thread once it is built, before it serves (an
@@ -115,12 +116,12 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine_kwargs: dict,
+        engine_args: EngineArgs,
         tracker: RequestMetricsTracker | None = None,
         on_load_failure: Callable[[BaseException], None] | None = None,
         on_loaded: Callable[[LLM], None] | None = None,
     ) -> None:
-        self._engine_kwargs = engine_kwargs
+        self._engine_args = engine_args
         self._on_loaded = on_loaded
         self._tracker = tracker
         self._on_load_failure = on_load_failure
@@ -214,7 +215,7 @@ class AsyncEngine:
     # ---- engine-thread side ----------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.llm = LLM(**self._engine_kwargs)
+            self.llm = LLM.from_engine_args(self._engine_args)
             if self._on_loaded is not None:
                 self._on_loaded(self.llm)
         except BaseException as exc:  # noqa: BLE001 - reported through /health and on_load_failure

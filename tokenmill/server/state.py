@@ -12,6 +12,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi import Request
 
+from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.adapter import LoRAAdapterError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
@@ -35,7 +36,7 @@ class ServerConfig:
     """Settings of ``tokenmill serve``.
 
     Args:
-        engine_kwargs: keyword arguments of ``LLM(...)``.
+        engine_args: the engine options (``LLM(...)``'s; the ``tokenmill serve`` engine flags).
         served_model_name: the name clients must use in ``model``.
         api_key: when set, every /v1 route needs ``Authorization: Bearer <api_key>``.
         timeout_graceful_shutdown: seconds in-flight requests get to finish after SIGTERM/SIGINT.
@@ -45,7 +46,7 @@ class ServerConfig:
             tool calls out of free text with ``tool_call_parser``.
         tool_call_parser: the tool-call format; only ``hermes`` (``<tool_call>{...}</tool_call>``).
         lora_modules: adapters served from the start (``--lora-modules``; needs ``enable_lora`` in
-            ``engine_kwargs``), each reached with ``model: name``.
+            ``engine_args``), each reached with ``model: name``.
         allow_runtime_lora_updating: enable ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
         session_save_path: directory of saved sessions (``/v1/sessions/{id}/save|restore``); None: off.
         enable_log_requests: one INFO log line per finished request (id, model or adapter, tokens,
@@ -55,7 +56,7 @@ class ServerConfig:
     """
 
     served_model_name: str
-    engine_kwargs: dict = field(default_factory=dict)
+    engine_args: EngineArgs = field(default_factory=EngineArgs)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -80,10 +81,10 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats)
         self.adapters = ServedAdapters(self.model_name, config.lora_modules,
-                                       enabled=bool(config.engine_kwargs.get("enable_lora")))
+                                       enabled=config.engine_args.enable_lora)
         tracker = RequestMetricsTracker(self.metrics, log_requests=config.enable_log_requests,
                                         base_model_name=self.model_name)
-        self.engine = AsyncEngine(config.engine_kwargs, tracker, on_load_failure,
+        self.engine = AsyncEngine(config.engine_args, tracker, on_load_failure,
                                   on_loaded=lambda llm: self.adapters.register_static(llm.engine))
         self.rl = RLGate(self.engine, config.max_paused_requests)  # pause / sleep gate, weight version
         self._token_strings: TokenStrings | None = None
