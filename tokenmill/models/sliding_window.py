@@ -3,7 +3,7 @@
 A layer with window ``w`` lets the query at position p attend to keys p - w < j <= p (transformers'
 ``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``, on top of the causal mask), so it sees its last
 ``w`` keys, itself included. Each model class says how its architecture picks the layers (``SlidingLayers``).
-Keys below a window stay in the paged KV cache: their blocks are not freed (docs/architecture.md).
+Keys below a window stay in the paged KV cache: their blocks are not freed (docs/models.md).
 """
 from __future__ import annotations
 

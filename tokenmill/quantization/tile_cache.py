@@ -3,8 +3,8 @@
 ``qgemm.repack`` regroups a weight's blocks into 16-row tiles at load: about 1 s of one core per GB of
 weights (a 1-2 B Q4_K_M model: 1.3 s of a 2.3 s cached load on a 2-core Xeon). The result depends only on
 the file's bytes and on the layout code, so the first load writes every tiled segment, in the order the
-model asks for them, into one file (``tiles.bin``, no larger than the weights it replaces, with
-``tiles.json`` listing each segment's format, shape, byte range and a CRC-32 of the first 4 KiB of its
+model asks for them, into one file (``tiles-<key>.bin``, no larger than the weights it replaces, with
+``tiles-<key>.json`` listing each segment's format, shape, byte range and a CRC-32 of the first 4 KiB of its
 source bytes); later loads memory-map it and hand out views: no repack, no copy, and the pages are the
 page cache's, shared by every process serving the same file.
 
