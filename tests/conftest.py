@@ -2,12 +2,19 @@
 
 The suite must pass on every CPU of the pool (AVX-512 machines and AVX2-only ones), so the header
 says which kind this run had and the summary lists the (kernel, ISA path) builds the tests loaded.
+
+Every engine of the suite, in this process and in the servers it starts, checks its KV pool each time it
+goes idle (TOKENMILL_CHECK_INTEGRITY=1: every block and state slot free again, the indexes consistent), so
+a leak anywhere fails the test that caused it.
 """
 from __future__ import annotations
 
+import os
 import platform
 
 import pytest
+
+os.environ.setdefault("TOKENMILL_CHECK_INTEGRITY", "1")
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ CPU_ISA = "TOKENMILL_CPU_ISA"
 DISABLE_AMX = "TOKENMILL_DISABLE_AMX"
 DISABLE_OMP_SPIN_TUNING = "TOKENMILL_DISABLE_OMP_SPIN_TUNING"
 STATS_INTERVAL_S = "TOKENMILL_STATS_INTERVAL_S"
+CHECK_INTEGRITY = "TOKENMILL_CHECK_INTEGRITY"
 
 # Every variable and what it does: the table of docs/environment.md (tests/test_envs.py keeps them in step).
 VARIABLES: dict[str, str] = {
@@ -30,6 +31,8 @@ VARIABLES: dict[str, str] = {
     DISABLE_OMP_SPIN_TUNING: "1: importing tokenmill leaves GOMP_SPINCOUNT alone (libgomp's default spin count) "
                              "instead of setting it to 1000",
     STATS_INTERVAL_S: "seconds between the engine's stats lines, a finite number > 0 (default 10; tests shorten it)",
+    CHECK_INTEGRITY: "1: each time the engine goes idle it asserts that every KV block and state slot is free again "
+                     "and the pool's indexes are consistent (the test suite sets it; a leak fails the step)",
 }
 
 DEFAULT_STATS_INTERVAL_S = 10.0
@@ -53,6 +56,11 @@ def disable_cpu_kernels() -> bool:
 def cpu_isa() -> str | None:
     """TOKENMILL_CPU_ISA lower-cased, or None when unset or empty (csrc_build checks the path)."""
     return os.environ.get(CPU_ISA, "").strip().lower() or None
+
+
+def check_integrity() -> bool:
+    """True when TOKENMILL_CHECK_INTEGRITY=1: the engine checks its KV pool whenever it goes idle."""
+    return _flag(CHECK_INTEGRITY)
 
 
 def disable_omp_spin_tuning() -> bool:

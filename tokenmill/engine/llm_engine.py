@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import torch
 
+from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.stats_logger import StatsLogger
@@ -343,6 +344,8 @@ class LLMEngine:
         outputs = self._step()
         if self.kv_events is not None:
             self.kv_events.publish_pending()  # the step's KV events, as one batch (never blocks)
+        if envs.check_integrity() and not self.has_unfinished_requests():  # went idle: nothing may be held
+            self.check_integrity(idle=True)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -414,6 +417,12 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.close()
 
-    def check_integrity(self) -> None:
-        """Assert the KV pool's invariants (free + cached + in use == total, nothing leaked)."""
-        self.kv_cache_manager.check_integrity()
+    def check_integrity(self, idle: bool = False) -> None:
+        """Assert the KV pool's invariants (free + cached + in use == total, nothing leaked); with ``idle`` (no
+        request left, no transfer pending) also that every block and state slot is free again. Run after every
+        step that leaves the engine idle when TOKENMILL_CHECK_INTEGRITY=1 (the test suite sets it).
+
+        Raises:
+            AssertionError: a broken invariant, naming it.
+        """
+        self.kv_cache_manager.check_integrity(idle=idle)

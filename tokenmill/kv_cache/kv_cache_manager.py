@@ -236,11 +236,19 @@ class KVCacheManager:
         if self.offload is not None:
             self.offload.forget(request.request_id)
 
-    def check_integrity(self) -> None:
-        """Assert pool invariants and that every request's blocks are referenced."""
+    def check_integrity(self, idle: bool = False) -> None:
+        """Assert pool invariants and that every request's blocks are referenced; with ``idle`` (the engine has
+        no request) also that no request holds a block or a state slot and every block is free."""
         self.block_pool.check_integrity()
         if self.state_slots is not None:
             self.state_slots.check_integrity()
+        if idle:
+            assert not self.req_to_blocks, f"idle, yet requests hold blocks: {sorted(self.req_to_blocks)[:5]}"
+            pool = self.block_pool
+            assert pool.num_free_blocks == pool.num_blocks, (
+                f"idle, yet {pool.num_blocks - pool.num_free_blocks} of {pool.num_blocks} blocks are referenced")
+            if self.state_slots is not None:
+                assert self.state_slots.num_free_slots == self.state_slots.num_slots, "idle, yet state slots are held"
         for req_id, blocks in self.req_to_blocks.items():
             for block in blocks:
                 assert block.ref_cnt > 0, f"{req_id} holds unreferenced {block}"
