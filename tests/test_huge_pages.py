@@ -1,4 +1,4 @@
-"""The CPU KV cache on transparent huge pages (tokenmill/runner/huge_pages.py): the advice reaches Linux
+"""The CPU KV cache on transparent huge pages (tokenmill/huge_pages.py): the advice reaches Linux
 (the range is marked "hg" in /proc/self/smaps), the tensor is zeroed like
 torch.zeros, and the engine's KV cache uses it."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.runner.huge_pages import advise_huge_pages, is_mapped, release_pages, zeros_on_huge_pages
+from tokenmill.huge_pages import advise_huge_pages, is_mapped, release_pages, zeros_on_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -71,7 +71,7 @@ def kv_pool_resident_bytes(kv_cache: torch.Tensor) -> int:
     import re
     from pathlib import Path
 
-    from tokenmill.runner.huge_pages import is_mapped
+    from tokenmill.huge_pages import is_mapped
 
     if not is_mapped(kv_cache):
         return kv_cache.untyped_storage().nbytes()

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenmill.runner.huge_pages import is_mapped, release_pages, zeros_on_huge_pages
+from tokenmill.huge_pages import is_mapped, release_pages, zeros_on_huge_pages
 
 
 class KVPool:
