@@ -3,6 +3,7 @@
 torch.zeros, and the engine's KV cache uses it."""
 from __future__ import annotations
 
+import platform
 import re
 import sys
 from pathlib import Path
@@ -109,3 +110,23 @@ def test_a_large_pool_takes_memory_only_where_written_and_gives_it_back():
     assert not is_mapped(torch.zeros(8))
     with pytest.raises(ValueError, match="zeros_on_huge_pages"):
         release_pages(torch.zeros(8))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps (Linux)")
+def test_prefault_takes_the_pages_without_writing_them():
+    """A Prefault thread faults a pool's pages in without touching what the engine writes meanwhile (Linux
+    5.14+ MADV_POPULATE_WRITE; on an older kernel the thread ends at once and pages fault on demand)."""
+    from tokenmill.huge_pages import Prefault
+
+    t = zeros_on_huge_pages((96, 1024, 1024), torch.uint8, torch.device("cpu"))
+    t[50].fill_(3)  # written before and while the thread runs: kept
+    prefault = Prefault(t)
+    t[90].fill_(5)
+    prefault.thread.join(timeout=60)
+    assert not prefault.thread.is_alive()
+    assert int(t[50].sum()) == 3 << 20 and int(t[90].sum()) == 5 << 20 and int(t.sum()) == 8 << 20
+    if tuple(int(x) for x in platform.release().split(".")[:2]) >= (5, 14):
+        assert mapping_field(t.data_ptr(), "Rss") >= 90 << 20  # every page taken, none written by the thread
+    stopped = Prefault(zeros_on_huge_pages((64, 1024, 1024), torch.uint8, torch.device("cpu")))
+    stopped.stop()
+    assert not stopped.thread.is_alive()

@@ -19,6 +19,7 @@ import logging
 import math
 import mmap
 import sys
+import threading
 
 import torch
 
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 _MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
 _MADV_DONTNEED = 4
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _HUGE_PAGE = 2 << 20
 
 
@@ -126,3 +128,43 @@ def release_pages(tensor: torch.Tensor) -> int:
         tensor.zero_()
         return 0
     return size
+
+
+class Prefault:
+    """Fault in a ``zeros_on_huge_pages`` CPU tensor's pages on a background thread (madvise
+    MADV_POPULATE_WRITE, Linux 5.14+, in 64 MiB steps): the memory is taken as if written, without writing it,
+    so the thread may run while the engine writes into the same pages. A pool left to fault on first write
+    pays for each new 2 MiB page inside the step that first writes it (a KV pool at 32 concurrent requests:
+    about 6% of throughput on a 2-core Xeon until every block had been used once); zeroing it up front held
+    start-up for seconds. Where the call is unavailable the thread ends at once and pages fault on demand.
+
+    ``stop()`` ends the thread early (before the memory is released); it is a daemon thread either way.
+    """
+
+    _STEP = 64 << 20
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._stop = threading.Event()
+        storage = tensor.untyped_storage()
+        self._range = (storage.data_ptr(), storage.nbytes())
+        self.thread = threading.Thread(target=self._run, name="tokenmill-prefault", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        libc = _libc()
+        if libc is None:
+            return
+        start, size = self._range
+        page = mmap.PAGESIZE
+        first, end = -(-start // page) * page, (start + size) // page * page
+        for at in range(first, end, self._STEP):
+            if self._stop.is_set():
+                return
+            if libc.madvise(at, min(self._STEP, end - at), _MADV_POPULATE_WRITE) != 0:
+                logger.debug("madvise(MADV_POPULATE_WRITE) refused: errno %d", ctypes.get_errno())
+                return
+
+    def stop(self) -> None:
+        """End the thread (waits for its current step)."""
+        self._stop.set()
+        self.thread.join()

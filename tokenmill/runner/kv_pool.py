@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenmill.huge_pages import is_mapped, release_pages, zeros_on_huge_pages
+from tokenmill.huge_pages import Prefault, is_mapped, release_pages, zeros_on_huge_pages
 
 
 class KVPool:
@@ -49,6 +49,12 @@ class KVPool:
                                   else math.prod(self.block_shape[:-1]) * self.scales.element_size())
         self.block_bytes = self.kv_block_bytes + self.scale_block_bytes
         self._released: dict[str, int | None] = {}
+        self._prefault = self._start_prefault()
+
+    def _start_prefault(self) -> Prefault | None:
+        """Fault the K/V mapping's pages in behind the engine's back (``huge_pages.Prefault``), so no step pays
+        for first touches; None for a pool that is not its own mapping."""
+        return Prefault(self.kv) if is_mapped(self.kv) else None
 
     @classmethod
     def over(cls, kv: torch.Tensor, scales: torch.Tensor | None = None) -> KVPool:
@@ -69,6 +75,7 @@ class KVPool:
         pool.scale_block_bytes = 0 if scales is None else math.prod(pool.block_shape[:-1]) * scales.element_size()
         pool.block_bytes = pool.kv_block_bytes + pool.scale_block_bytes
         pool._released = {}
+        pool._prefault = None
         return pool
 
     @property
@@ -158,6 +165,8 @@ class KVPool:
         (it reads as zeros), any other storage shrinks to nothing. Views stay valid; no-op when released."""
         if self._released:
             return
+        if self._prefault is not None:
+            self._prefault.stop()
         for name in ("kv", "scales"):
             tensor = getattr(self, name)
             if tensor is None:
@@ -177,6 +186,8 @@ class KVPool:
                 tensor = getattr(self, name)
                 tensor.untyped_storage().resize_(nbytes)
                 tensor.zero_()
+        if self._released:
+            self._prefault = self._start_prefault()
         self._released = {}
 
     @property
