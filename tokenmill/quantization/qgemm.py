@@ -11,9 +11,7 @@ reports it).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -249,25 +247,7 @@ def _repack(lib: ctypes.CDLL, weight: QuantizedTensor) -> QuantizedTensor:
     # 21.9 tok/s on 4 KiB pages, 25.7 on huge pages).
     out = zeros_on_huge_pages(tuple(src.shape), torch.uint8, src.device) if src.device.type == "cpu" else (
         torch.empty_like(src))
-    # Tiles are self-contained (tile t's bytes are rows 16t..16t+15's), so row ranges split at a multiple of
-    # 16 repack on separate threads (ctypes drops the GIL) into the same bytes: loading repacks about 1 GB
-    # of a 1-2 B model, memory-bound page faults and shuffles, about twice as fast on two cores.
-    workers = max(1, min(torch.get_num_threads(), n // _REPACK_SPLIT_ROWS))
-    bounds = [i * (n // 16) // workers * 16 for i in range(workers)] + [n]
-
-    def part(i: int) -> int:
-        a, b = bounds[i], bounds[i + 1]
-        return lib.qg_repack(weight.qtype, src[a:].data_ptr(), b - a, k, out[a:].data_ptr())
-
-    rcs = [part(0)] if workers == 1 else list(_repack_pool(workers).map(part, range(workers)))
-    assert rcs == [0] * workers, "QuantizedTensor checked the format and in_features"
+    rc = lib.qg_repack(weight.qtype, src.data_ptr(), n, k, out.data_ptr())
+    assert rc == 0, "QuantizedTensor checked the format and in_features"
     return QuantizedTensor(weight.qtype + TILED, weight.shape, out)
 
-
-_REPACK_SPLIT_ROWS = 512  # fewer rows per thread than this: one call (thread hand-off costs more than it saves)
-
-
-@functools.cache
-def _repack_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """Threads that repack row ranges of one weight (kept for the process: loads and reloads reuse them)."""
-    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tokenmill-repack")

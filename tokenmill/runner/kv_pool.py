@@ -38,18 +38,21 @@ class KVPool:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, scale_dtype: torch.dtype | None = None) -> None:
-        self.device = torch.device(device)
+        device = torch.device(device)
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv = zeros_on_huge_pages(shape, dtype, self.device)  # scattered block reads: fewer TLB misses
-        self.scales = None if scale_dtype is None else torch.zeros(shape[:-1], dtype=scale_dtype, device=self.device)
-        self.num_blocks = num_blocks
-        self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
-        self.kv_block_bytes = math.prod(self.block_shape) * self.kv.element_size()
-        self.scale_block_bytes = (0 if self.scales is None
-                                  else math.prod(self.block_shape[:-1]) * self.scales.element_size())
+        kv = zeros_on_huge_pages(shape, dtype, device)  # scattered block reads: fewer TLB misses
+        self._adopt(kv, None if scale_dtype is None else torch.zeros(shape[:-1], dtype=scale_dtype, device=device))
+        self._prefault = self._start_prefault()
+
+    def _adopt(self, kv: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Take ``kv`` (and ``scales``) as the pool's tensors and derive the block layout from their shape."""
+        self.device, self.kv, self.scales = kv.device, kv, scales
+        layers, _, self.num_blocks, block_size, heads, dim = kv.shape
+        self.block_shape = (layers, 2, block_size, heads, dim)
+        self.kv_block_bytes = math.prod(self.block_shape) * kv.element_size()
+        self.scale_block_bytes = 0 if scales is None else math.prod(self.block_shape[:-1]) * scales.element_size()
         self.block_bytes = self.kv_block_bytes + self.scale_block_bytes
         self._released: dict[str, int | None] = {}
-        self._prefault = self._start_prefault()
 
     def _start_prefault(self) -> Prefault | None:
         """Fault the K/V mapping's pages in behind the engine's back (``huge_pages.Prefault``), so no step pays
@@ -68,13 +71,7 @@ class KVPool:
             raise ValueError(f"KVPool.over needs kv (layers, 2, blocks, block_size, heads, dim) and matching scales, "
                              f"got {list(kv.shape)} and {None if scales is None else list(scales.shape)}")
         pool = cls.__new__(cls)
-        pool.device, pool.kv, pool.scales = kv.device, kv, scales
-        layers, _, pool.num_blocks, block_size, heads, dim = kv.shape
-        pool.block_shape = (layers, 2, block_size, heads, dim)
-        pool.kv_block_bytes = math.prod(pool.block_shape) * kv.element_size()
-        pool.scale_block_bytes = 0 if scales is None else math.prod(pool.block_shape[:-1]) * scales.element_size()
-        pool.block_bytes = pool.kv_block_bytes + pool.scale_block_bytes
-        pool._released = {}
+        pool._adopt(kv, scales)
         pool._prefault = None
         return pool
 
