@@ -15,6 +15,12 @@ import platform
 import pytest
 
 os.environ.setdefault("TOKENMILL_CHECK_INTEGRITY", "1")
+# The per-user cluster secret (tokenmill.security) of this test session lives in a private directory, not in the
+# home of whoever runs the suite; the servers the tests start inherit it.
+if "TOKENMILL_TEST_CONFIG_HOME" not in os.environ:
+    import tempfile
+
+    os.environ["TOKENMILL_TEST_CONFIG_HOME"] = os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="tokenmill-cfg-")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "tokenmill"
 
 # Packages that plan, route or parse, and must stay importable without torch (a router box has none).
-TORCH_FREE = ("scheduler", "kv_cache", "kv_events", "structured_output", "tool_calling", "router")
+TORCH_FREE = ("scheduler", "kv_cache", "kv_events", "structured_output", "tool_calling", "router", "security")
 # Modules of those packages that wrap a third-party library which itself imports torch, loaded only when
 # chosen: xgrammar (its Python package imports torch at import time).
 TORCH_FREE_EXEMPT = {"tokenmill.structured_output.xgrammar_backend"}
