@@ -39,7 +39,6 @@ from tests.offline_models import BOS_TOKEN_ID, EOS_TOKEN_ID, synthetic_tokenizer
 from tests.test_cuda_runner_logic import _use_cuda_runner  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.linear_attention import fla_ops  # noqa: E402
-from tokenmill.linear_attention.engine_hook import attach_state_pool  # noqa: E402
 from tokenmill.linear_attention.gated_delta_rule import decode_step, recurrent_gated_delta_rule  # noqa: E402
 from tokenmill.linear_attention.state_cache import LinearStateMetadata  # noqa: E402
 from tokenmill.runner.cuda_runner import CudaModelRunner  # noqa: E402
@@ -212,7 +211,9 @@ def _workload(rng_seed: int):
 def _swap_in_cuda_runner(llm: LLM, attention_backend: str) -> CudaModelRunner:
     """The engine's CPU ModelRunner replaced by the CUDA runner over the same model, with a fresh state pool."""
     runner = _use_cuda_runner(llm, attention_backend)
-    attach_state_pool(llm.engine)
+    engine = llm.engine  # a new state pool in the new runner, and the KV bookkeeping built over it
+    engine.kv_cache_manager = engine.scheduler.kv_cache_manager = engine._build_kv_cache(
+        engine.scheduler_config.max_model_len, None)
     assert runner.state_cache.padding_slot == runner.state_cache.slots.num_slots
     return runner
 

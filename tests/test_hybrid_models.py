@@ -448,11 +448,9 @@ def test_moe_qwen3_next_is_refused_naming_the_field():
 
 def _scheduler(num_blocks: int, num_slots: int, max_num_seqs: int = 8, budget: int = 32,
                num_checkpoints: int = 0) -> Scheduler:
-    kv = KVCacheManager(num_blocks, 4, enable_caching=num_checkpoints > 0)
-    kv.state_slots = StateSlotAllocator(num_slots)
-    if num_checkpoints:
-        kv.state_slots.checkpoints = checkpoints = StateCheckpoints(num_checkpoints, interval=2)
-        kv.block_pool.on_evict = lambda block_id, block_hash: checkpoints.drop(block_hash)
+    checkpoints = StateCheckpoints(num_checkpoints, interval=2) if num_checkpoints else None
+    kv = KVCacheManager(num_blocks, 4, enable_caching=num_checkpoints > 0,
+                        state_slots=StateSlotAllocator(num_slots, checkpoints))
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=128)
     return Scheduler(config, kv)
 

@@ -28,6 +28,49 @@ def test_pool_allocates_lowest_ids_first_and_frees_to_the_tail():
     pool.check_integrity()
 
 
+def test_every_listener_the_pool_is_built_with_hears_each_eviction_and_reset_in_order():
+    """The lower tiers' planner and a hybrid model's checkpoints both listen (one slot used to hold only one)."""
+    from tokenmill.kv_cache.offload_planner import OffloadPlanner
+    from tokenmill.kv_cache.state_slots import StateCheckpoints, StateSlotAllocator
+
+    class Tiers:  # the store below the pool: nothing is below, nothing loads
+        def lookup(self, block_hashes):
+            return []
+
+        def load_async(self, block_hashes):
+            raise AssertionError("nothing is on disk")
+
+    heard = []
+
+    class Recorder:
+        def block_evicted(self, block_id, block_hash):
+            heard.append(("evicted", block_id, block_hash))
+
+        def prefix_cache_reset(self):
+            heard.append(("reset",))
+
+    checkpoints = StateCheckpoints(4, interval=1)
+    kv = KVCacheManager(num_blocks=3, block_size=4, lower_tiers=Tiers(),
+                        state_slots=StateSlotAllocator(2, checkpoints))
+    kv.block_pool.listeners += (Recorder(),)
+    assert kv.block_pool.listeners[:2] == (kv.offload, checkpoints)
+    pool = kv.block_pool
+    blocks = pool.get_new_blocks(2)
+    for i, block in enumerate(blocks):
+        pool.cache_block(block, 100 + i)
+        slot = checkpoints.reserve(100 + i)
+        assert slot is not None
+    checkpoints.end_step()
+    pool.free_blocks(blocks)
+    assert len(checkpoints) == 2
+    pool.get_new_blocks(3)  # the free block first, then both cached blocks, least recently freed first
+    assert heard == [("evicted", 0, 100), ("evicted", 1, 101)]
+    assert kv.offload.take_transfers()[0] == [(0, 100), (1, 101)]  # the planner queued both copies out
+    assert len(checkpoints) == 0  # and both checkpoints left with their blocks
+    pool.free_blocks(pool.blocks)
+    assert pool.reset_prefix_cache() and heard[-1] == ("reset",)
+
+
 def test_prefix_hit_reuses_whole_blocks_and_leaves_last_token():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True)
     a = make_request("a", list(range(100, 110)))  # 10 tokens: 2 full blocks + 2

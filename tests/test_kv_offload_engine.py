@@ -75,7 +75,7 @@ def test_block_data_survives_eviction_and_reload_through_the_scheduler(tmp_path)
     assert added == 120 and not scheduler.has_unfinished_requests()
     kv.check_integrity()
     assert store.ram.stats.hits > 0 and disk.stats.hits > 0 and checked > 500
-    store.close(kv.offload.cached_blocks())
+    store.close(kv.cached_blocks())
 
 
 def make_llm(path: str, **kwargs) -> LLM:

@@ -109,22 +109,11 @@ class LLMEngine:
             max_model_len = self.runner.num_kv_tokens
             self.scheduler_config = replace(self.scheduler_config, max_model_len=max_model_len)
             self.config = replace(self.config, scheduler=self.scheduler_config)
-        # Host-RAM / disk tiers below the pool (None when off); torch-side, so built here, not in kv_cache/.
-        self.kv_store = build_kv_store(config.cache, self.runner.kv_pool, self.loaded, max_model_len)
         # KV events (docs/kv_events.md): the pool, the manager and the tiers report into one collector.
         kv_events = KVEventCollector(config.cache.block_size) if config.kv_events_config.enable_kv_cache_events else None
         if kv_events is not None and not config.cache.enable_prefix_caching:
             logger.warning("KV events are on but prefix caching is off: no block is ever cached, so none is reported")
-        self.kv_cache_manager = KVCacheManager(
-            self.runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-            lower_tiers=self.kv_store, kv_events=kv_events,
-        )
-        if getattr(self.loaded.model, "is_hybrid", False):  # linear-attention state pool (docs/hybrid_models.md)
-            from tokenmill.linear_attention.engine_hook import attach_state_pool
-
-            attach_state_pool(self)
-        if self.kv_store is not None and kv_events is not None:
-            self.kv_store.set_kv_events(kv_events)
+        self.kv_cache_manager = self._build_kv_cache(max_model_len, kv_events)
         self.kv_connector = None  # prefill/decode disaggregation (tokenmill/kv_transfer, docs/pd_disaggregation.md)
         if config.kv_transfer_config is not None:
             self.kv_connector = self._build_kv_connector(config.kv_transfer_config)
@@ -151,6 +140,24 @@ class LLMEngine:
             "engine ready in %.1fs: %s (%s), max_model_len=%d, %d KV tokens",
             time.perf_counter() - t0, self.loaded.model_path, self.loaded.dtype, max_model_len, self.runner.num_kv_tokens,
         )
+
+    def _build_kv_cache(self, max_model_len: int, kv_events: KVEventCollector | None) -> KVCacheManager:
+        """The KV bookkeeping over the runner's pool, each part given what it listens to at construction: a
+        hybrid model's state pool (docs/hybrid_models.md), the host-RAM / disk tiers below the pool
+        (``self.kv_store``, None when off; torch-side, so built here, not in kv_cache/) and the KV event collector."""
+        config = self.config
+        state_slots = None
+        if getattr(self.loaded.model, "is_hybrid", False):
+            from tokenmill.linear_attention.engine_hook import build_state_pool
+
+            state_slots = build_state_pool(self)
+        checkpointed = state_slots is not None and state_slots.checkpoints is not None
+        self.kv_store = build_kv_store(config.cache, self.runner.kv_pool, self.loaded, max_model_len,
+                                       self.runner.state_cache if checkpointed else None)
+        if self.kv_store is not None and kv_events is not None:
+            self.kv_store.set_kv_events(kv_events)
+        return KVCacheManager(self.runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                              lower_tiers=self.kv_store, kv_events=kv_events, state_slots=state_slots)
 
     def _build_kv_connector(self, transfer_config):
         from tokenmill.kv_transfer.blocks import engine_fingerprints
@@ -413,7 +420,7 @@ class LLMEngine:
             self.kv_connector = self.scheduler.connector = None
         if self.kv_store is not None:
             offload = self.kv_cache_manager.offload
-            self.kv_store.close(offload.cached_blocks() if save_cached and offload is not None else None)
+            self.kv_store.close(self.kv_cache_manager.cached_blocks() if save_cached and offload is not None else None)
         if self.kv_events is not None:
             self.kv_events.close()
 

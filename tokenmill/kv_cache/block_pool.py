@@ -6,7 +6,7 @@ indexed by hash until they are reused (evicted), least recently freed first.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from tokenmill.kv_events.events import MEDIUM_POOL
 
@@ -14,6 +14,18 @@ if TYPE_CHECKING:
     from tokenmill.kv_events.collector import KVEventCollector
 
 EVICTION_HISTORY = 4096  # evicted hashes kept for inspection (tests, /debug)
+
+
+class BlockPoolListener(Protocol):
+    """What follows the pool's prefix-cache index, told of its changes in the order they happen: the lower KV
+    tiers' planner (an evicted block is copied out) and a hybrid model's state checkpoints (they leave with their
+    block). Given to ``BlockPool`` at construction; any number of them."""
+
+    def block_evicted(self, block_id: int, block_hash: int) -> None:
+        """Cached block ``block_id`` is being reused: its hash ``block_hash`` left the index."""
+
+    def prefix_cache_reset(self) -> None:
+        """``reset_prefix_cache`` forgot every hash."""
 
 
 class KVCacheBlock:
@@ -86,9 +98,12 @@ class BlockPool:
     Args:
         num_blocks: size of the pool.
         enable_caching: keep hashes of freed full blocks for reuse.
+        listeners: told of every eviction of a cached hash and every reset (``BlockPoolListener``), in order.
+        kv_events: where cached hashes leaving the pool are reported (KV events), or None.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, listeners: Sequence[BlockPoolListener] = (),
+                 kv_events: KVEventCollector | None = None) -> None:
         assert num_blocks > 0
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -97,12 +112,8 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
         # The most recent evictions, oldest first (bounded: a long-running server evicts forever).
         self.evicted_block_hashes: deque[int] = deque(maxlen=EVICTION_HISTORY)
-        # Called with (block_id, block_hash) when a cached block is reused (the lower KV tiers' hook).
-        self.on_evict: Callable[[int, int], None] | None = None
-        # KV events (tokenmill.kv_events): cached hashes leaving the pool are reported here; None: off.
-        self.kv_events: KVEventCollector | None = None
-        # Called after reset_prefix_cache forgot every hash (a hybrid model's state checkpoints go with them).
-        self.on_reset: Callable[[], None] | None = None
+        self.listeners: tuple[BlockPoolListener, ...] = tuple(listeners)
+        self.kv_events = kv_events  # KV events (tokenmill.kv_events); None: off
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,8 +146,8 @@ class BlockPool:
             self.evicted_block_hashes.append(block.block_hash)
             if self.kv_events is not None:
                 self.kv_events.block_removed((block.block_hash,), MEDIUM_POOL)
-            if self.on_evict is not None:
-                self.on_evict(block.block_id, block.block_hash)
+            for listener in self.listeners:
+                listener.block_evicted(block.block_id, block.block_hash)
         block.block_hash = None
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -197,8 +208,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         if self.kv_events is not None:
             self.kv_events.all_cleared(MEDIUM_POOL)
-        if self.on_reset is not None:
-            self.on_reset()
+        for listener in self.listeners:
+            listener.prefix_cache_reset()
         return True
 
     def check_integrity(self) -> None:

@@ -27,20 +27,23 @@ class KVCacheManager:
         lower_tiers: KV tiers below the pool (host RAM, disk), or None. Prefix hits then continue
             into them and evicted cached blocks are written back to them (see OffloadPlanner).
         kv_events: where blocks entering and leaving the pool are reported (KV events), or None.
+        state_slots: a hybrid (linear-attention) model's per-sequence state pool, consulted on admission and
+            freed with the blocks (tokenmill/kv_cache/state_slots.py); its checkpoints, if any, follow the pool's
+            evictions. None for attention-only models.
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = True, lower_tiers: LowerTiers | None = None,
-        kv_events: KVEventCollector | None = None,
+        kv_events: KVEventCollector | None = None, state_slots: StateSlotAllocator | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
         self.kv_events = kv_events
-        self.block_pool.kv_events = kv_events
-        self.offload: OffloadPlanner | None = None
-        if lower_tiers is not None and enable_caching:
-            self.offload = OffloadPlanner(self.block_pool, lower_tiers)
+        self.offload = OffloadPlanner(lower_tiers) if lower_tiers is not None and enable_caching else None
+        self.state_slots = state_slots
+        checkpoints = None if state_slots is None else state_slots.checkpoints
+        self.block_pool = BlockPool(num_blocks, enable_caching, [x for x in (self.offload, checkpoints) if x is not None],
+                                    kv_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of each request already indexed
         # Set after a weight update without a prefix-cache flush (tokenmill/rl): blocks made with other
@@ -49,9 +52,14 @@ class KVCacheManager:
         # Prefix-cache statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # Hybrid (linear-attention) models: the per-sequence state pool, consulted on admission and freed
-        # with the blocks (tokenmill/kv_cache/state_slots.py); None for attention-only models.
-        self.state_slots: StateSlotAllocator | None = None
+
+    def cached_blocks(self) -> list[tuple[int, int]]:
+        """(block_id, block_hash) of every cached block, least recently used first (free ones, then those in use);
+        between steps all of them hold valid data (what a closing engine writes to its disk tier)."""
+        pool = self.block_pool
+        free = [(b.block_id, b.block_hash) for b in pool.free_block_queue if b.block_hash is not None]
+        used = [(b.block_id, b.block_hash) for b in pool.blocks if b.ref_cnt > 0 and b.block_hash is not None]
+        return free + used
 
     @property
     def num_blocks(self) -> int:
@@ -102,7 +110,8 @@ class KVCacheManager:
                 break
             hits.append(block)
         if self.offload is not None:  # called even with nothing left to find: it also ends a wait on loads
-            more = self.offload.extend_hits(request.request_id, request.block_hashes[len(hits) : max_hit_blocks], hits)
+            more = self.offload.extend_hits(self.block_pool, request.request_id,
+                                            request.block_hashes[len(hits) : max_hit_blocks], hits)
             if more is None:
                 return [], 0
             if more and self.kv_events is not None:  # blocks promoted from a lower tier are in the pool now

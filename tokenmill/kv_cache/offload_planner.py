@@ -31,27 +31,32 @@ class LowerTiers(Protocol):
 class OffloadPlanner:
     """Turns evictions and lower-tier hits into per-step copy lists.
 
-    Evictions are reported by the pool's ``on_evict`` hook in the order they happen; a block that
+    Evictions are reported by the pool (this is one of its listeners) in the order they happen; a block that
     was filled from a lower tier in this same step and is evicted again before the step ran is
     neither copied out (its data never arrived) nor loaded (nobody can use it any more).
 
     Args:
-        block_pool: the primary pool (its ``on_evict`` hook is taken over).
-        lower_tiers: the store below it.
+        lower_tiers: the store below the pool.
+
+    The pool is given to each call that takes blocks from it (``extend_hits``, ``cached_blocks``), so the planner
+    can be one of the pool's listeners from its construction on.
     """
 
-    def __init__(self, block_pool: BlockPool, lower_tiers: LowerTiers) -> None:
-        self.block_pool = block_pool
+    def __init__(self, lower_tiers: LowerTiers) -> None:
         self.lower_tiers = lower_tiers
-        block_pool.on_evict = self._on_evict
         self._offloads: list[tuple[int, int]] = []  # (block_id, block_hash) to copy out, eviction order
         self._loads: dict[int, int] = {}  # block_id -> block_hash to copy in, this step
         self.loading: dict[str, list[int]] = {}  # request_id -> block hashes on their way back from disk
 
-    def _on_evict(self, block_id: int, block_hash: int) -> None:
+    def block_evicted(self, block_id: int, block_hash: int) -> None:
+        """A cached block is reused (``BlockPoolListener``): queue its copy out, unless it was filled from below
+        this same step."""
         if self._loads.pop(block_id, None) is not None:
             return  # filled from a lower tier this step and already evicted: the data is still below
         self._offloads.append((block_id, block_hash))
+
+    def prefix_cache_reset(self) -> None:
+        """The pool forgot its hashes (``BlockPoolListener``); what is below stays valid: nothing to do."""
 
     def is_loading(self, request_id: str) -> bool:
         return request_id in self.loading
@@ -61,9 +66,9 @@ class OffloadPlanner:
         self.loading.pop(request_id, None)
 
     def extend_hits(
-        self, request_id: str, block_hashes: list[int], hits: list[KVCacheBlock]
+        self, pool: BlockPool, request_id: str, block_hashes: list[int], hits: list[KVCacheBlock]
     ) -> list[KVCacheBlock] | None:
-        """Continue a prefix hit below the primary pool.
+        """Continue a prefix hit of ``pool`` (the primary pool) below it.
 
         ``block_hashes`` are the request's hashes after its primary ``hits``. Returns the extra hit
         blocks (taken from the pool, indexed by hash, queued to be filled this step, left free so
@@ -77,10 +82,9 @@ class OffloadPlanner:
             self.loading[request_id] = on_disk
             return None
         self.loading.pop(request_id, None)
-        return self._promote(block_hashes[: len(tiers)], hits)
+        return self._promote(pool, block_hashes[: len(tiers)], hits)
 
-    def _promote(self, block_hashes: list[int], hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        pool = self.block_pool
+    def _promote(self, pool: BlockPool, block_hashes: list[int], hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
         num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
         num = min(len(block_hashes), pool.num_free_blocks - num_evictable_hits)
         if num <= 0:
@@ -99,11 +103,3 @@ class OffloadPlanner:
         offloads, loads = self._offloads, list(self._loads.items())
         self._offloads, self._loads = [], {}
         return offloads, loads
-
-    def cached_blocks(self) -> list[tuple[int, int]]:
-        """(block_id, block_hash) of every cached block, least recently used first (free ones, then
-        those in use); between steps all of them hold valid data."""
-        pool = self.block_pool
-        free = [(b.block_id, b.block_hash) for b in pool.free_block_queue if b.block_hash is not None]
-        used = [(b.block_id, b.block_hash) for b in pool.blocks if b.ref_cnt > 0 and b.block_hash is not None]
-        return free + used

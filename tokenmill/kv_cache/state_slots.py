@@ -63,15 +63,20 @@ class StateCheckpoints:
     written in this step is not resumable until then (``end_step``). All operations are O(1) but ``reserve``'s
     skip over this step's slots.
 
+    It listens to the block pool (``BlockPoolListener``): an evicted block's checkpoint is dropped unless
+    ``drop_on_evict`` is off (with lower KV tiers the block lives on below the pool, and its checkpoint with it
+    until the LRU reuses the slot); a prefix-cache reset drops them all.
+
     Raises:
         ValueError: ``num_slots`` or ``interval`` < 1.
     """
 
-    def __init__(self, num_slots: int, interval: int) -> None:
+    def __init__(self, num_slots: int, interval: int, drop_on_evict: bool = True) -> None:
         if num_slots < 1 or interval < 1:
             raise ValueError(f"num_slots and state_checkpoint_interval must be >= 1, got {num_slots}, {interval}")
         self.num_slots = num_slots
         self.interval = interval
+        self.drop_on_evict = drop_on_evict
         self._lru: OrderedDict[int, int] = OrderedDict()  # block_hash -> slot, least recently used first
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._busy: set[int] = set()  # slots read or written by the step being planned
@@ -148,6 +153,15 @@ class StateCheckpoints:
         for block_hash in list(self._lru):
             self.drop(block_hash)
 
+    def block_evicted(self, block_id: int, block_hash: int) -> None:
+        """The pool reused a cached block (``BlockPoolListener``): its checkpoint leaves with it (``drop_on_evict``)."""
+        if self.drop_on_evict:
+            self.drop(block_hash)
+
+    def prefix_cache_reset(self) -> None:
+        """The pool forgot every hash (``BlockPoolListener``)."""
+        self.clear()
+
     def end_step(self) -> None:
         """The planned step is about to run: its checkpoints count as written from the next plan on."""
         self._busy.clear()
@@ -176,7 +190,7 @@ class StateStepOps:
 class StateSlotAllocator:
     """O(1) allocation of ``num_slots`` state slots keyed by request id.
 
-    ``checkpoints`` (set by the engine when prefix caching is on) holds the state snapshots; the KV cache manager
+    ``checkpoints`` (given when prefix caching is on) holds the state snapshots; the KV cache manager
     asks :meth:`resumable_blocks` how much of a prefix hit the linear layers can resume, and :meth:`plan_saves`
     where a scheduled chunk crosses a checkpoint.
 
@@ -184,13 +198,13 @@ class StateSlotAllocator:
         ValueError: ``num_slots`` < 1.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, checkpoints: StateCheckpoints | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._slot_of: dict[str, int] = {}
-        self.checkpoints: StateCheckpoints | None = None
+        self.checkpoints = checkpoints
         self._hit: dict[str, int] = {}  # request_id -> block hash of the checkpoint its prefix hit resumes from
         self._ops = StateStepOps()
 

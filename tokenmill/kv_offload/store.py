@@ -61,10 +61,12 @@ class TieredKVStore:
         disk: the disk tier, or None.
         max_staged_blocks: most blocks read back from disk and not yet taken by a request.
         drive_bytes: size of the drive under the disk tier, for the DWPD estimate.
+        linear_state: a hybrid model's prefix-cache state checkpoints, written to disk with their block and read
+            back with it; None for other models.
     """
 
     def __init__(self, pool: KVPool, ram_blocks: int, disk: DiskTier | None, max_staged_blocks: int,
-                 drive_bytes: int = 0) -> None:
+                 drive_bytes: int = 0, linear_state: LinearStateCheckpoints | None = None) -> None:
         self.pool = pool
         self.block_bytes = pool.block_bytes
         self.ram: RamTier | None = None
@@ -80,7 +82,7 @@ class TieredKVStore:
         self._closed = False
         # Blocks made with weights no longer served (an update without a flush): never written below the pool.
         self.stale_hashes: set[int] = set()
-        self.linear_state: LinearStateCheckpoints | None = None  # hybrid models: checkpoints travel with blocks
+        self.linear_state = linear_state  # hybrid models: checkpoints travel with blocks
         self.transfer_seconds = 0.0  # engine-thread time spent in per-step copies
         self.load_wait_seconds = 0.0  # engine-thread time spent waiting for disk reads (nothing else to run)
 
@@ -335,10 +337,11 @@ def _block_bytes(block: torch.Tensor) -> bytes:
     return block.to("cpu").contiguous().numpy().tobytes()
 
 
-def build_kv_store(cache, pool: KVPool, loaded, max_model_len: int) -> TieredKVStore | None:
+def build_kv_store(cache, pool: KVPool, loaded, max_model_len: int,
+                   linear_state: LinearStateCheckpoints | None = None) -> TieredKVStore | None:
     """The store for a ``CacheConfig`` (None when no lower tier is configured). For a hybrid model the disk
-    tier's records may carry one state checkpoint each (its size from the model's linear layers); the engine
-    hook connects the checkpoints (``TieredKVStore.linear_state``).
+    tier's records may carry one state checkpoint each (its size from the model's linear layers), from and to
+    ``linear_state`` (the runner's state cache when it keeps prefix-cache checkpoints).
 
     Raises:
         ValueError: ``kv_offload_memory`` too small for one block.
@@ -367,7 +370,7 @@ def build_kv_store(cache, pool: KVPool, loaded, max_model_len: int) -> TieredKVS
                         state_bytes=_checkpoint_bytes(loaded) if cache.enable_prefix_caching else 0)
     drive_gib = cache.kv_offload_disk_drive_size_gib or cache.disk_tier_size_gib
     max_staged = min(num_blocks, 4 * -(-max_model_len // block_size))
-    store = TieredKVStore(pool, ram_blocks, disk, max_staged, int(drive_gib * GIB))
+    store = TieredKVStore(pool, ram_blocks, disk, max_staged, int(drive_gib * GIB), linear_state)
     logger.info("KV offload tiers: RAM %d blocks (%.2f GiB), disk %s", ram_blocks, ram_blocks * block_bytes / GIB,
                 "off" if disk is None
                 else f"{cache.disk_tier_size_gib} GiB at {cache.kv_offload_disk_path}" if disk.enabled

@@ -11,15 +11,16 @@ from tokenmill.kv_cache.state_slots import GIB, StateCheckpoints, state_bytes_pe
 logger = logging.getLogger(__name__)
 
 
-def attach_state_pool(engine) -> None:
-    """Give ``engine`` (an LLMEngine whose runner and KV cache manager exist) its linear-state pool, sized by
-    ``state_pool_sizes``: without ``state_cache_memory`` one slot per ``max_num_seqs`` sequence and, with prefix
-    caching, ``max_num_seqs`` state checkpoints; with it, as many sequences' state as the budget holds (live
-    slots first, at most ``max_num_seqs``, then checkpoints). Checkpoints are taken every
+def build_state_pool(engine):
+    """Allocate the linear-state pool of ``engine`` (an LLMEngine whose runner exists, before its KV tiers and KV
+    cache manager), sized by ``state_pool_sizes``: without ``state_cache_memory`` one slot per ``max_num_seqs`` sequence
+    and, with prefix caching, ``max_num_seqs`` state checkpoints; with it, as many sequences' state as the budget
+    holds (live slots first, at most ``max_num_seqs``, then checkpoints). Checkpoints are taken every
     ``state_checkpoint_interval`` blocks (dropped with their KV block, or, with KV offload tiers, kept while the
     block lives on below the pool until the LRU reuses them; all dropped by a prefix-cache reset).
 
-    On CUDA the linear layers run fla-core's kernels when it is installed, else the torch reference (logged).
+    Returns the ``StateSlotAllocator`` the KV cache manager is built with (its checkpoints listen to the block
+    pool). On CUDA the linear layers run fla-core's kernels when it is installed, else the torch reference (logged).
 
     Raises:
         ConfigError: a setting whose feature does not carry linear-layer state yet (`speculative_config`,
@@ -39,27 +40,22 @@ def attach_state_pool(engine) -> None:
         raise ConfigError(f"hybrid linear-attention models run on the CPU and CUDA backends, not {engine.device.type}")
     if engine.device.type == "cuda":
         log_cuda_kernels()
-    kv = engine.kv_cache_manager
     model = engine.runner.model
+    caching = config.cache.enable_prefix_caching
     per_seq = state_bytes_per_sequence(*model.linear_state_shapes(), engine.loaded.dtype.itemsize)
     budget = config.cache.state_cache_memory_gib
     num_seqs, num_checkpoints = state_pool_sizes(None if budget is None else int(budget * GIB), per_seq,
-                                                 engine.scheduler_config.max_num_seqs, kv.enable_caching)
-    if kv.enable_caching and not num_checkpoints:
+                                                 engine.scheduler_config.max_num_seqs, caching)
+    if caching and not num_checkpoints:
         logger.warning("`state_cache_memory` leaves no room for prefix-cache state checkpoints beside %d live slots: "
                        "prefix hits on this hybrid model recompute the prompt", num_seqs)
-    kv.state_slots = engine.runner.allocate_state_cache(num_seqs)
-    cache = engine.runner.state_cache
+    checkpoints = None
     if num_checkpoints:
-        cache.allocate_checkpoints(num_checkpoints)
-        checkpoints = StateCheckpoints(num_checkpoints, config.cache.state_checkpoint_interval)
-        kv.state_slots.checkpoints = checkpoints
-        pool = kv.block_pool
-        if kv.offload is None:  # a checkpoint leaves with its KV block; with lower tiers the block lives on there
-            pool.on_evict = lambda block_id, block_hash: checkpoints.drop(block_hash)
-        pool.on_reset = checkpoints.clear
-        if engine.kv_store is not None:  # the disk tier writes a block's checkpoint with it and reads it back
-            engine.kv_store.linear_state = cache
+        # A checkpoint leaves with its KV block; with lower tiers the block lives on there, and its checkpoint too.
+        checkpoints = StateCheckpoints(num_checkpoints, config.cache.state_checkpoint_interval,
+                                       drop_on_evict=not config.cache.kv_offload_enabled)
+    slots = engine.runner.allocate_state_cache(num_seqs, checkpoints)
+    cache = engine.runner.state_cache
     if config.deterministic:
         from tokenmill.linear_attention import invariant_ops
 
@@ -69,8 +65,9 @@ def attach_state_pool(engine) -> None:
         enable_batch_invariant_linear(engine.runner.model)
         cache.batch_invariant = True
     logger.info("linear-attention state pool: %d slots x %d bytes/sequence; %d prefix-cache state checkpoints "
-                "every %d blocks (%d bytes)", kv.state_slots.num_slots, cache.bytes_per_sequence, num_checkpoints,
+                "every %d blocks (%d bytes)", slots.num_slots, cache.bytes_per_sequence, num_checkpoints,
                 config.cache.state_checkpoint_interval, cache.checkpoint_bytes)
+    return slots
 
 
 def log_cuda_kernels() -> None:

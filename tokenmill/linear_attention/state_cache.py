@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from tokenmill.kv_cache.state_slots import StateSlotAllocator
+from tokenmill.kv_cache.state_slots import StateCheckpoints, StateSlotAllocator
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,13 @@ class LinearStateCache:
         dtype: conv state dtype (the activations'); the recurrent state is always float32.
         num_padding_slots: extra slots after the live ones that the allocator never hands out (the CUDA runner's
             padded decode rows read and write slot ``num_slots``; ``padding_slot``).
+        checkpoints: prefix caching's checkpoint slots (their tensors are allocated here), or None.
     """
 
     def __init__(self, model, num_slots: int, dtype: torch.dtype, device: torch.device,
-                 num_padding_slots: int = 0) -> None:
+                 num_padding_slots: int = 0, checkpoints: StateCheckpoints | None = None) -> None:
         num_layers, conv_dim, kernel, num_heads, dk, dv = model.linear_state_shapes()
-        self.slots = StateSlotAllocator(num_slots)
+        self.slots = StateSlotAllocator(num_slots, checkpoints)
         self.padding_slot = num_slots if num_padding_slots else None
         rows = num_slots + num_padding_slots
         self.conv_state = torch.zeros(num_layers, rows, conv_dim, kernel - 1, dtype=dtype, device=device)
@@ -76,6 +77,8 @@ class LinearStateCache:
         self.checkpoint_recurrent: torch.Tensor | None = None
         self.device = device
         self.batch_invariant = False  # deterministic mode (set by the engine hook)
+        if checkpoints is not None:
+            self.allocate_checkpoints(checkpoints.num_slots)
 
     def allocate_checkpoints(self, num_checkpoints: int) -> None:
         """Allocate ``num_checkpoints`` prefix-cache state checkpoints, shaped like the live slots (each one more

@@ -163,12 +163,14 @@ class ModelRunner:
         """Bring the KV pool back, zeroed (wake up); the CUDA runner captures its decode graphs again."""
         self.kv_pool.restore()
 
-    def allocate_state_cache(self, num_slots: int):
-        """Allocate a hybrid model's linear-attention state pool (``num_slots`` sequences) beside the KV pool;
-        returns its ``StateSlotAllocator`` for the KV cache manager (docs/hybrid_models.md)."""
+    def allocate_state_cache(self, num_slots: int, checkpoints=None):
+        """Allocate a hybrid model's linear-attention state pool (``num_slots`` sequences, and the slots of
+        ``checkpoints``, a ``StateCheckpoints`` or None) beside the KV pool; returns its ``StateSlotAllocator`` for
+        the KV cache manager (docs/hybrid_models.md)."""
         from tokenmill.linear_attention.state_cache import LinearStateCache
 
-        self.state_cache = LinearStateCache(self.model, num_slots, self.loaded.dtype, self.device)
+        self.state_cache = LinearStateCache(self.model, num_slots, self.loaded.dtype, self.device,
+                                            checkpoints=checkpoints)
         return self.state_cache.slots
 
     @property
@@ -334,7 +336,7 @@ class ModelRunner:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids + prefix if prefix else request.output_token_ids,
                 seed=request.seed,
-                stop_token_ids=request.eos_token_ids | set(request.sampling_params.stop_token_ids or ()),
+                stop_token_ids=request.stop_token_ids,
                 min_tokens_exempt=j in exempt,
             ))
         result = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, device=self.device))
