@@ -29,17 +29,14 @@ from tokenmill.config import CacheConfig, ConfigError, SchedulerConfig
 from tokenmill.kv_cache.state_slots import state_bytes_per_sequence, state_pool_sizes
 from tokenmill.linear_attention import fla_ops
 from tokenmill.linear_attention.state_cache import LinearStateCache, scratch_metadata
-from tokenmill.lora.mapping import build_lora_mapping
-from tokenmill.outputs import PositionLogprobs
 from tokenmill.runner.cuda_graph import DecodeGraphs
 from tokenmill.runner.gpu_memory import GRAPH_MEMORY_RESERVE, kv_cache_budget_bytes, profile_memory
 from tokenmill.runner.input_buffers import StepBuffers, fetch_to_host
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
-from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.model_runner import ForwardOutput, ModelRunner, StepInputs
 from tokenmill.runner.padded_decode import DecodeBuffers, choose_bucket, graph_batch_sizes, run_padded_decode
 from tokenmill.sampling import Sampler, SamplingMetadata, SamplingRow
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
-from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +116,7 @@ class CudaModelRunner(ModelRunner):
         # padding block of padded decode rows.
         super().__init__(loaded, block_size, num_kv_blocks, cache.kv_cache_memory_gib, device=device,
                          num_padding_blocks=1, use_cpu_kernels=False, lora_manager=lora_manager)
+        self.verify_as_decode_rows = False  # drafts verify in one eager step (padded decode takes single tokens)
         self.kernel_choice = (f"{attention_backend} attention, "
                               + ("eager decode" if enforce_eager else "CUDA graphs for decode"))
         self.padding_block_id = self.num_kv_blocks
@@ -243,21 +241,14 @@ class CudaModelRunner(ModelRunner):
     def _to_host(self, tensors: list[torch.Tensor]) -> list[list]:
         return fetch_to_host(tensors)
 
-    @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Decode-only steps of B <= the largest bucket rows replay (or run eagerly,
-        e.g. when a request uses an adapter) the padded decode at the smallest bucket >= B; every
-        other step runs eagerly."""
-        requests, query_lens, num_computed, input_ids, block_table = self._gather_inputs(scheduler_output)
+    def _forward(self, step: StepInputs) -> ForwardOutput:
+        """The forward of one step (the template's only device part). Decode-only steps of B <= the largest
+        bucket rows replay (or run eagerly, e.g. when a request uses an adapter) the padded decode at the smallest
+        bucket >= B; every other step runs eagerly on the staged step buffers (the reference attention backend of
+        the CPU tests: on freshly built metadata)."""
+        requests, query_lens, num_computed = step.requests, step.query_lens, step.num_computed
         num_reqs = len(requests)
-        lora_mapping = None
-        if self.lora_manager is not None:  # adapters into their slots; each token's slot, on the device
-            slots = self.lora_manager.activate([r.lora_request for r in requests])
-            lora_mapping = build_lora_mapping(slots, query_lens, self.device)
-            self.lora_manager.slots.mapping = lora_mapping
-        ends = num_computed + query_lens
-        sample_rows = [i for i, r in enumerate(requests) if ends[i] >= r.num_tokens]
-        sample_idx = np.asarray(sample_rows, dtype=np.int64)
+        sample_idx = np.asarray(step.sample_rows, dtype=np.int64)
         bucket = choose_bucket(num_reqs, self.decode_batch_sizes) if bool((query_lens == 1).all()) else None
         state = self.state_cache  # hybrid models: the linear layers' state pool
         if bucket is not None:
@@ -265,40 +256,27 @@ class CudaModelRunner(ModelRunner):
             state_slots = saves = None
             if state is not None:  # zeroed / restored slots before the graph, checkpoint saves after it
                 state_slots, saves = state.begin_step(requests, query_lens, num_computed)
-            self.decode_buffers.load(input_ids, num_computed, block_table, bucket, sample_idx,
+            self.decode_buffers.load(step.input_ids, num_computed, step.block_table, bucket, sample_idx,
                                      None if state_slots is None else state_slots.numpy())
-            if self.graphs is not None and lora_mapping is None:
+            if self.graphs is not None and step.lora_mapping is None:
                 hidden = self.graphs.replay(bucket)  # (bucket, hidden)
             else:
                 hidden = run_padded_decode(self.model, self.kv_caches, self.decode_buffers, bucket)
             if saves:
                 state.save_decode_checkpoints(saves, state_slots)
-            hidden_idx = self.decode_buffers.sample_idx[: len(sample_rows)]
-            query_start_loc = np.arange(num_reqs + 1)
-        elif self.step_buffers is not None:
-            self.num_general_steps += 1
-            staged = self.step_buffers.stage(input_ids, query_lens, num_computed, block_table, sample_idx)
+            return ForwardOutput(hidden, np.arange(num_reqs + 1, dtype=np.int64),
+                                 self.decode_buffers.sample_idx[: len(step.sample_rows)])
+        self.num_general_steps += 1
+        if self.step_buffers is not None:
+            staged = self.step_buffers.stage(step.input_ids, query_lens, num_computed, step.block_table, sample_idx)
             metadata = staged.metadata
             if state is not None:
                 metadata = state.step_metadata(metadata, requests, query_lens, num_computed)
             hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, metadata)  # (T, hidden)
-            hidden_idx = staged.sample_idx
-            query_start_loc = np.concatenate(([0], np.cumsum(query_lens)))
-        else:  # reference attention backend (CPU tests)
-            self.num_general_steps += 1
-            metadata, positions = build_attention_metadata(query_lens, num_computed, block_table, self.block_size)
-            if state is not None:
-                metadata = state.step_metadata(metadata, requests, query_lens, num_computed)
-            hidden = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, metadata)
-            hidden_idx = (metadata.query_start_loc[1:] - 1)[torch.from_numpy(sample_idx)]
-            query_start_loc = metadata.query_start_loc.numpy()
-
-        sampled: list[int | None] = [None] * num_reqs
-        logprobs_out: list[PositionLogprobs | None] | None = None
-        prompt_logprobs = self._prompt_logprobs(requests, num_computed, query_lens, query_start_loc, hidden, input_ids)
-        if scheduler_output.scheduled_spec_decode_tokens and sample_rows:  # verify drafts (an eager step)
-            return self._verify(scheduler_output, sample_rows, np.cumsum(query_lens) - 1, hidden, prompt_logprobs)
-        if sample_rows:
-            sampled, logprobs_out = self._sample(requests, sample_rows, hidden.index_select(0, hidden_idx),
-                                                 scheduler_output.grammar_bitmask)
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out, prompt_logprobs=prompt_logprobs)
+            return ForwardOutput(hidden, np.concatenate(([0], np.cumsum(query_lens))).astype(np.int64),
+                                 staged.sample_idx)
+        metadata, positions = build_attention_metadata(query_lens, num_computed, step.block_table, self.block_size)
+        if state is not None:
+            metadata = state.step_metadata(metadata, requests, query_lens, num_computed)
+        hidden = self.model(torch.from_numpy(step.input_ids), torch.from_numpy(positions), self.kv_caches, metadata)
+        return ForwardOutput.packed(hidden, query_lens, step.sample_rows)

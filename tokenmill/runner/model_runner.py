@@ -30,6 +30,45 @@ from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class StepInputs:
+    """One step's host inputs (``ModelRunner._prepare``). requests: the B scheduled requests; query_lens [B] and
+    num_computed [B] (int64); input_ids [T] (a request's draft tokens after its own); block_table [B, max blocks]
+    (0-padded); sample_rows: indices of the requests whose scheduled tokens reach the end of their sequence (they
+    get a token); verify_rows: drafts verified as decode rows; lora_mapping: each token's adapter slot on the
+    device, or None without LoRA."""
+
+    scheduler_output: SchedulerOutput
+    requests: list
+    query_lens: np.ndarray
+    num_computed: np.ndarray
+    input_ids: np.ndarray
+    block_table: np.ndarray
+    sample_rows: list[int]
+    verify_rows: bool = False
+    lora_mapping: object = None
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    """What the forward gives the sampler. hidden: [rows, hidden] on the device (rows = T, or a padded decode
+    bucket); query_start_loc: [B + 1] host int64, request i's first row of ``hidden`` (each request's rows are
+    consecutive); sample_hidden_idx: [S] int64 on the device, the row of ``hidden`` that each of ``sample_rows``
+    samples from (its last)."""
+
+    hidden: torch.Tensor
+    query_start_loc: np.ndarray
+    sample_hidden_idx: torch.Tensor
+
+    @classmethod
+    def packed(cls, hidden: torch.Tensor, query_lens: np.ndarray, sample_rows: list[int]) -> ForwardOutput:
+        """The output of a forward whose rows are the step's tokens, request after request."""
+        query_start_loc = np.concatenate(([0], np.cumsum(query_lens))).astype(np.int64)
+        last = query_start_loc[1:] - 1
+        idx = torch.from_numpy(last[np.asarray(sample_rows, dtype=np.int64)]).to(hidden.device)
+        return cls(hidden, query_start_loc, idx)
+
+
 class ModelRunner:
     """Runs the model over a flat batch of scheduled tokens.
 
@@ -179,48 +218,59 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Shapes: T = total scheduled tokens, B = scheduled requests."""
+        """Run one step, the same template on every device: prepare the host inputs (and the step's adapters),
+        run the forward (``_forward``, the only part a device runner overrides), then sample the rows that
+        reach the end of their sequence, or verify their drafts. Shapes: T = total scheduled tokens,
+        B = scheduled requests."""
+        step = self._prepare(scheduler_output)
+        with dispatch_rows(len(step.requests) if step.verify_rows else None):
+            forward = self._forward(step)
+            return self._sample_or_verify(step, forward)
+
+    def _prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        """The step's host inputs (``_gather_inputs``), the requests to sample, whether drafts are verified as
+        decode rows, and the adapters put into their slots with each token's slot mapped."""
         requests, query_lens, num_computed, input_ids, block_table = self._gather_inputs(scheduler_output)
-        verify_rows = self._verify_as_decode_rows(scheduler_output, requests, num_computed)
-        with dispatch_rows(len(requests) if verify_rows else None):
-            return self._execute(scheduler_output, requests, query_lens, num_computed, input_ids, block_table,
-                                 verify_rows)
-
-    def _execute(self, scheduler_output: SchedulerOutput, requests, query_lens, num_computed, input_ids, block_table,
-                 verify_rows: bool) -> ModelRunnerOutput:
-        """execute_model's step once its inputs are gathered (``verify_rows``: drafts verified as decode rows,
-        every product choosing its kernel as the plain decode step of these requests would)."""
-        if verify_rows:
-            metadata, positions = build_attention_metadata(*verify_rows_layout(query_lens, num_computed, block_table),
-                                                           self.block_size)
-            metadata = dataclasses.replace(metadata, dispatch_rows=len(requests))
-            query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)]))  # (B + 1,) per request
-        else:
-            metadata, positions = build_attention_metadata(
-                query_lens, num_computed, block_table, self.block_size, per_token=self.deterministic
-            )
-            query_start_loc = metadata.query_start_loc
-        if self.state_cache is not None:  # hybrid model: each request's linear-attention state slot
-            metadata = self.state_cache.step_metadata(metadata, requests, query_lens, num_computed)
-        if self.lora_manager is not None:  # adapters into their slots; each token's slot for the hooked layers
-            slots = self.lora_manager.activate([r.lora_request for r in requests])
-            self.lora_manager.slots.mapping = build_lora_mapping(slots, query_lens, self.device)
-        hidden = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, metadata)
-
-        # Requests whose scheduled tokens reach the end of their sequence get a new token.
         ends = num_computed + query_lens
         sample_rows = [i for i, r in enumerate(requests) if ends[i] >= r.num_tokens]
-        last_token_idx = query_start_loc[1:] - 1  # (B,)
+        lora_mapping = None
+        if self.lora_manager is not None:  # adapters into their slots; each token's slot for the hooked layers
+            slots = self.lora_manager.activate([r.lora_request for r in requests])
+            lora_mapping = build_lora_mapping(slots, query_lens, self.device)
+            self.lora_manager.slots.mapping = lora_mapping
+        return StepInputs(scheduler_output, requests, query_lens, num_computed, input_ids, block_table, sample_rows,
+                          self._verify_as_decode_rows(scheduler_output, requests, num_computed), lora_mapping)
+
+    def _forward(self, step: StepInputs) -> ForwardOutput:
+        """The model over the step's tokens (``step.verify_rows``: drafts verified as decode rows, every product
+        choosing its kernel as the plain decode step of these requests would)."""
+        requests, query_lens, num_computed = step.requests, step.query_lens, step.num_computed
+        if step.verify_rows:
+            metadata, positions = build_attention_metadata(
+                *verify_rows_layout(query_lens, num_computed, step.block_table), self.block_size)
+            metadata = dataclasses.replace(metadata, dispatch_rows=len(requests))
+        else:
+            metadata, positions = build_attention_metadata(
+                query_lens, num_computed, step.block_table, self.block_size, per_token=self.deterministic
+            )
+        if self.state_cache is not None:  # hybrid model: each request's linear-attention state slot
+            metadata = self.state_cache.step_metadata(metadata, requests, query_lens, num_computed)
+        hidden = self.model(torch.from_numpy(step.input_ids), torch.from_numpy(positions), self.kv_caches, metadata)
+        return ForwardOutput.packed(hidden, query_lens, step.sample_rows)
+
+    def _sample_or_verify(self, step: StepInputs, forward: ForwardOutput) -> ModelRunnerOutput:
+        """Prompt log-probabilities where asked, then a token for each sampling request, or drafts verified."""
+        scheduler_output, requests, hidden = step.scheduler_output, step.requests, forward.hidden
+        prompt_logprobs = self._prompt_logprobs(requests, step.num_computed, step.query_lens,
+                                                forward.query_start_loc, hidden, step.input_ids)
+        if scheduler_output.scheduled_spec_decode_tokens and step.sample_rows:  # verify drafts
+            return self._verify(scheduler_output, step.sample_rows, forward.query_start_loc[1:] - 1, hidden,
+                                prompt_logprobs)
         sampled: list[int | None] = [None] * len(requests)
         logprobs_out: list[PositionLogprobs | None] | None = None
-        prompt_logprobs = self._prompt_logprobs(
-            requests, num_computed, query_lens, query_start_loc, hidden, input_ids
-        )
-        if scheduler_output.scheduled_spec_decode_tokens and sample_rows:  # verify drafts
-            return self._verify(scheduler_output, sample_rows, last_token_idx.numpy(), hidden, prompt_logprobs)
-        if sample_rows:
-            rows_t = torch.tensor(sample_rows, dtype=torch.int64)
-            sampled, logprobs_out = self._sample(requests, sample_rows, hidden[last_token_idx[rows_t]],
+        if step.sample_rows:
+            sampled, logprobs_out = self._sample(requests, step.sample_rows,
+                                                 hidden.index_select(0, forward.sample_hidden_idx),
                                                  scheduler_output.grammar_bitmask)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs_out, prompt_logprobs=prompt_logprobs)
 
