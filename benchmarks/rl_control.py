@@ -146,7 +146,7 @@ async def _server_rounds(url: str, ckpt: Path, args) -> dict:
                 response = await client.post(f"{url}/update_weights_from_disk", json={"model_path": str(ckpt)})
                 response.raise_for_status()
                 updated = time.perf_counter()
-                (await client.post(f"{url}/resume_generation")).raise_for_status()
+                (await client.post(f"{url}/resume_generation", json={})).raise_for_status()
                 resumed = time.perf_counter()
                 (await held).raise_for_status()
                 record(f"{mode}:pause", paused - start)

@@ -116,7 +116,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics as ``name{label=value,...}`` -> value (labels sorted, model_name dropped)."""
-        response = httpx.get(f"{self.url}/metrics", timeout=30)
+        response = httpx.get(f"{self.url}/metrics", headers=self.headers(), timeout=30)
         response.raise_for_status()
         samples = {}
         for family in text_string_to_metric_families(response.text):

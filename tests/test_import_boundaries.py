@@ -89,3 +89,10 @@ def test_nothing_outside_the_runner_touches_the_kv_tensor():
             if name == "runner":
                 reads.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} reads runner.{node.attr}")
     assert not reads, "\n".join(reads)
+
+
+@pytest.mark.parametrize("module", ["kv_transfer/config.py", "spec_decode/config.py", "config_error.py"])
+def test_feature_configs_do_not_import_the_engine_config(module):
+    """``config.py`` names ``KVTransferConfig`` / ``SpeculativeConfig``; they build on the leaf ``config_error.py``,
+    never on ``config.py`` (no cycle, not even a lazy one)."""
+    assert "tokenmill.config" not in imported_modules(PACKAGE / module)

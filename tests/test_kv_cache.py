@@ -30,7 +30,6 @@ def test_pool_allocates_lowest_ids_first_and_frees_to_the_tail():
 
 def test_every_listener_the_pool_is_built_with_hears_each_eviction_and_reset_in_order():
     """The lower tiers' planner and a hybrid model's checkpoints both listen (one slot used to hold only one)."""
-    from tokenmill.kv_cache.offload_planner import OffloadPlanner
     from tokenmill.kv_cache.state_slots import StateCheckpoints, StateSlotAllocator
 
     class Tiers:  # the store below the pool: nothing is below, nothing loads

@@ -148,7 +148,7 @@ def test_collector_merges_consecutive_hash_only_events_of_one_tier_and_keeps_ord
 def test_config_is_checked_and_named_like_vllm():
     assert build_engine_config().kv_events_config.enable_kv_cache_events is False
     config = build_engine_config(kv_events_config='{"enable_kv_cache_events": true, "topic": "kv"}').kv_events_config
-    assert (config.publisher, config.endpoint, config.replay_endpoint, config.topic) == ("zmq", "tcp://*:5557", None,
+    assert (config.publisher, config.endpoint, config.replay_endpoint, config.topic) == ("zmq", "tcp://127.0.0.1:5557", None,
                                                                                         "kv")
     for bad, message in [('{"publisher": "kafka"}', "publisher must be 'zmq' or 'null'"),
                          ('{"endpoint": "localhost:5557"}', "endpoint must be a ZeroMQ endpoint"),

@@ -20,6 +20,7 @@ import torch
 from tests.server_fixtures import ServerProcess
 from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.security import load_cluster_secret, sign_params
 
 BLOCK_SIZE = 16
 KW = dict(dtype="float32", num_threads=1, block_size=BLOCK_SIZE, num_kv_blocks=64)
@@ -226,13 +227,14 @@ def test_router_pd_disaggregation_end_to_end(tiny, tmp_path):
         remote = metric(d.url, "tokenmill:kv_transfer_remote_tokens_total") - remote_before
         assert cached > 0 and remote == reply["usage"]["prompt_tokens"] - 1 - cached  # history local, rest pulled
         # The producer dies after leasing, before the pull: the decode worker computes the prompt itself.
-        lease = p.post("/v1/chat/completions", {**body, "max_tokens": 1,
-                                                  "kv_transfer_params": {"do_remote_decode": True}}).json()
+        secret = load_cluster_secret()  # the test session's per-user default, which the workers loaded too
+        lease = p.post("/v1/chat/completions", {**body, "max_tokens": 1, "kv_transfer_params": sign_params(
+            secret, {"do_remote_decode": True})}).json()
         params = lease["kv_transfer_params"]
         assert params["do_remote_prefill"] and params["remote_num_tokens"] == prompt_tokens
         p.proc.kill()
         p.proc.wait()
-        fallback = d.post("/v1/chat/completions", {**body, "kv_transfer_params": params}).json()
+        fallback = d.post("/v1/chat/completions", {**body, "kv_transfer_params": sign_params(secret, params)}).json()
         assert fallback["choices"][0]["message"] == want["choices"][0]["message"]
         assert metric(d.url, "tokenmill:kv_transfer_local_fallbacks_total", 'reason="connect"') == 1
         # Through the router with the prefill worker down, requests still complete (decode-side prefill).
@@ -246,6 +248,51 @@ def test_router_pd_disaggregation_end_to_end(tiny, tmp_path):
         for server in (p, d):
             server.stop()
         colocated.close()
+
+
+def test_router_releases_the_lease_of_a_request_the_decode_worker_refuses(tiny, tmp_path):
+    """The prefill copy leaves out fields the decode worker checks (``logprobs``, ``min_tokens``...), so a
+    request the decode worker refuses is still prefilled and leased. The router then releases that lease at
+    once (signed ``/kv_transfer/release``) instead of letting it pin the producer's blocks for ``lease_ttl_s``
+    (here 10 minutes, far beyond this test); the client gets the decode worker's 400."""
+    from tests.test_router import RouterProcess
+
+    producer_args = [*ARGS, "--kv-transfer-config", json.dumps(
+        {"kv_role": "kv_producer", "kv_connector_extra_config": {"lease_ttl_s": 600.0}})]
+    consumer_args = [*ARGS, "--kv-transfer-config", json.dumps({"kv_role": "kv_consumer"})]
+    p = ServerProcess(tiny, producer_args, tmp_path / "p.log")
+    d = ServerProcess(tiny, consumer_args, tmp_path / "d.log")
+    router = None
+    try:
+        for server in (p, d):
+            server.wait_healthy()
+        router = RouterProcess([], ["--pd-disaggregation", "--prefill", p.url, "--decode", d.url],
+                               tmp_path / "router.log")
+        router.wait_up()
+        refused = [("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "logprobs": 50}, "logprobs"),
+                   ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "logprobs": True,
+                                             "top_logprobs": 50}, "top_logprobs"),
+                   ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "min_tokens": 8}, "min_tokens")]
+        for path, body, param in refused:
+            response = router.post(path, {"model": tiny, **body})
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        kv = p.get_json("/debug/status?check_integrity=false")["kv_transfer"]
+        assert kv["leases_total"] == len(refused)  # each was prefilled and leased...
+        assert kv["leases_released_total"] == len(refused) and kv["leases_expired_total"] == 0  # ...and released
+        deadline = time.monotonic() + 30  # the engine thread frees released leases on its next step
+        while p.get_json("/debug/status?check_integrity=false")["kv_transfer"]["leases"]:
+            assert time.monotonic() < deadline, "released leases still pin the producer's blocks"
+            time.sleep(0.05)
+        ok = router.post("/v1/completions", {"model": tiny, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+        assert metric(d.url, "tokenmill:kv_transfer_remote_tokens_total") == len(PROMPT) - 1
+        idle = p.wait_idle()
+        assert idle["num_free_blocks"] == idle["num_blocks"] and idle["integrity"] == "ok"
+    finally:
+        if router is not None:
+            router.stop()
+        for server in (p, d):
+            server.stop()
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])

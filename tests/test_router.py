@@ -33,15 +33,18 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 
 class RouterProcess(ServerProcess):
-    """``python -m tokenmill.cli.main router --port P --worker-urls ... *args`` (ServerProcess's helpers)."""
+    """``python -m tokenmill.cli.main router --port P --worker-urls ... *args`` (ServerProcess's helpers).
+    ``api_key``: the clients' key (``headers()``); ``admin_api_key``: the key of /workers (``admin_headers()``)."""
 
-    def __init__(self, worker_urls: list[str], args: list[str], log_path: Path, api_key: str | None = None) -> None:
+    def __init__(self, worker_urls: list[str], args: list[str], log_path: Path, api_key: str | None = None,
+                 admin_api_key: str | None = None) -> None:
         self.port = free_port()
-        self.api_key = api_key
+        self.api_key, self.admin_api_key = api_key, admin_api_key
         self.log_path = log_path
         cmd = [sys.executable, "-m", "tokenmill.cli.main", "router", "--port", str(self.port),
                *(["--worker-urls", *worker_urls] if worker_urls else []), *args,
-               *(["--api-key", api_key] if api_key else [])]
+               *(["--api-key", api_key] if api_key else []),
+               *(["--admin-api-key", admin_api_key] if admin_api_key else [])]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -53,7 +56,7 @@ class RouterProcess(ServerProcess):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/workers", headers=self.headers(), timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/workers", headers=self.admin_headers(), timeout=2).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
@@ -69,8 +72,24 @@ class RouterProcess(ServerProcess):
             time.sleep(0.05)
         return self
 
+    def admin_headers(self) -> dict:
+        """The admin key's header; without one, the clients' key's (it then guards /workers too)."""
+        key = self.admin_api_key or self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def workers(self) -> dict[str, dict]:
-        return {w["url"]: w for w in self.get_json("/workers")["workers"]}
+        response = httpx.get(f"{self.url}/workers", headers=self.admin_headers(), timeout=30)
+        response.raise_for_status()
+        return {w["url"]: w for w in response.json()["workers"]}
+
+    def add_worker(self, url: str) -> httpx.Response:
+        """``POST /workers`` with the admin key (when the router has one)."""
+        return httpx.post(f"{self.url}/workers", json={"url": url}, headers=self.admin_headers(), timeout=30)
+
+    def remove_worker(self, worker_id: str) -> httpx.Response:
+        """``DELETE /workers/ID`` with the admin key, declaring JSON as every state-changing request must."""
+        return httpx.delete(f"{self.url}/workers/{worker_id}", timeout=30,
+                            headers={**self.admin_headers(), "content-type": "application/json"})
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +120,8 @@ def cluster(logs, request):
     headless = FlakyWorker(["head"] * 1000)  # answers every POST 200 with SSE headers, then hangs up
     fast = ["--health-check-interval", "0.5"]
     routers = {p: RouterProcess([], ["--policy", p, "--seed", "0", *fast], logs / f"router_{p}.log") for p in POLICIES}
-    routers["api_key"] = RouterProcess([], ["--policy", "round_robin", *fast], logs / "router_key.log", api_key="sekret")
+    routers["api_key"] = RouterProcess([], ["--policy", "round_robin", *fast], logs / "router_key.log", api_key="sekret",
+                                       admin_api_key="admin-sekret")
     routers["dynamic"] = RouterProcess([], ["--policy", "round_robin", *fast], logs / "router_dynamic.log")
     routers["flaky"] = RouterProcess([flaky.url], ["--policy", "round_robin", "--health-check-interval", "0.3"],
                                      logs / "router_flaky.log")
@@ -118,7 +138,7 @@ def cluster(logs, request):
         for name, router in routers.items():
             router.wait_up()
             for url in members[name]:
-                added = httpx.post(f"{router.url}/workers", json={"url": url}, headers=router.headers(), timeout=30)
+                added = router.add_worker(url)
                 assert added.status_code == 201, added.text
         for worker in workers:
             worker.wait_healthy()
@@ -142,7 +162,7 @@ def routers(cluster) -> dict[str, RouterProcess]:
 
 
 def worker_by_id(router: RouterProcess, workers: list[ServerProcess], worker_id: str) -> ServerProcess:
-    url = next(w["url"] for w in router.get_json("/workers")["workers"] if w["id"] == worker_id)
+    url = next(w["url"] for w in router.workers().values() if w["id"] == worker_id)
     return next(w for w in workers if w.url == url)
 
 
@@ -352,7 +372,7 @@ def test_workers_join_and_leave_at_run_time(workers, routers, tiny_path):
                 continue
             chunks = response.iter_raw()
             next(chunks)
-            deleted = httpx.delete(f"{router.url}/workers/{new['id']}", timeout=30)
+            deleted = router.remove_worker(new["id"])
             assert deleted.status_code == 200 and deleted.json()["deleted"] is True
             rest = b"".join(chunks).decode()
             assert rest.rstrip().endswith("data: [DONE]") and rest.count("data: ") >= 60
@@ -361,7 +381,7 @@ def test_workers_join_and_leave_at_run_time(workers, routers, tiny_path):
         pytest.fail("round robin never chose the added worker")
     assert set(router.workers()) == {workers[0].url}
     assert {router.post("/v1/completions", body).headers[WORKER_HEADER] for _ in range(3)} == {"worker-0"}
-    missing = httpx.delete(f"{router.url}/workers/{new['id']}", timeout=30)
+    missing = router.remove_worker(new["id"])
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     dead = httpx.post(f"{router.url}/workers", json={"url": f"http://127.0.0.1:{free_port()}"}, timeout=30)
     assert dead.status_code == 201 and dead.json()["state"] == "unhealthy"
@@ -503,7 +523,8 @@ def test_bad_inputs_get_openai_error_bodies_and_the_router_keeps_serving(routers
         ("/v1/nothing", {}, "404", None),
     ]
     for path, body, status, param in cases:
-        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+            else {"json": body}
         response = httpx.post(f"{router.url}{path}", timeout=30, **kwargs)
         assert str(response.status_code) == status, (path, body, response.text)
         error = response.json()["error"]
@@ -512,11 +533,13 @@ def test_bad_inputs_get_openai_error_bodies_and_the_router_keeps_serving(routers
     assert ok.choices[0].text
 
 
-def test_api_key_is_checked_and_forwarded(routers, tiny_path):
+def test_api_key_is_checked_and_the_admin_key_guards_workers(routers, tiny_path):
     router = routers["api_key"]
     denied = httpx.post(f"{router.url}/v1/completions", json={"prompt": "hi"}, timeout=30)
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{router.url}/workers", timeout=30).status_code == 401
+    assert httpx.get(f"{router.url}/workers", headers=router.headers(), timeout=30).status_code == 401
+    assert httpx.get(f"{router.url}/workers", headers=router.admin_headers(), timeout=30).status_code == 200
     assert router.client().completions.create(model=tiny_path, prompt="hi", max_tokens=2).choices[0].text
     assert httpx.get(f"{router.url}/health", timeout=30).status_code == 200
 

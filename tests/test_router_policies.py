@@ -9,6 +9,7 @@ import pytest
 
 from tokenmill.router.policies import (
     CacheAware, LeastLoad, PolicyConfig, PowerOfTwo, RoundRobin, SessionAffinity, bounded_load_ok, make_policy,
+    session_key,
 )
 from tokenmill.router.policy import Decision, RouteRequest, WorkerView
 from tokenmill.router.prefix_tree import PrefixTree, common_prefix_len
@@ -215,7 +216,9 @@ def test_session_map_is_bounded():
     policy = SessionAffinity(RoundRobin(), epsilon=0.25, max_sessions=3)
     for i in range(5):
         dispatch(policy, req(session_id=f"s{i}"), [view("a"), view("b")])
-    assert list(policy.sessions) == ["s2", "s3", "s4"]
+    assert list(policy.sessions) == [session_key(s) for s in ("s2", "s3", "s4")]
+    dispatch(policy, req(session_id="x" * 100_000), [view("a"), view("b")])  # kept as a 16-byte digest
+    assert all(len(key) == 16 for key in policy.sessions)
 
 
 def test_session_affinity_reports_cache_aware_hit_estimate():

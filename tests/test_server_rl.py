@@ -48,7 +48,9 @@ def env(tmp_path_factory):
 
 
 def _post(server: ServerProcess, path: str, body: dict | None = None, **params) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, params=params, headers=server.headers(), timeout=120)
+    """POST ``body`` (none: an empty body, still labelled JSON, as every POST must be)."""
+    headers = {**server.headers(), "content-type": "application/json"}
+    return httpx.post(f"{server.url}{path}", json=body, params=params, headers=headers, timeout=120)
 
 
 def _update(server: ServerProcess, path, **fields) -> httpx.Response:
@@ -290,7 +292,8 @@ def test_without_the_flag_the_routes_are_404s_naming_it():
 
     async def calls():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1",
+                                     headers={"content-type": "application/json"}) as client:
             return [await client.post("/update_weights_from_disk", json={"model_path": "/x"}),
                     await client.post("/pause_generation"), await client.get("/weight_info"),
                     await client.post("/sleep", params={"level": 1})]

@@ -167,7 +167,8 @@ def test_server_save_restart_restore_continues_with_only_new_tokens(tiny, tmp_pa
 def httpx_delete(server: ServerProcess, path: str):
     import httpx2 as httpx
 
-    return httpx.delete(f"{server.url}{path}", headers=server.headers(), timeout=30)
+    return httpx.delete(f"{server.url}{path}", headers={**server.headers(), "content-type": "application/json"},
+                        timeout=30)
 
 
 def test_blocks_tensor_layout_matches_the_pool(tiny):

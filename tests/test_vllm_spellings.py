@@ -34,6 +34,20 @@ def test_serve_log_requests_spellings(argv, enabled):
     assert parse("serve", *argv).enable_log_requests is enabled
 
 
+def test_serve_cors_flags_take_vllms_json_lists_and_plain_names():
+    vllm = parse("serve", "--allowed-origins", '["https://a.example", "https://b.example"]',
+                 "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["authorization"]',
+                 "--allow-credentials")
+    ours = parse("serve", "--allowed-origins", "https://a.example", "--allowed-origins", "https://b.example",
+                 "--allowed-methods", "GET,POST", "--allowed-headers", "authorization", "--allow-credentials")
+    for args in (vllm, ours):
+        assert args.allowed_origins == ["https://a.example", "https://b.example"]
+        assert (args.allowed_methods, args.allowed_headers) == (["GET", "POST"], ["authorization"])
+        assert args.allow_credentials
+    default = parse("serve")
+    assert default.allowed_origins == [] and default.allowed_hosts is None and not default.allow_credentials
+
+
 def test_bench_serve_result_path_spellings(tmp_path):
     args = parse("bench", "serve", "--result-dir", str(tmp_path), "--result-filename", "r.json")
     assert serve_result_file(args) == tmp_path / "r.json"

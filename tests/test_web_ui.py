@@ -152,7 +152,7 @@ def test_promql_name_extraction():
 
 def test_every_dashboard_metric_exists_in_metrics(server, tiny_path):
     server.client().completions.create(model=tiny_path, prompt="Fill the counters", max_tokens=3, temperature=0)
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers(), timeout=10).text
     exported = set(re.findall(r"^([A-Za-z_:][\w:]*)(?:\{|\s)", text, re.M))  # every sample name
     histograms = set(re.findall(r"^# TYPE (\S+) histogram$", text, re.M))
     dashboards = sorted(GRAFANA_DIR.glob("*.json"))

@@ -4,40 +4,20 @@ Derived values are properties, never written back after construction.
 """
 from __future__ import annotations
 
+import ipaddress
 import math
 import numbers
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenmill.config_error import ConfigError, config_from_value
+
 if TYPE_CHECKING:
     from tokenmill.kv_transfer.config import KVTransferConfig
     from tokenmill.spec_decode.config import SpeculativeConfig
 
 DEFAULT_KV_OFFLOAD_DISK_SIZE_GIB = 16.0
-
-
-class ConfigError(ValueError):
-    """An engine setting out of range, or inconsistent with another setting.
-
-    The message names settings between backticks (`kv_offload_memory`), by their ``LLM(...)``
-    keyword; `!name` names a switch turned off (``name=False``, on the command line its ``--no-``
-    flag). ``str(error)`` spells them as those keywords; ``for_cli()`` spells them as the
-    command-line flags (``--kv-offload-memory``), so each interface names what its user typed.
-    """
-
-    _NAME = re.compile(r"`(!?)(\w+)`")
-
-    def __init__(self, template: str) -> None:
-        self.template = template
-        super().__init__(self._NAME.sub(lambda m: m[2] + ("=False" if m[1] else ""), template))
-
-    def for_cli(self) -> str:
-        """The message with each setting spelled as its command-line flag."""
-        # The flags are written with the options in engine_args, which imports this module: import it when called.
-        from tokenmill.engine_args import cli_flag
-
-        return self._NAME.sub(lambda m: cli_flag(m[2]), self.template)
 
 
 def check_int(name: str, value: object, minimum: int = 1, maximum: int | None = None, optional: bool = False) -> None:
@@ -247,37 +227,25 @@ class StructuredOutputsConfig:
         Raises:
             ConfigError: not JSON, not an object, or an unknown key or backend.
         """
-        return _config_from_value(cls, value, "structured_outputs_config", '{"backend": "xgrammar"}')
-
-
-def _config_from_value(cls, value, name: str, example: str):
-    """A frozen config dataclass ``cls`` from an instance, a dict, its JSON text or None (defaults).
-
-    Raises:
-        ConfigError naming ``name``: not JSON (with ``example``), not an object, or an unknown key.
-    """
-    import dataclasses
-    import json
-
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise ConfigError(f"`{name}` must be JSON, e.g. '{example}': {exc}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"`{name}` must be a JSON object, got {value!r}")
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(value) - set(known))
-    if unknown:
-        raise ConfigError(f"`{name}` has unknown keys {unknown}; known: {known}")
-    return cls(**value)
+        return config_from_value(cls, value, "structured_outputs_config", '{"backend": "xgrammar"}')
 
 
 KV_EVENTS_PUBLISHERS = ("zmq", "null")
+
+
+def _local_endpoint(endpoint: str) -> bool:
+    """Whether a ZeroMQ endpoint is reachable from this host only: ``ipc://`` (a file; not ``ipc://@name``),
+    or ``tcp://`` on a loopback address (``127.0.0.0/8``, ``[::1]``, ``localhost``); ``*``, interface names and other
+    addresses are not."""
+    if endpoint.startswith("ipc://"):
+        return not endpoint.startswith("ipc://@")  # Linux's abstract namespace has no file permissions
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -288,10 +256,19 @@ class KVEventsConfig:
     Args:
         enable_kv_cache_events: publish events at all (off: no collector, zero cost).
         publisher: ``zmq`` (ZeroMQ PUB socket) or ``null`` (collect and drop; for tests).
-        endpoint: where the PUB socket binds (``tcp://*:5557``; ``tcp://*:*`` picks a free port,
-            reported in ``/debug/status``).
+        endpoint: where the PUB socket binds (``tcp://127.0.0.1:5557``; ``tcp://127.0.0.1:*`` picks a free
+            port, reported in ``/debug/status``; ``ipc:///run/dir/kv-events`` makes a 0600 socket file).
+            Events carry every prompt's token ids: an address beyond loopback needs CURVE keys (below)
+            or ``allow_insecure_bind``.
         replay_endpoint: where a ROUTER socket binds to serve the recent batches to a subscriber
-            that missed some (None: no replay).
+            that missed some (None: no replay); the same rules as ``endpoint``.
+        curve_secret_key_file: the publisher's CURVE certificate (secret half, written by
+            ``zmq.auth.create_certificates``; mode 0600): both sockets then encrypt and admit only the
+            clients in ``curve_client_keys_dir``.
+        curve_client_keys_dir: a directory of the subscribers' public certificates (``*.key``); needed
+            with ``curve_secret_key_file``.
+        allow_insecure_bind: bind a ``tcp://`` address beyond loopback without CURVE (anyone who can
+            reach the port reads the prompts' token ids); off by default.
         buffer_steps: batches (engine steps with events) kept for replay.
         hwm: ZeroMQ high-water mark of the PUB socket, in messages (per subscriber).
         max_queue_size: batches waiting between the engine thread and the publisher thread; a
@@ -304,12 +281,15 @@ class KVEventsConfig:
 
     enable_kv_cache_events: bool = False
     publisher: str = "zmq"
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    curve_secret_key_file: str | None = None
+    curve_client_keys_dir: str | None = None
+    allow_insecure_bind: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -321,7 +301,7 @@ class KVEventsConfig:
             if value is None and name == "replay_endpoint":
                 continue
             if not isinstance(value, str) or not re.fullmatch(r"(tcp|ipc)://\S+", value):
-                raise ConfigError(f"`kv_events_config` {name} must be a ZeroMQ endpoint such as 'tcp://*:5557' or "
+                raise ConfigError(f"`kv_events_config` {name} must be a ZeroMQ endpoint such as 'tcp://127.0.0.1:5557' or "
                                   f"'ipc:///tmp/kv-events', got {value!r}")
         if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint and not self.endpoint.endswith(":*"):
             raise ConfigError("`kv_events_config` replay_endpoint must differ from endpoint")
@@ -331,6 +311,19 @@ class KVEventsConfig:
                 raise ConfigError(f"`kv_events_config` {name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.topic, str):
             raise ConfigError(f"`kv_events_config` topic must be a string, got {self.topic!r}")
+        if not isinstance(self.allow_insecure_bind, bool):
+            raise ConfigError(f"`kv_events_config` allow_insecure_bind must be true or false, "
+                              f"got {self.allow_insecure_bind!r}")
+        keys = (self.curve_secret_key_file, self.curve_client_keys_dir)
+        if any(k is not None and not isinstance(k, str) for k in keys) or (keys[0] is None) != (keys[1] is None):
+            raise ConfigError("`kv_events_config` curve_secret_key_file and curve_client_keys_dir go together "
+                              f"(paths), got {keys[0]!r} and {keys[1]!r}")
+        for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if value is not None and keys[0] is None and not self.allow_insecure_bind and not _local_endpoint(value):
+                raise ConfigError(f"`kv_events_config` {name} {value!r} listens beyond loopback without CURVE keys: "
+                                  "anyone who can reach it reads every prompt's token ids. Bind tcp://127.0.0.1:PORT "
+                                  "or an ipc:// path, or set curve_secret_key_file and curve_client_keys_dir "
+                                  "(docs/kv_events.md), or set allow_insecure_bind: true")
 
     @classmethod
     def from_value(cls, value: "KVEventsConfig | dict | str | None") -> "KVEventsConfig":
@@ -339,7 +332,7 @@ class KVEventsConfig:
         Raises:
             ConfigError: not JSON, not an object, an unknown key or a bad value.
         """
-        return _config_from_value(cls, value, "kv_events_config", '{"enable_kv_cache_events": true}')
+        return config_from_value(cls, value, "kv_events_config", '{"enable_kv_cache_events": true}')
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
 """IncrementalDetokenizer: one request's generated token ids -> final text, one engine step at a time.
 
-Owns the request's output text and stop-string matching. Per-step cost depends on a small
-window of tokens and on the stop strings' lengths, never on the output length. Pure CPU;
-never imports torch.
+Owns the request's output text and stop-string matching (``StopStringMatcher``). Per-step cost
+depends on a small window of tokens and on the new text times the number of stop strings (plus one
+copy of the held-back text, shorter than the longest stop string), never on the output length.
+Pure CPU; never imports torch.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
@@ -34,11 +36,12 @@ class IncrementalDetokenizer:
     but cannot flush a trailing incomplete character when the request ends (the full decode
     shows U+FFFD there) and raises on decoders whose window text is not a prefix of the next.
 
-    Stop strings: each step searches only the new text plus the last ``max_stop_len - 1``
-    characters before it. The longest suffix that could begin a stop string is held back, so
-    text once emitted is never withdrawn; :meth:`finish` releases it. As in vLLM, stop strings
-    are searched only once more than ``params.min_tokens`` tokens exist: a match must end in
-    text that arrived with a later update (stop token ids obey ``min_tokens`` the same way).
+    Stop strings: each step feeds only the new text to a ``StopStringMatcher``, which remembers,
+    per stop string, how much of it the text so far ends with. The longest suffix that could begin
+    a stop string is held back, so text once emitted is never withdrawn; :meth:`finish` releases
+    it. As in vLLM, stop strings are searched only once more than ``params.min_tokens`` tokens
+    exist: a match must end in text that arrived with a later update (stop token ids obey
+    ``min_tokens`` the same way).
 
     Known limits: ``clean_up_tokenization_spaces`` (a WordPiece-era post-process that
     transformers skips for BPE) is not applied; an *invalid* run of byte-fallback tokens that
@@ -52,9 +55,8 @@ class IncrementalDetokenizer:
         # Rust one directly (transformers' decode adds only the cleanup noted above).
         self._tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self._skip_special_tokens = params.skip_special_tokens
-        self._stop: tuple[str, ...] = tuple(params.stop or ())
+        self._stop = StopStringMatcher(params.stop or ())
         self._include_stop = params.include_stop_str_in_output
-        self._tail_len = max((len(s) for s in self._stop), default=1) - 1
         self._min_tokens = params.min_tokens
         self._num_tokens = 0  # output tokens received so far
         self._finished = False
@@ -64,9 +66,8 @@ class IncrementalDetokenizer:
         self._num_prefix = 0
         self._prefix_text = ""
 
-        # Text. Decoded text = released text + held text; held text is a suffix of _tail.
-        self._tail = ""  # last _tail_len characters of the decoded text
-        self._num_held = 0  # characters at the end of _tail not released yet
+        # Text. Decoded text = released text + _held (a possible beginning of a stop string).
+        self._held = ""
         self._released: list[str] = []  # released (final) pieces, collapsed by output_text
         self._unsent: list[str] = []  # released pieces not yet returned by get_delta_text
 
@@ -110,8 +111,8 @@ class IncrementalDetokenizer:
         new_text = self._decode_new_text(flush=True)
         if new_text and self._add_text(new_text) is not None:
             return
-        self._release(self._tail[len(self._tail) - self._num_held :])
-        self._num_held = 0
+        self._release(self._held)
+        self._held = ""
         self._finished = True
 
     # ---- token ids -> text ------------------------------------------------------------------
@@ -142,52 +143,104 @@ class IncrementalDetokenizer:
 
     def _add_text(self, new_text: str) -> str | None:
         """Append decoded text; release what is final; return the stop string if one is hit."""
-        window = self._tail + new_text
-        num_old = len(self._tail)
-        release_from = num_old - self._num_held  # window index of the first unreleased char
-
-        match = self._find_stop(window, num_old) if self._num_tokens > self._min_tokens else None
+        window = self._held + new_text
+        num_old = len(self._held)
+        match = self._stop.feed(new_text, report=self._num_tokens > self._min_tokens)
         if match is not None:
-            stop, start = match
-            end = start + len(stop) if self._include_stop else start
-            # Hold-back guarantees no character of a stop string was released before.
-            assert end >= release_from, (end, release_from)
-            self._release(window[release_from:end])
+            stop, end_in_new = match
+            end = num_old + end_in_new
+            # The matcher's state never exceeds the held text, so no character of the stop string was released.
+            assert end >= len(stop), (end, stop)
+            self._release(window[: end if self._include_stop else end - len(stop)])
+            self._held = ""
             self._finished = True
             return stop
-
-        num_held = self._held_suffix_len(window)
-        release_to = len(window) - num_held
-        assert release_to >= release_from, (release_to, release_from)
-        self._release(window[release_from:release_to])
-        self._num_held = num_held
-        self._tail = window[max(0, len(window) - self._tail_len) :] if self._tail_len else ""
+        num_held = self._stop.num_held
+        assert num_held <= len(window), (num_held, len(window))
+        self._release(window[: len(window) - num_held])
+        self._held = window[len(window) - num_held :] if num_held else ""
         return None
-
-    def _find_stop(self, window: str, num_old: int) -> tuple[str, int] | None:
-        """The stop string that completes first in ``window`` (ties: the one starting first).
-
-        Only matches ending in the new text (past ``num_old``) count; earlier ones would have
-        stopped an earlier step. Cost: O(len(window)) per stop string.
-        """
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stop:
-            start = window.find(stop, max(0, num_old - len(stop) + 1))
-            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
-                best = (start + len(stop), start, stop)
-        return None if best is None else (best[2], best[1])
-
-    def _held_suffix_len(self, window: str) -> int:
-        """Length of the longest suffix of ``window`` that is a proper prefix of a stop string."""
-        held = 0
-        for stop in self._stop:
-            for k in range(min(len(stop) - 1, len(window)), held, -1):
-                if window.endswith(stop[:k]):
-                    held = k
-                    break
-        return held
 
     def _release(self, text: str) -> None:
         if text:
             self._released.append(text)
             self._unsent.append(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _prefix_table(stop: str) -> tuple[int, ...]:
+    """KMP failure table of ``stop``: entry i is the length of the longest proper prefix of
+    ``stop[: i + 1]`` that is also its suffix. O(len(stop)); cached, as every sequence of a request
+    (and many requests) share their stop strings."""
+    table = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return tuple(table)
+
+
+class StopStringMatcher:
+    """Finds stop strings in text that arrives in pieces, looking at each character once.
+
+    One Knuth-Morris-Pratt automaton per stop string: its state is how many leading characters
+    of the stop string the text so far ends with. :meth:`feed` advances every automaton over the
+    new text only (amortised O(len(new text)) per stop string, whatever the stop strings' lengths
+    or the text before), skipping to the next occurrence of a stop string's first character with
+    ``str.find`` while the automaton is at its start. ``num_held`` (the largest state) is how much
+    of the text's end may still begin a stop string.
+
+    Args:
+        stops: the stop strings (non-empty; ``SamplingParams`` refuses empty ones).
+    """
+
+    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+        assert all(stops), "stop strings must not be empty"
+        self.stops = tuple(stops)
+        self._tables = [_prefix_table(stop) for stop in self.stops]
+        self._states = [0] * len(self.stops)
+
+    @property
+    def num_held(self) -> int:
+        """Length of the longest suffix of the text fed so far that is a proper prefix of a stop string."""
+        return max(self._states, default=0)
+
+    def feed(self, text: str, report: bool = True) -> tuple[str, int] | None:
+        """Advance over ``text``. With ``report``, return ``(stop, end)`` for the stop string that
+        completes first (``end``: its end as an index into ``text``; ties: the longer one, which
+        starts first), else None. Without ``report`` completed matches are passed over (the text
+        before ``min_tokens``), and the automata go on as if they had not matched.
+        After a reported match the matcher is spent: feed it no more."""
+        best: tuple[int, int, str] | None = None  # (end, -len(stop), stop)
+        for i, (stop, table) in enumerate(zip(self.stops, self._tables)):
+            state, end = self._advance(stop, table, self._states[i], text, report)
+            self._states[i] = state
+            if end is not None and (best is None or (end, -len(stop)) < best[:2]):
+                best = (end, -len(stop), stop)
+        return None if best is None else (best[2], best[0])
+
+    @staticmethod
+    def _advance(stop: str, table: tuple[int, ...], state: int, text: str, report: bool) -> tuple[int, int | None]:
+        """One automaton over ``text``: (new state, end of the first match in ``text`` if ``report`` and
+        one completes, else None)."""
+        first, length = stop[0], len(stop)
+        j, n = 0, len(text)
+        while j < n:
+            if state == 0:
+                j = text.find(first, j)  # nothing to carry: jump to the next possible start
+                if j < 0:
+                    break
+            char = text[j]
+            while state and char != stop[state]:
+                state = table[state - 1]
+            if char == stop[state]:
+                state += 1
+            j += 1
+            if state == length:
+                if report:
+                    return state, j
+                state = table[length - 1]
+        return state, None

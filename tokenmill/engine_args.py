@@ -138,13 +138,15 @@ class EngineArgs:
     max_cpu_loras: int | None = option(None, "adapters kept loaded in host memory, LRU (default: `max_loras`)")
     kv_events_config: "dict | str | KVEventsConfig | None" = option(
         None, "publish KV cache events for a KV-aware router, vLLM's fields (docs/kv_events.md)",
-        json=True, example='{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}')
+        json=True, example='{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}')
     speculative_config: "dict | str | SpeculativeConfig | None" = option(
         None, "speculative decoding, vLLM's fields; outputs are unchanged (docs/spec_decode.md)",
         json=True, example='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
     kv_transfer_config: "dict | str | KVTransferConfig | None" = option(
-        None, "prefill/decode disaggregation: kv_producer on a prefill worker, kv_consumer on a decode worker "
-        "(docs/pd_disaggregation.md)", json=True, example='{"kv_role": "kv_producer"}')
+        None, "prefill/decode disaggregation: kv_producer on a prefill worker, kv_consumer on a decode worker; "
+        "kv_transfer_params and transfers are authenticated with the cluster secret "
+        "(kv_connector_extra_config.secret_file; docs/pd_disaggregation.md)", json=True,
+        example='{"kv_role": "kv_producer"}')
 
     # ---- building the engine's config --------------------------------------------------------------
     def create_engine_config(self) -> EngineConfig:

@@ -17,6 +17,8 @@ DISABLE_AMX = "TOKENMILL_DISABLE_AMX"
 DISABLE_OMP_SPIN_TUNING = "TOKENMILL_DISABLE_OMP_SPIN_TUNING"
 STATS_INTERVAL_S = "TOKENMILL_STATS_INTERVAL_S"
 CHECK_INTEGRITY = "TOKENMILL_CHECK_INTEGRITY"
+WORKER_API_KEY = "TOKENMILL_WORKER_API_KEY"
+CLUSTER_SECRET = "TOKENMILL_CLUSTER_SECRET"
 
 # Every variable and what it does: the table of docs/environment.md (tests/test_envs.py keeps them in step).
 VARIABLES: dict[str, str] = {
@@ -33,6 +35,11 @@ VARIABLES: dict[str, str] = {
     STATS_INTERVAL_S: "seconds between the engine's stats lines, a finite number > 0 (default 10; tests shorten it)",
     CHECK_INTEGRITY: "1: each time the engine goes idle it asserts that every KV block and state slot is free again "
                      "and the pool's indexes are consistent (the test suite sets it; a leak fails the step)",
+    WORKER_API_KEY: "the router's credential for its workers (as --worker-api-key, which wins): sent to every "
+                    "worker as 'Authorization: Bearer <key>'; start the workers with --api-key <key>",
+    CLUSTER_SECRET: "the cluster secret (16 bytes or more) that signs kv_transfer_params, KV transfer frames and KV "
+                    "event tags; unset: an explicit secret file, else the per-user file "
+                    "$XDG_CONFIG_HOME/tokenmill/cluster.key (created 0600 on first use)",
 }
 
 DEFAULT_STATS_INTERVAL_S = 10.0
@@ -84,3 +91,13 @@ def stats_interval_s() -> float:
     if not 0 < value < math.inf:
         raise ValueError(f"{STATS_INTERVAL_S} must be a finite number of seconds > 0, got {text}")
     return value
+
+
+def worker_api_key() -> str | None:
+    """$TOKENMILL_WORKER_API_KEY, or None when unset or empty (the router's default --worker-api-key)."""
+    return os.environ.get(WORKER_API_KEY, "").strip() or None
+
+
+def cluster_secret() -> str | None:
+    """$TOKENMILL_CLUSTER_SECRET, or None when unset or empty (``tokenmill.security.load_cluster_secret``)."""
+    return os.environ.get(CLUSTER_SECRET, "").strip() or None

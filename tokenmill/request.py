@@ -74,6 +74,8 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
+        # EOS ids and params.stop_token_ids, built once: the sampler masks them while min_tokens holds.
+        self.stop_token_ids = frozenset(eos_token_ids) | sampling_params.stop_token_id_set
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json as _json
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 # Largest number of top log-probabilities a request may ask for (OpenAI caps top_logprobs at 20).
@@ -147,6 +148,11 @@ class SamplingParams:
             raise bad("disable_speculative_decoding", "must be true or false")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
+
+    @cached_property
+    def stop_token_id_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a frozenset, built once (the engine looks a token up in it at every step)."""
+        return frozenset(self.stop_token_ids or ())
 
     @property
     def greedy(self) -> bool:

@@ -3,7 +3,9 @@
 ``tokenmill serve MODEL --data-parallel-size N`` lands here. Each replica is a ``tokenmill serve``
 server (``run_server``) in its own spawned process on a free port of 127.0.0.1, with the CPU threads
 divided between the replicas; with ``--distributed-executor-backend ray`` each replica process is
-started by a Ray actor instead, on whichever node Ray places it. Once every replica answers
+started by a Ray actor instead, on whichever node Ray places it, bound as ``--host`` says (loopback:
+the replica must run on this node). Every replica takes a fresh random API key that only the router
+holds (its ``--worker-api-key``); clients use ``--api-key`` on the router. Once every replica answers
 ``/health``, the router runs in this process on ``--port``. SIGINT/SIGTERM stop the router, then every
 replica (a replica also gets SIGTERM if this process dies: no orphans). Owns processes only: no
 routing and no engine code here.
@@ -15,6 +17,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 from typing import Any
 
@@ -32,10 +35,35 @@ def split_threads(total: int | None, replicas: int) -> int:
     return max(1, total // replicas)
 
 
-def replica_config(config: Any, port: int, num_threads: int, host: str = "127.0.0.1") -> Any:
-    """``config`` (a ``ServerConfig``) for one replica: its own address and thread count."""
-    return dataclasses.replace(config, host=host, port=port,
+def replica_config(config: Any, port: int, num_threads: int, host: str = "127.0.0.1",
+                   api_key: str | None = None) -> Any:
+    """``config`` (a ``ServerConfig``) for one replica: its own address, thread count and API key (the
+    router's worker key; the clients' ``--api-key`` stays with the router)."""
+    return dataclasses.replace(config, host=host, port=port, api_key=api_key,
                                engine_args=dataclasses.replace(config.engine_args, num_threads=num_threads))
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def replica_bind(host: str, node_address: str, on_router_node: bool) -> tuple[str, str]:
+    """(address a Ray replica binds, address the router reaches it at) for ``--host`` ``host`` on a node
+    whose address is ``node_address``: loopback binds 127.0.0.1 (only on the router's node), a wildcard
+    binds it and is reached at the node's address, any other address is bound and reached as given.
+
+    Raises:
+        RuntimeError: ``host`` is loopback and the replica is on another node.
+    """
+    from tokenmill.security.http import is_loopback
+
+    if is_loopback(host):
+        if not on_router_node:
+            raise RuntimeError(f"Ray placed a replica on node {node_address}, but --host {host} binds loopback, "
+                               "which the router cannot reach there: pass --host 0.0.0.0 (or the nodes' address)")
+        return "127.0.0.1", "127.0.0.1"
+    if host in WILDCARD_HOSTS:
+        return host, node_address
+    return host, host
 
 
 def _replica_main(config: Any, args: argparse.Namespace) -> None:
@@ -62,15 +90,21 @@ class RayReplica:
     def __init__(self) -> None:
         self.process: multiprocessing.Process | None = None
 
-    def start(self, config: Any, args: argparse.Namespace) -> str:
-        """Start serving on a free port of this node; returns the replica's URL."""
+    def start(self, config: Any, args: argparse.Namespace, router_node_id: str) -> str:
+        """Start serving on a free port of this node, bound as ``config.host`` (``--host``) says
+        (``replica_bind``); returns the replica's URL.
+
+        Raises:
+            RuntimeError: ``--host`` is loopback and this is not the router's node.
+        """
         import ray
 
         node_id = ray.get_runtime_context().get_node_id()
-        host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-        config = dataclasses.replace(config, host=host, port=free_port(host))
+        node_address = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+        bind, reach = replica_bind(config.host, node_address, node_id == router_node_id)
+        config = dataclasses.replace(config, host=bind, port=free_port(bind or "0.0.0.0"))
         self.process = start_replica(config, args)
-        return f"http://{host}:{config.port}"
+        return f"http://{f'[{reach}]' if ':' in reach else reach}:{config.port}"
 
     def exit_code(self) -> int | None:
         return self.process.exitcode if self.process is not None else None
@@ -80,12 +114,21 @@ class RayReplica:
             stop_processes([self.process])
 
 
-def _router_config(args: argparse.Namespace, urls: list[str]):
+def _router_config(args: argparse.Namespace, urls: list[str], worker_api_key: str):
+    """The router over the replicas: the clients' ``--api-key``, the replicas' key as its worker key, and
+    ``serve``'s surface flags; ``/workers`` only on loopback (``serve`` has no admin key: the replicas are
+    fixed)."""
     from tokenmill.router.app import RouterConfig
     from tokenmill.router.policies import PolicyConfig
+    from tokenmill.security.http import DEFAULT_MAX_REQUEST_BODY_BYTES, is_loopback
 
+    hosts = getattr(args, "allowed_hosts", None)
     return RouterConfig(worker_urls=tuple(urls), policy=PolicyConfig(name=args.policy), host=args.host,
-                        port=args.port, api_key=args.api_key)
+                        port=args.port, api_key=args.api_key, worker_api_key=worker_api_key,
+                        worker_admin=is_loopback(args.host),
+                        allowed_hosts=None if hosts is None else tuple(h for group in hosts for h in group),
+                        max_request_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES),
+                        metrics_without_auth=getattr(args, "metrics_without_auth", False))
 
 
 def _stop_on_signal(signum, frame) -> None:
@@ -100,13 +143,14 @@ def run_data_parallel(config: Any, args: argparse.Namespace) -> int:
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per health poll
     size = args.data_parallel_size
     threads = split_threads(config.engine_args.num_threads, size)
+    worker_api_key = secrets.token_urlsafe(32)  # the replicas' key: only the router holds it
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _stop_on_signal)
     if args.distributed_executor_backend == "ray":
-        return _run_on_ray(config, args, threads)
+        return _run_on_ray(config, args, threads, worker_api_key)
     processes: list[multiprocessing.Process] = []
     try:
-        configs = [replica_config(config, free_port(), threads) for _ in range(size)]
+        configs = [replica_config(config, free_port(), threads, api_key=worker_api_key) for _ in range(size)]
         processes = [start_replica(c, args) for c in configs]
         urls = [f"http://127.0.0.1:{c.port}" for c in configs]
         logger.info("%d replicas of %d threads each: %s", size, threads, " ".join(urls))
@@ -116,7 +160,7 @@ def run_data_parallel(config: Any, args: argparse.Namespace) -> int:
             return f"replica {dead[0].name} exited with {dead[0].exitcode} while loading" if dead else None
 
         wait_healthy(urls, alive)
-        return run_router(_router_config(args, urls))
+        return run_router(_router_config(args, urls, worker_api_key))
     except KeyboardInterrupt:
         return 0
     except RuntimeError as exc:
@@ -126,7 +170,7 @@ def run_data_parallel(config: Any, args: argparse.Namespace) -> int:
         stop_processes(processes)
 
 
-def _run_on_ray(config: Any, args: argparse.Namespace, threads: int) -> int:
+def _run_on_ray(config: Any, args: argparse.Namespace, threads: int, worker_api_key: str) -> int:
     """Replicas as Ray actors (``--ray-address`` or a small local instance), the router here."""
     try:
         import ray
@@ -146,7 +190,9 @@ def _run_on_ray(config: Any, args: argparse.Namespace, threads: int) -> int:
     actors = []
     try:
         actors = [actor_class.remote() for _ in range(args.data_parallel_size)]
-        urls = ray.get([a.start.remote(replica_config(config, 0, threads), args) for a in actors])
+        router_node_id = ray.get_runtime_context().get_node_id()
+        urls = ray.get([a.start.remote(replica_config(config, 0, threads, config.host, worker_api_key), args,
+                                       router_node_id) for a in actors])
         logger.info("%d Ray replicas of %d threads each: %s", len(urls), threads, " ".join(urls))
 
         def alive() -> str | None:
@@ -155,7 +201,7 @@ def _run_on_ray(config: Any, args: argparse.Namespace, threads: int) -> int:
             return f"replica {dead[0][0]} exited with {dead[0][1]} while loading" if dead else None
 
         wait_healthy(urls, alive)
-        return run_router(_router_config(args, urls))
+        return run_router(_router_config(args, urls, worker_api_key))
     except KeyboardInterrupt:
         return 0
     except RuntimeError as exc:

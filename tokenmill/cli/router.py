@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from tokenmill.cli.serve import port_number, seconds
+from tokenmill.cli.serve import name_list, port_number, positive_int, seconds
+from tokenmill.security.http import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def positive_seconds(text: str) -> float:
@@ -51,6 +52,12 @@ def register(subparsers) -> None:
     parser.add_argument("--kv-events-endpoints", nargs="+", default=[], metavar="WORKER=ENDPOINT[,REPLAY]",
                         help="kv_aware: where a worker (URL or id) publishes KV events, when the address in its "
                              "/debug/status is not reachable from here, e.g. http://10.0.0.5:8000=tcp://10.0.0.5:5557")
+    parser.add_argument("--kv-events-curve-secret-key-file", default=None, metavar="PATH",
+                        help="kv_aware: this router's CURVE certificate (secret half, from "
+                             "zmq.auth.create_certificates; its public half goes in each worker's "
+                             "curve_client_keys_dir), to subscribe to KV events published with CURVE (docs/kv_events.md)")
+    parser.add_argument("--kv-events-curve-server-key-file", default=None, metavar="PATH",
+                        help="kv_aware: the workers' public CURVE certificate (their curve_secret_key_file's public half)")
     parser.add_argument("--tokenizer", default=None,
                         help="kv_aware: tokenizer or model path (HF directory or GGUF) to tokenize text prompts "
                              "with; default: the model the first tokenmill worker reports")
@@ -68,12 +75,41 @@ def register(subparsers) -> None:
     parser.add_argument("--pd-local-prefill-threshold", type=int, default=0, metavar="N",
                         help="a session's round with at most N new prompt tokens is prefilled on the decode worker "
                              "holding the session instead of a prefill worker (0: never)")
+    parser.add_argument("--kv-transfer-secret-file", default=None, metavar="PATH",
+                        help="--pd-disaggregation: file (mode 0600) with the cluster secret the router signs "
+                             "kv_transfer_params with; the workers' kv_connector_extra_config.secret_file must hold "
+                             "the same (default: $TOKENMILL_CLUSTER_SECRET, else the per-user "
+                             "~/.config/tokenmill/cluster.key; docs/pd_disaggregation.md)")
     parser.add_argument("--health-check-interval", type=positive_seconds, default=10.0,
                         help="seconds between health checks of every worker (GET /health)")
     parser.add_argument("--request-timeout", type=positive_seconds, default=1800.0,
                         help="longest wait in seconds for a worker's next bytes")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer <key>' on /v1 and /workers; sent on to the workers")
+                        help="clients' key: require 'Authorization: Bearer <key>' on every route but /health (and "
+                             "/metrics with --metrics-without-auth), and on /workers too when --admin-api-key is not set; never "
+                             "sent to the workers")
+    parser.add_argument("--admin-api-key", default=None,
+                        help="key for worker administration (GET/POST /workers, DELETE /workers/ID); required when "
+                             "--host is not loopback; without it --api-key also guards /workers (with neither, on loopback, /workers "
+                             "takes no key)")
+    parser.add_argument("--worker-api-key", default=None,
+                        help="the router's credential for its workers, sent as 'Authorization: Bearer <key>' (start "
+                             "the workers with --api-key <key>); a worker registered through POST /workers gets it only when "
+                             "--admin-api-key or --allowed-worker-urls is set; default $TOKENMILL_WORKER_API_KEY, "
+                             "else none")
+    parser.add_argument("--allowed-worker-urls", nargs="+", default=None, metavar="PATTERN",
+                        help="URLs POST /workers may register: globs (* within one host label) or prefixes, e.g. "
+                             "'http://10.0.0.*' 'https://*.workers.internal:8000'; --worker-urls/--prefill/--decode "
+                             "are allowed implicitly (default: any URL)")
+    parser.add_argument("--allowed-hosts", nargs="+", action="extend", type=name_list, default=None, metavar="HOST",
+                        help="Host header names served, port ignored ('*' any, '*.example.com' subdomains; "
+                             "localhost, 127.0.0.1, ::1 and --host always); others get 400, which stops DNS "
+                             "rebinding. Default: those only when --host is loopback, any host otherwise")
+    parser.add_argument("--max-request-body-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        metavar="BYTES",
+                        help=f"largest request body in bytes; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BODY_BYTES})")
+    parser.add_argument("--metrics-without-auth", action="store_true",
+                        help="serve /metrics without --api-key (for a Prometheus scraper without the key)")
     parser.add_argument("--seed", type=int, default=None, help="seed of power_of_two's random choices")
     parser.set_defaults(func=cmd_router)
 
@@ -96,6 +132,7 @@ def parse_kv_events_endpoints(items: list[str]) -> dict[str, tuple[str, str | No
 
 def cmd_router(args: argparse.Namespace) -> int:
     """Run the router until SIGINT/SIGTERM; returns the exit code (bad settings raise ValueError: exit 2)."""
+    from tokenmill import envs
     from tokenmill.router.app import RouterConfig, run_router
     from tokenmill.router.policies import PolicyConfig
 
@@ -104,7 +141,9 @@ def cmd_router(args: argparse.Namespace) -> int:
                           balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
                           eviction_interval=args.eviction_interval, load_cap_epsilon=args.load_cap_epsilon,
                           seed=args.seed, kv_overlap_weight=args.kv_overlap_weight, kv_predicted_ttl=args.kv_predicted_ttl,
-                          kv_events_endpoints=parse_kv_events_endpoints(args.kv_events_endpoints) or None)
+                          kv_events_endpoints=parse_kv_events_endpoints(args.kv_events_endpoints) or None,
+                          kv_events_curve_secret_key_file=args.kv_events_curve_secret_key_file,
+                          kv_events_curve_server_key_file=args.kv_events_curve_server_key_file)
     worker_urls, prefill_urls, prefill_policy = tuple(args.worker_urls), (), None
     if args.pd_disaggregation:
         if not args.prefill or not args.decode:
@@ -121,5 +160,12 @@ def cmd_router(args: argparse.Namespace) -> int:
     config = RouterConfig(worker_urls=worker_urls, policy=policy, host=args.host, port=args.port,
                           api_key=args.api_key, health_check_interval=args.health_check_interval,
                           request_timeout=args.request_timeout, tokenizer=args.tokenizer, prefill_urls=prefill_urls,
-                          prefill_policy=prefill_policy, pd_local_prefill_threshold=args.pd_local_prefill_threshold)
+                          prefill_policy=prefill_policy, pd_local_prefill_threshold=args.pd_local_prefill_threshold,
+                          kv_transfer_secret_file=args.kv_transfer_secret_file,
+                          admin_api_key=args.admin_api_key, worker_api_key=args.worker_api_key or envs.worker_api_key(),
+                          allowed_worker_urls=tuple(args.allowed_worker_urls) if args.allowed_worker_urls else None,
+                          allowed_hosts=None if args.allowed_hosts is None else tuple(
+                              h for group in args.allowed_hosts for h in group),
+                          max_request_body_bytes=args.max_request_body_bytes,
+                          metrics_without_auth=args.metrics_without_auth)
     return run_router(config)

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from tokenmill.engine_args import EngineArgs
+from tokenmill.security.http import (DEFAULT_MAX_BUFFERED_BODY_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                     DEFAULT_REQUEST_BODY_TIMEOUT_S)
 
 
 def port_number(text: str) -> int:
@@ -47,7 +50,35 @@ def register(subparsers) -> None:
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer <key>' on every route except /health and the web page "
+                             "(/, /static/*; its API calls send the key)")
+    parser.add_argument("--metrics-without-auth", action="store_true",
+                        help="with --api-key: serve /metrics without the key (for Prometheus scrapers)")
+    parser.add_argument("--allowed-hosts", nargs="+", action=ExtendNames, type=name_list, default=None,
+                        metavar="HOST",
+                        help="Host header names served, port ignored ('*' any, '*.example.com' subdomains; "
+                             "localhost, 127.0.0.1, ::1 and --host always); others get 400, which stops DNS "
+                             "rebinding. Default: those only when --host is loopback, any host otherwise")
+    parser.add_argument("--allowed-origins", nargs="+", action=ExtendNames, type=name_list, default=[],
+                        metavar="ORIGIN",
+                        help="CORS: origins whose pages may call the API from a browser, e.g. "
+                             "https://app.example.com, or '*' (default: none, no CORS headers)")
+    parser.add_argument("--allowed-methods", nargs="+", action=ExtendNames, type=name_list, default=None,
+                        metavar="METHOD", help="CORS: methods allowed to those origins (default: *)")
+    parser.add_argument("--allowed-headers", nargs="+", action=ExtendNames, type=name_list, default=None,
+                        metavar="HEADER", help="CORS: request headers allowed to those origins (default: *)")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let those origins send cookies and HTTP authentication (default off)")
+    parser.add_argument("--max-request-body-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        metavar="BYTES", help="largest request body; larger ones get 413 before they are read, "
+                                              "chunked ones when they pass it (default: 16 MiB)")
+    parser.add_argument("--request-body-timeout", type=positive_float, default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+                        metavar="SECONDS", help="seconds a request body may take to arrive whole; slower ones "
+                                                "get 408 (default: 60)")
+    parser.add_argument("--max-buffered-body-bytes", type=positive_int, default=DEFAULT_MAX_BUFFERED_BODY_BYTES,
+                        metavar="BYTES", help="request body bytes all requests may hold at once; a request over "
+                                              "it gets 503 with Retry-After (default: 256 MiB)")
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients use (default: the model path, or the embedded model's name)")
     parser.add_argument("--timeout-graceful-shutdown", type=seconds, default=30.0,
@@ -68,6 +99,14 @@ def register(subparsers) -> None:
     parser.add_argument("--session-save-path", default=None, metavar="DIR",
                         help="enable POST /v1/sessions/{id}/save and /restore (and DELETE): saved sessions' KV "
                              "blocks are files under DIR (docs/sessions.md)")
+    parser.add_argument("--session-max-bytes", type=positive_int, default=None, metavar="BYTES",
+                        help="largest saved session in bytes; a bigger save gets 413 (default: only "
+                             "--session-max-total-bytes)")
+    parser.add_argument("--session-max-total-bytes", type=positive_int, default=4 * 1024**3, metavar="BYTES",
+                        help="most bytes --session-save-path may hold; a save past it gets 507 (default 4 GiB)")
+    parser.add_argument("--session-secret-file", default=None, metavar="PATH",
+                        help="a secret file (mode 0600, >= 16 bytes; e.g. the cluster key file): each saved session "
+                             "carries an HMAC of its files and a restore refuses a changed or planted one")
     parser.add_argument("--enable-rl-endpoints", action="store_true",
                         help="enable the RL rollout routes: /update_weights_from_disk, /pause_generation, /sleep, "
                              "/wake_up, /weight_info, ... (docs/rl.md)")
@@ -86,7 +125,35 @@ def register(subparsers) -> None:
                         help="ray backend: the cluster to join (default: a local Ray instance on 127.0.0.1)")
     parser.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES,
                         help="routing policy of the data-parallel router (see tokenmill router)")
+    from tokenmill.server.request_limits import RequestLimits
+
+    RequestLimits.add_cli_args(parser)  # --max-stop-strings ... --max-queued-requests
     parser.set_defaults(func=cmd_serve)
+
+
+def name_list(text: str) -> list[str]:
+    """argparse type for a list flag: one name, comma-separated names, or a JSON list (vLLM's spelling)."""
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    else:
+        values = text.split(",")
+    values = [v.strip() for v in values if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"must name at least one value, got {text!r}")
+    return values
+
+
+class ExtendNames(argparse.Action):
+    """``nargs="+"`` of ``name_list`` values: each occurrence adds its names to one flat list."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        names = list(getattr(namespace, self.dest, None) or [])
+        setattr(namespace, self.dest, names + [name for group in values for name in group])
 
 
 def positive_int(text: str) -> int:
@@ -97,6 +164,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -130,6 +208,7 @@ def check_engine_args(engine_args: EngineArgs) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit code."""
     from tokenmill.server.api_server import run_server
+    from tokenmill.server.request_limits import RequestLimits
     from tokenmill.server.state import ServerConfig
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -154,8 +233,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         enable_log_requests=args.enable_log_requests,
         session_save_path=args.session_save_path,
+        session_max_bytes=args.session_max_bytes,
+        session_max_total_bytes=args.session_max_total_bytes,
+        session_secret_file=args.session_secret_file,
         enable_rl_endpoints=args.enable_rl_endpoints,
         max_paused_requests=args.max_paused_requests,
+        request_limits=RequestLimits.from_cli_args(args),
+        metrics_without_auth=args.metrics_without_auth,
+        allowed_hosts=None if args.allowed_hosts is None else tuple(args.allowed_hosts),
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods or ["*"]),
+        allowed_headers=tuple(args.allowed_headers or ["*"]),
+        allow_credentials=args.allow_credentials,
+        max_request_body_bytes=args.max_request_body_bytes,
+        request_body_timeout=args.request_body_timeout,
+        max_buffered_body_bytes=args.max_buffered_body_bytes,
     )
     if args.data_parallel_size > 1:
         from tokenmill.cli.replicas import run_data_parallel

@@ -13,7 +13,6 @@ from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine_args import EngineArgs, options_doc, with_options_signature
 from tokenmill.lora import LoRARequest
 from tokenmill.outputs import RequestOutput
-from tokenmill.rl import engine_ops
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -72,32 +71,32 @@ class LLM:
             tokenmill.rl.WeightUpdateError (a ValueError): a missing path, another config, missing,
                 unknown, misshaped or non-float tensors (all listed); nothing was changed.
         """
-        return engine_ops.update_weights_from_disk(self.engine, model_path, flush_cache, weight_version)
+        return self.engine.update_weights_from_disk(model_path, flush_cache, weight_version)
 
     def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True,
                                    weight_version: str | None = None) -> dict:
         """Replace named tensors (checkpoint names; ``{name: tensor}`` or pairs; any subset) in place,
         as :meth:`update_weights_from_disk`."""
-        return engine_ops.update_weights_from_tensor(self.engine, named_tensors, flush_cache, weight_version)
+        return self.engine.update_weights_from_tensor(named_tensors, flush_cache, weight_version)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached KV block: pool, RAM tier and this model's disk records."""
-        engine_ops.flush_prefix_cache(self.engine, clear_disk=True)
+        self.engine.flush_prefix_cache(clear_disk=True)
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool (level 1) and the weights too (level 2) until :meth:`wake_up`."""
-        engine_ops.sleep(self.engine, level)
+        self.engine.sleep(level)
 
     def wake_up(self) -> None:
         """Restore what :meth:`sleep` freed; outputs are the same as before it."""
-        engine_ops.wake_up(self.engine)
+        self.engine.wake_up()
 
     def is_sleeping(self) -> bool:
         return self.engine.rl_state.sleep_level > 0
 
     def weight_info(self) -> dict:
         """Version, fingerprint, path, load time and update count of the served weights."""
-        return engine_ops.weight_info(self.engine)
+        return self.engine.weight_info()
 
     def generate(
         self,
@@ -113,7 +112,7 @@ class LLM:
 
         Raises ValueError (before anything is queued) when a prompt, its parameters or its adapter are invalid.
         """
-        engine_ops.check_awake(self.engine)
+        self.engine.check_awake()
         if not isinstance(prompts, list) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt: text, dict, or a list of token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

@@ -24,7 +24,7 @@ from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.loader import load_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
-from tokenmill.rl.engine_ops import RLState
+from tokenmill.rl.engine_ops import RLEngineOps, RLState
 from tokenmill.runner.device import resolve_device
 from tokenmill.runner.cpu_threads import available_cpus
 from tokenmill.runner.model_runner import ModelRunner
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict
 
 
-class LLMEngine:
+class LLMEngine(RLEngineOps):
     """Owns the model runner, the scheduler (and through it the KV cache) and the output processor."""
 
     def __init__(self, config: EngineConfig) -> None:

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dataclasses
+import functools
+
 import msgpack
+
+from tokenmill.security import sign
 
 MEDIUM_POOL = "pool"
 MEDIUM_RAM = "ram"
@@ -33,7 +38,8 @@ class BlockStored:
     In the primary pool (``token_ids`` given) the hashes are a chain: ``block_hashes[i]`` is the child
     of ``block_hashes[i - 1]`` and the first one's parent is ``parent_block_hash`` (None: the first
     block of a prompt); ``token_ids`` are the blocks' tokens, ``block_size`` each, and ``extra_keys``
-    (cache salt, adapter digest) went into every hash. In the lower tiers the tier knows hashes only:
+    (cache salt, adapter digest) went into every hash. On the wire ``extra_keys`` and ``lora_name`` are
+    keyed tags (``redact``), never the values. In the lower tiers the tier knows hashes only:
     ``token_ids`` and ``parent_block_hash`` are None and ``block_hashes`` is just a set of blocks.
     """
 
@@ -63,6 +69,27 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+KEY_TAG_PURPOSE = "kv_events.extra_key"
+
+
+@functools.lru_cache(maxsize=4096)  # a few salts and adapters recur in every step's events
+def key_tag(secret: bytes, value: str) -> str:
+    """The keyed tag that stands for a cache salt, adapter name or other extra key on the wire: hex
+    HMAC-SHA256 under the cluster secret (tokenmill.security), so a consumer holding the secret can
+    match a value it knows (``key_tag(secret, salt) in event.extra_keys``) and nobody else learns it."""
+    return sign(secret, KEY_TAG_PURPOSE, value)
+
+
+def redact(event: KVEvent, secret: bytes) -> KVEvent:
+    """``event`` as published: a ``BlockStored``'s ``extra_keys`` and ``lora_name`` replaced by their
+    ``key_tag``s (``lora_id``, the engine's slot number, and the block hashes stay; other events unchanged)."""
+    if not isinstance(event, BlockStored) or (not event.extra_keys and event.lora_name is None):
+        return event
+    return dataclasses.replace(
+        event, extra_keys=tuple(key_tag(secret, str(k)) for k in event.extra_keys),
+        lora_name=None if event.lora_name is None else key_tag(secret, event.lora_name))
 
 
 def _event_to_wire(event: KVEvent) -> dict:

@@ -7,7 +7,11 @@ numbers batches (0, 1, 2, ...), keeps the last ``buffer_steps`` of them and send
 frames ``[topic, seq (8 bytes, big-endian), payload (msgpack)]``. A subscriber that sees a gap (or
 joins late) sends one frame, the first sequence number it wants (8 bytes, big-endian), to the
 replay ROUTER socket; the reply is one ``[seq, payload]`` message per buffered batch from there on,
-then ``[END_OF_REPLAY, b""]``. Never imports torch.
+then ``[END_OF_REPLAY, b""]``.
+
+Events carry prompt token ids, so the sockets are private (docs/kv_events.md): loopback or a 0600
+``ipc://`` file by default, CURVE with an allow-list of subscriber keys across hosts; cache salts and
+adapter names leave only as keyed tags (``events.redact``, under the cluster secret). Never imports torch.
 """
 from __future__ import annotations
 
@@ -19,10 +23,14 @@ import time
 from collections import deque
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from tokenmill.config import ConfigError, KVEventsConfig
 from tokenmill.kv_events.collector import KVEventCollector
-from tokenmill.kv_events.events import END_OF_REPLAY, decode_seq, encode_batch, encode_seq
+from tokenmill.kv_events.events import END_OF_REPLAY, decode_seq, encode_batch, encode_seq, redact
+from tokenmill.kv_events.transport import (TransportKeyError, apply_server_keys, check_client_keys_dir,
+                                           load_secret_certificate, prepare_ipc, restrict_ipc)
+from tokenmill.security import SecretError, load_cluster_secret
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +73,8 @@ class ZmqEventPublisher:
         collector: where the engine's hooks put events.
 
     Raises:
-        ConfigError: an endpoint cannot be bound (in use, bad address).
+        ConfigError: an endpoint cannot be bound (in use, bad address), a CURVE certificate or the
+            cluster secret cannot be read.
     """
 
     def __init__(self, config: KVEventsConfig, collector: KVEventCollector) -> None:
@@ -73,10 +82,25 @@ class ZmqEventPublisher:
         self.collector = collector
         self._topic = config.topic.encode()
         self.instance = random.getrandbits(63)  # tells subscribers a restarted engine from a gap
+        curve_keys = None
+        try:
+            self._secret = load_cluster_secret()  # keys the tags of salts and adapter names
+            if config.curve_secret_key_file is not None:
+                curve_keys = load_secret_certificate(config.curve_secret_key_file, "kv_events_config")
+                check_client_keys_dir(config.curve_client_keys_dir, "kv_events_config")
+        except (SecretError, TransportKeyError) as exc:
+            raise ConfigError(f"`kv_events_config`: {exc}") from None
         self._ctx = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
+        if curve_keys is not None:  # the ZAP handler of this context: only listed subscriber keys get in
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=config.curve_client_keys_dir)
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 1000)
+        if curve_keys is not None:
+            apply_server_keys(self._pub, *curve_keys)
         self._replay = None
         inproc = f"inproc://tokenmill-kv-events-{next(_instances)}"
         self._pull = self._ctx.socket(zmq.PULL)
@@ -92,6 +116,8 @@ class ZmqEventPublisher:
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                if curve_keys is not None:
+                    apply_server_keys(self._replay, *curve_keys)
                 self.replay_endpoint = _bind(self._replay, config.replay_endpoint, "replay_endpoint")
         except ConfigError:
             self._close_sockets()
@@ -104,8 +130,9 @@ class ZmqEventPublisher:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tokenmill-kv-events", daemon=True)
         self._thread.start()
-        logger.info("KV events: publishing on %s%s", self.endpoint,
-                    f", replay on {self.replay_endpoint}" if self.replay_endpoint else " (no replay)")
+        logger.info("KV events: publishing on %s%s%s", self.endpoint,
+                    f", replay on {self.replay_endpoint}" if self.replay_endpoint else " (no replay)",
+                    " (CURVE)" if curve_keys is not None else "")
 
     # ---- engine thread ------------------------------------------------------------------------
     def publish_pending(self) -> None:
@@ -115,6 +142,7 @@ class ZmqEventPublisher:
         if not events or self._closed:
             return
         try:
+            events = [redact(e, self._secret) for e in events]
             self._push.send(encode_batch(time.time(), events, self.instance), zmq.NOBLOCK)
             self.num_batches += 1
         except zmq.Again:
@@ -143,7 +171,7 @@ class ZmqEventPublisher:
 
     def status(self) -> dict:
         return {"enabled": True, "publisher": "zmq", "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
-                "topic": self.config.topic, "block_size": self.collector.block_size, "next_seq": self.next_seq,
+                "curve": self._auth is not None, "topic": self.config.topic, "block_size": self.collector.block_size, "next_seq": self.next_seq,
                 "num_batches": self.num_batches, "dropped_batches": self.dropped_batches,
                 "num_replays": self.num_replays}
 
@@ -196,16 +224,21 @@ class ZmqEventPublisher:
         for sock in (self._push, self._pull, self._pub, self._replay):
             if sock is not None:
                 sock.close()
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
 
 def _bind(sock: zmq.Socket, endpoint: str, field: str) -> str:
-    """Bind ``sock`` and return the endpoint it got (``tcp://*:*`` becomes a real port)."""
+    """Bind ``sock`` and return the endpoint it got (``tcp://127.0.0.1:*`` becomes a real port)."""
     try:
+        prepare_ipc(endpoint)
         sock.bind(endpoint)
-    except zmq.ZMQError as exc:
+        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        restrict_ipc(bound)
+    except (zmq.ZMQError, OSError) as exc:
         raise ConfigError(f"`kv_events_config` {field} {endpoint!r} cannot be bound: {exc}") from None
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return bound
 
 
 def build_kv_event_publisher(

@@ -1,14 +1,20 @@
 """``--kv-transfer-config``: vLLM's field names for prefill/decode disaggregation (docs/pd_disaggregation.md)."""
 from __future__ import annotations
 
+import ipaddress
 import numbers
 from dataclasses import dataclass, field
 
-from tokenmill.config import ConfigError, _config_from_value
+from tokenmill.config_error import ConfigError, config_from_value
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTORS = ("TokenmillConnector", "TCPConnector", "SharedMemoryConnector")
-EXTRA_KEYS = ("lease_ttl_s", "transfer_timeout_s")
+EXTRA_KEYS = ("lease_ttl_s", "transfer_timeout_s", "secret_file", "allowed_producers", "max_connections",
+              "max_leases", "max_lease_blocks", "allowed_consumers")
+_SECONDS_KEYS = ("lease_ttl_s", "transfer_timeout_s")
+_COUNT_KEYS = ("max_connections", "max_leases", "max_lease_blocks")
+DEFAULT_MAX_CONNECTIONS = 16
+DEFAULT_MAX_LEASES = 64
 
 
 @dataclass(frozen=True)
@@ -24,8 +30,16 @@ class KVTransferConfig:
         kv_ip: address the producer's transfer server binds and advertises (consumers connect to it).
         kv_port: its port (0: any free port, advertised in each lease).
         kv_connector_extra_config: ``lease_ttl_s`` (seconds a lease waits for its consumer, default
-            30) and ``transfer_timeout_s`` (longest wait for one pull, default 30); a failed or late
-            pull falls back to computing the prompt locally.
+            30) and ``transfer_timeout_s`` (longest time one whole pull may take, connect to confirm, default
+            30; a failed or late pull falls back to computing the prompt locally); ``secret_file`` (a file
+            holding the cluster secret, mode 0600; default: ``TOKENMILL_CLUSTER_SECRET`` or the per-user
+            default file, ``tokenmill.security``): signed ``kv_transfer_params`` and every producer/consumer
+            frame are checked with it; ``allowed_producers`` (hosts or CIDRs a consumer may pull from;
+            default: any); ``allowed_consumers`` (CIDRs, or single addresses, a connection to the producer may
+            come from; default: any; others are closed on accept); ``max_connections`` (authenticated pulls the
+            producer serves at once, default 16; one more is answered "busy"; connections not yet authenticated
+            wait in a separate pool of the same size, the oldest closed to admit a new one); ``max_leases`` (leases held at once, default 64) and ``max_lease_blocks`` (KV
+            blocks they may pin, default half the pool): a finished prefill over either cap is not leased.
 
     Raises:
         ConfigError: an unknown connector or role, a bad port or extra key.
@@ -52,10 +66,41 @@ class KVTransferConfig:
         extra = self.kv_connector_extra_config
         if not isinstance(extra, dict) or set(extra) - set(EXTRA_KEYS):
             raise ConfigError(f"`{name}` kv_connector_extra_config takes only {list(EXTRA_KEYS)}, got {extra!r}")
-        for key in EXTRA_KEYS:
+        for key in _SECONDS_KEYS:
             value = extra.get(key, 30.0)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
                 raise ConfigError(f"`{name}` kv_connector_extra_config.{key} must be a number > 0, got {value!r}")
+        for key in _COUNT_KEYS:
+            value = extra.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not value > 0:
+                raise ConfigError(f"`{name}` kv_connector_extra_config.{key} must be an integer > 0, got {value!r}")
+        secret_file = extra.get("secret_file")
+        if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
+            raise ConfigError(f"`{name}` kv_connector_extra_config.secret_file must be a file path, got "
+                              f"{secret_file!r}")
+        allowed = extra.get("allowed_producers")
+        if allowed is not None:
+            if not isinstance(allowed, list) or not all(isinstance(a, str) and a for a in allowed):
+                raise ConfigError(f"`{name}` kv_connector_extra_config.allowed_producers must be a list of hosts "
+                                  f"or CIDRs, got {allowed!r}")
+            for entry in allowed:
+                if "/" in entry:
+                    try:
+                        ipaddress.ip_network(entry, strict=False)
+                    except ValueError:
+                        raise ConfigError(f"`{name}` kv_connector_extra_config.allowed_producers: {entry!r} is "
+                                          f"not a CIDR") from None
+        consumers = extra.get("allowed_consumers")
+        if consumers is not None:
+            if not isinstance(consumers, list) or not all(isinstance(a, str) and a for a in consumers):
+                raise ConfigError(f"`{name}` kv_connector_extra_config.allowed_consumers must be a list of CIDRs, "
+                                  f"got {consumers!r}")
+            for entry in consumers:
+                try:
+                    ipaddress.ip_network(entry, strict=False)
+                except ValueError:
+                    raise ConfigError(f"`{name}` kv_connector_extra_config.allowed_consumers: {entry!r} is not a "
+                                      f"CIDR or an IP address") from None
 
     @property
     def is_producer(self) -> bool:
@@ -74,6 +119,37 @@ class KVTransferConfig:
         return float(self.kv_connector_extra_config.get("transfer_timeout_s", 30.0))
 
     @property
+    def secret_file(self) -> str | None:
+        """The cluster secret's file (None: ``tokenmill.security.load_cluster_secret``'s default sources)."""
+        return self.kv_connector_extra_config.get("secret_file")
+
+    @property
+    def allowed_producers(self) -> tuple[str, ...] | None:
+        """Hosts or CIDRs a consumer may pull from (None: any)."""
+        allowed = self.kv_connector_extra_config.get("allowed_producers")
+        return None if allowed is None else tuple(allowed)
+
+    @property
+    def allowed_consumers(self) -> tuple[str, ...] | None:
+        """CIDRs a connection to the producer may come from (None: any)."""
+        allowed = self.kv_connector_extra_config.get("allowed_consumers")
+        return None if allowed is None else tuple(allowed)
+
+    @property
+    def max_connections(self) -> int:
+        return int(self.kv_connector_extra_config.get("max_connections", DEFAULT_MAX_CONNECTIONS))
+
+    @property
+    def max_leases(self) -> int:
+        return int(self.kv_connector_extra_config.get("max_leases", DEFAULT_MAX_LEASES))
+
+    @property
+    def max_lease_blocks(self) -> int | None:
+        """Blocks leases may pin at once (None: half the KV pool)."""
+        value = self.kv_connector_extra_config.get("max_lease_blocks")
+        return None if value is None else int(value)
+
+    @property
     def transport(self) -> str:
         """``auto``, ``tcp`` or ``shm``."""
         return {"TCPConnector": "tcp", "SharedMemoryConnector": "shm"}.get(self.kv_connector or "", "auto")
@@ -87,4 +163,4 @@ def kv_transfer_config(value) -> KVTransferConfig | None:
     """
     if value is None:
         return None
-    return _config_from_value(KVTransferConfig, value, "kv_transfer_config", '{"kv_role": "kv_producer"}')
+    return config_from_value(KVTransferConfig, value, "kv_transfer_config", '{"kv_role": "kv_producer"}')

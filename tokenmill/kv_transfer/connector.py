@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tokenmill.kv_transfer.config import KVTransferConfig
+from tokenmill.kv_transfer.params_auth import RELEASE_PURPOSE, SignedParamsVerifier
 from tokenmill.kv_transfer.scheduler_side import KVConnectorScheduler, KVLoad, KVTransferStats
 from tokenmill.kv_transfer.worker_side import KVConnectorWorker
 
@@ -42,12 +43,19 @@ class KVConnector:
         pool: the engine's ``KVPool``.
         block_size: tokens per block.
         fingerprint: returns the engine's model fingerprint (computed once, off the engine thread).
+
+    Raises:
+        tokenmill.security.SecretError: the cluster secret (``secret_file`` or the default sources) is unusable.
     """
 
     def __init__(self, config: KVTransferConfig, pool: KVPool, block_size: int,
                  fingerprint: Callable[[], str]) -> None:
+        from tokenmill.security import load_cluster_secret
+
         self.config = config
-        self.worker = KVConnectorWorker(config, pool, block_size, fingerprint)
+        secret = load_cluster_secret(file=config.secret_file)
+        self.params_verifier = SignedParamsVerifier(secret)
+        self.worker = KVConnectorWorker(config, pool, block_size, fingerprint, secret)
         self.scheduler_side = KVConnectorScheduler(config, block_size, self.worker.producer)
 
     @property
@@ -58,6 +66,25 @@ class KVConnector:
     def producer(self):
         """The producer's lease server (kv_producer / kv_both), else None."""
         return self.worker.producer
+
+    def verify_params(self, params: dict) -> dict:
+        """``kv_transfer_params`` from the HTTP API, without their signature, once it checks out.
+
+        Raises:
+            tokenmill.security.AuthError: not signed with the cluster secret, stale, or replayed.
+        """
+        return self.params_verifier.verify(params)
+
+    def release_lease(self, request: dict) -> bool:
+        """Free a lease early at the PD router's word: ``request`` is ``{"lease_id", "nonce"}`` signed with the
+        cluster secret for the purpose ``RELEASE_PURPOSE`` (``sign_params``). Whether a lease was released
+        (False: unknown, already pulled, being sent, or this worker is no producer).
+
+        Raises:
+            tokenmill.security.AuthError: not signed with the cluster secret, stale, or replayed.
+        """
+        lease_id = self.params_verifier.verify(request, RELEASE_PURPOSE).get("lease_id")
+        return self.producer is not None and isinstance(lease_id, str) and self.producer.release(lease_id)
 
     def before_schedule(self) -> None:
         """Engine thread, before ``Scheduler.schedule``: arrived K/V into its blocks (cancelled loads dropped
@@ -92,7 +119,12 @@ class KVConnector:
             out.update(producer_address=f"{self.producer.host}:{self.producer.port}", leases=self.producer.num_leases,
                        leases_total=s.leases_total, leases_expired_total=s.leases_expired_total,
                        transfers_total=s.transfers_total, bytes_sent_total=s.bytes_sent_total,
-                       send_failures_total=s.send_failures_total)
+                       send_failures_total=s.send_failures_total, leases_refused_total=s.leases_refused_total,
+                       connections=self.producer.num_connections,
+                       connections_refused_total=s.connections_refused_total,
+                       leases_released_total=s.leases_released_total,
+                       handshakes_evicted_total=s.handshakes_evicted_total,
+                       auth_failures_total=s.auth_failures_total)
         return out
 
     def close(self) -> list[str]:

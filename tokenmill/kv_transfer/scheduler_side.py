@@ -71,7 +71,8 @@ class Leases(Protocol):
     host: str
     port: int
 
-    def add_lease(self, request_id: str, block_ids: list[int], token_ids: list[int], extra_keys: tuple): ...
+    def add_lease(self, request_id: str, block_ids: list[int], token_ids: list[int], extra_keys: tuple):
+        """A lease, or None when the producer's caps refuse it."""
 
     def take_released(self) -> list[str]: ...
 
@@ -181,7 +182,8 @@ class KVConnectorScheduler:
     # ---- producer --------------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int], extra_keys: tuple) -> bool:
         """Lease a finished ``do_remote_decode`` request's prompt blocks: True means the caller must not
-        free them now (``released`` hands the request back later). Aborted or failed requests are not leased."""
+        free them now (``released`` hands the request back later). Aborted or failed requests are not leased, nor
+        any over the producer's ``max_leases`` / ``max_lease_blocks`` (the answer then has no parameters)."""
         params = request.kv_transfer_params
         if self.leases is None or not params or not params.get("do_remote_decode"):
             return False
@@ -193,6 +195,8 @@ class KVConnectorScheduler:
             return False
         lease = self.leases.add_lease(request.request_id, block_ids[:num_blocks], list(request.prompt_token_ids),
                                       extra_keys)
+        if lease is None:
+            return False
         host, port = self.leases.host, self.leases.port
         request.kv_transfer_params_out = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_host": host, "remote_port": port,

@@ -34,11 +34,13 @@ class KVConnectorWorker:
         pool: the engine's KV pool (every block copy goes through it).
         block_size: tokens per block.
         fingerprint: returns the engine's model fingerprint (computed once, off the engine thread).
+        secret: the cluster secret (every frame to and from a producer is signed with it).
     """
 
     def __init__(self, config: KVTransferConfig, pool: KVPool, block_size: int,
-                 fingerprint: Callable[[], str]) -> None:
+                 fingerprint: Callable[[], str], secret: bytes) -> None:
         self.config = config
+        self._secret = secret
         self.pool = pool
         self.block_size = block_size
         self._fingerprint_fn = fingerprint
@@ -47,7 +49,10 @@ class KVConnectorWorker:
         self.producer: KVProducer | None = None
         if config.is_producer:
             self.producer = KVProducer(pool, block_size, self.fingerprint, config.kv_ip, config.kv_port,
-                                       config.lease_ttl_s)
+                                       config.lease_ttl_s, secret=secret, max_connections=config.max_connections,
+                                       max_leases=config.max_leases, max_lease_blocks=config.max_lease_blocks,
+                                       transfer_timeout_s=config.transfer_timeout_s,
+                                       allowed_consumers=config.allowed_consumers)
         self._active: dict[str, KVLoad] = {}
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, (meta, rows, nbytes) | error)
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-pull") if config.is_consumer else None
@@ -69,9 +74,13 @@ class KVConnectorWorker:
         try:
             expected = Expected(self.fingerprint(), pool.dtype_name, self.block_size, list(pool.block_shape),
                                 pool.block_bytes, load.prompt_token_ids, list(load.extra_keys))
-            result = pull_blocks(str(params.get("remote_host")), int(params.get("remote_port")),
-                                 str(params.get("remote_lease_id")), expected, self.config.transport,
-                                 self.config.transfer_timeout_s, first_block=load.first_block)
+            host, port, lease_id = params.get("remote_host"), params.get("remote_port"), params.get("remote_lease_id")
+            if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
+                    or not 0 < port < 65536 or not isinstance(lease_id, str) or not 0 < len(lease_id) <= 128:
+                raise TransferError("params", "remote_host, remote_port or remote_lease_id is missing or malformed")
+            result = pull_blocks(host, port, lease_id, expected, self.config.transport,
+                                 self.config.transfer_timeout_s, first_block=load.first_block, secret=self._secret,
+                                 num_blocks=load.num_blocks, allowed_producers=self.config.allowed_producers)
         except TransferError as exc:
             result = exc
         except Exception as exc:  # noqa: BLE001 — bad params and the like: computed locally, logged

@@ -2,16 +2,18 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``
 (the union of the healthy workers' models), ``GET/POST /workers``, ``DELETE /workers/{id}``,
-``GET /health`` (200 while a worker is healthy) and ``GET /metrics``. The API key, when set, guards
-``/v1`` and ``/workers`` and is sent on to the workers. The router reads of a request body only what
-routing needs (prompt text, token budget, session); everything else is the worker's to validate.
+``GET /health`` (200 while a worker is healthy) and ``GET /metrics``. Every request first passes
+the guard of router/access.py: Host check, ``--api-key`` on every route but ``/health``,
+``--admin-api-key`` on ``/workers``, JSON bodies only, a body cap. Workers get the router's own
+``--worker-api-key``, never the client's key, and never a client's ``kv_transfer_params``. The router
+reads of a request body only what routing needs (prompt text, token budget, session); everything else
+is the worker's to validate.
 Never imports torch, transformers or the engine: a router starts in about a second.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import signal
@@ -22,17 +24,20 @@ from dataclasses import dataclass, field
 
 import httpx2 as httpx
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.router.access import guarded
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import PolicyConfig, make_policy
 from tokenmill.router.policy import RouteRequest
 from tokenmill.router.proxy import PromptIds, Proxy, openai_error, upstream_session
 from tokenmill.router.tokenize import RequestTokenizer
-from tokenmill.router.workers import HEALTH_TIMEOUT_S, DuplicateWorker, WorkerRegistry
+from tokenmill.router.workers import (HEALTH_TIMEOUT_S, DuplicateWorker, WorkerRegistry, WorkerURLPolicy,
+                                      normalize_url)
+from tokenmill.security.http import DEFAULT_MAX_REQUEST_BODY_BYTES, allowed_hosts_for, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,11 @@ CHAT_MAX_TOKENS_ESTIMATE = 256  # chat without a budget may run to max_model_len
 # Request bodies up to this size are tokenized on the event loop (kv_aware): encoding a few thousand
 # characters takes well under a millisecond, less than the hop to a worker thread and back.
 INLINE_TOKENIZE_BYTES = 8192
+# A session id (``user``, OpenAI's end-user id, or ``X-Session-Id``) and a ``cache_salt`` the router keeps
+# or hashes: longer ones are refused (400) so that no client can make the router hold or hash megabytes per
+# request (``tokenmill serve`` refuses the same salts).
+MAX_SESSION_ID_LENGTH = 256
+MAX_CACHE_SALT_LENGTH = 1024
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,15 @@ class RouterConfig:
     Prefill/decode disaggregation (``--pd-disaggregation``): ``prefill_urls`` are the prefill workers,
     routed by ``prefill_policy``; ``worker_urls`` are then the decode workers (``policy``); a session's
     round with at most ``pd_local_prefill_threshold`` new prompt tokens is prefilled on its decode worker.
+
+    Access (docs/router.md): ``api_key`` guards every route but ``/health`` (and ``/metrics`` with
+    ``metrics_without_auth``), and ``/workers`` too when ``admin_api_key`` is not set; ``admin_api_key``
+    guards ``/workers`` and is required when ``host`` is not
+    loopback (unless ``worker_admin`` is False: no ``/workers`` routes at all); ``worker_api_key`` is the
+    Bearer token sent to workers (to a worker registered at run time only when ``admin_api_key`` or
+    ``allowed_worker_urls`` vouches for it: ``runtime_workers_trusted``); ``allowed_worker_urls`` limits what ``POST /workers`` may register
+    (None: any); ``allowed_hosts`` is the Host allow-list as given (None: the default for ``host``);
+    ``max_request_body_bytes`` caps request bodies (413).
     """
 
     @property
@@ -68,8 +87,31 @@ class RouterConfig:
     prefill_urls: tuple[str, ...] = ()
     prefill_policy: PolicyConfig | None = None
     pd_local_prefill_threshold: int = 0
+    kv_transfer_secret_file: str | None = None  # PD: the cluster secret kv_transfer_params are signed with
+    admin_api_key: str | None = None
+    worker_api_key: str | None = None
+    allowed_worker_urls: tuple[str, ...] | None = None
+    allowed_hosts: tuple[str, ...] | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    metrics_without_auth: bool = False
+    worker_admin: bool = True
+
+    @property
+    def runtime_workers_trusted(self) -> bool:
+        """Whether a worker registered through ``POST /workers`` gets ``worker_api_key``: only when the
+        registrant was authenticated as an administrator (``admin_api_key``) or the URL matched
+        ``allowed_worker_urls``. Otherwise anyone who may call ``/workers`` (a client holding ``api_key``,
+        or anyone on the host) could register a worker of their own and collect the key."""
+        return bool(self.admin_api_key) or self.allowed_worker_urls is not None
 
     def __post_init__(self) -> None:
+        if self.worker_admin and not self.admin_api_key and not is_loopback(self.host):
+            raise ValueError(f"--admin-api-key is required when the router listens beyond loopback (--host "
+                             f"{self.host}): without it anyone who reaches the port could register a worker and "
+                             "read every prompt")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        WorkerURLPolicy(self.allowed_worker_urls)  # raises on a malformed pattern
         if not self.health_check_interval > 0:
             raise ValueError(f"health_check_interval must be > 0, got {self.health_check_interval}")
         if not self.request_timeout > 0:
@@ -119,7 +161,8 @@ def route_request(kind: str, body: dict, session_header: str | None) -> RouteReq
     ``max_tokens``: the output budget times ``n`` (chat without one counts CHAT_MAX_TOKENS_ESTIMATE).
 
     Raises:
-        RouterError: a field routing reads is missing or of the wrong type (400 naming it).
+        RouterError: a field routing reads is missing or of the wrong type, or a session id (``user``,
+            ``X-Session-Id``) is longer than ``MAX_SESSION_ID_LENGTH`` (400 naming it).
     """
     for name in ("stream",):
         if name in body and not isinstance(body[name], bool):
@@ -132,6 +175,10 @@ def route_request(kind: str, body: dict, session_header: str | None) -> RouteReq
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise RouterError(f"user must be a string, got {user!r}", param="user")
+    for value, param in ((user, "user"), (session_header, "X-Session-Id")):
+        if value is not None and len(value) > MAX_SESSION_ID_LENGTH:
+            raise RouterError(f"{param} may be at most {MAX_SESSION_ID_LENGTH} characters long, got {len(value)}",
+                              param=param)
     prompt_token_ids = None
     if kind == "completions":
         if "prompt" not in body:
@@ -178,31 +225,27 @@ _GENERATE_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "ch
 
 
 class _RouterApp(FastAPI):
-    """FastAPI, with the two generation routes served straight from ``__call__`` (``generate``, set by
-    ``build_app``): each request then skips FastAPI's middleware stack, routing and dependency
-    solving, which cost the router a third of a millisecond per request here."""
+    """FastAPI, with every request passing ``guard`` first (router/access.py: Host, keys, JSON, body
+    cap; set by ``build_app``), and the two generation routes served straight from ``__call__``
+    (``generate``): each request then skips FastAPI's middleware stack, routing and dependency solving,
+    which cost the router a third of a millisecond per request here."""
 
     generate = None
+    guard = None
 
     async def __call__(self, scope, receive, send) -> None:
+        if self.guard is not None:
+            await self.guard(scope, receive, send)
+        else:
+            await self.dispatch(scope, receive, send)
+
+    async def dispatch(self, scope, receive, send) -> None:
+        """The app behind the guard: ``generate`` for the generation routes, FastAPI for the rest."""
         if (self.generate is not None and scope["type"] == "http" and scope["method"] == "POST"
                 and scope["path"] in _GENERATE_PATHS):
             await self.generate(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
-
-
-def _api_key_check(api_key: str | None) -> list:
-    if not api_key:
-        return []
-    expected = f"Bearer {api_key}".encode()
-
-    def check(request: Request) -> None:
-        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-            raise RouterError("missing or incorrect API key: send 'Authorization: Bearer <key>'", 401,
-                              "authentication_error")
-
-    return [Depends(check)]
 
 
 def build_app(config: RouterConfig) -> FastAPI:
@@ -217,8 +260,9 @@ def build_app(config: RouterConfig) -> FastAPI:
     client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=10.0),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
                                trust_env=False)
-    registry = WorkerRegistry(client, policy, config.api_key)
-    proxy = Proxy(client, registry, policy, metrics, config.api_key)
+    registry = WorkerRegistry(client, policy, config.worker_api_key)
+    proxy = Proxy(client, registry, policy, metrics, config.worker_api_key)
+    url_policy = WorkerURLPolicy(config.allowed_worker_urls, config.worker_urls + config.prefill_urls)
     for url in config.worker_urls:
         registry.add(url)
     pd = None
@@ -226,11 +270,13 @@ def build_app(config: RouterConfig) -> FastAPI:
         from tokenmill.router.pd import PDRouter
 
         prefill_policy = make_policy(config.prefill_policy or config.policy)
-        prefill_registry = WorkerRegistry(client, prefill_policy, config.api_key)
+        prefill_registry = WorkerRegistry(client, prefill_policy, config.worker_api_key)
         for url in config.prefill_urls:
             prefill_registry.add(url)
+        from tokenmill.security import load_cluster_secret
+
         pd = PDRouter(prefill_registry, prefill_policy, proxy, metrics, config.pd_local_prefill_threshold,
-                      config.api_key)
+                      config.worker_api_key, secret=load_cluster_secret(file=config.kv_transfer_secret_file))
     # kv_aware hashes prompt blocks, so it needs the prompt's token ids.
     tokenizer = None
     if config.policy.name == "kv_aware" or config.pd_disaggregation:  # exact prompt lengths for sessions' rounds
@@ -239,6 +285,9 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def with_token_ids(kind: str, body: dict, route: RouteRequest, content: bytes) -> RouteRequest:
         """``route`` with the prompt's token ids and the worker's prefix-cache extra keys (cache_salt)."""
         salt = body.get("cache_salt")
+        if isinstance(salt, str) and len(salt) > MAX_CACHE_SALT_LENGTH:  # hashed into every block of the prompt
+            raise RouterError(f"cache_salt may be at most {MAX_CACHE_SALT_LENGTH} characters long, got {len(salt)}",
+                              param="cache_salt")
         extra_keys = (salt,) if isinstance(salt, str) and salt else ()
         ids = route.prompt_token_ids
         if ids is None:
@@ -284,7 +333,9 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     app = _RouterApp(title="tokenmill router", lifespan=lifespan)
     app.state.registry, app.state.policy, app.state.metrics = registry, policy, metrics
-    auth = _api_key_check(config.api_key)
+    app.guard = guarded(app.dispatch, config.api_key, config.admin_api_key,
+                        allowed_hosts_for(config.host, config.allowed_hosts), config.max_request_body_bytes,
+                        config.metrics_without_auth)
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
@@ -313,6 +364,9 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def forward(kind: str, path: str, request: Request, send=None) -> Response:
         arrival = time.perf_counter()
         content, body = await read_json(request)
+        if "kv_transfer_params" in body:  # a client must never steer KV transfer (the PD path adds signed ones)
+            del body["kv_transfer_params"]
+            content = json.dumps(body).encode()
         route = route_request(kind, body, request.headers.get("x-session-id"))
         if tokenizer is not None:
             route = await with_token_ids(kind, body, route, content)
@@ -331,72 +385,43 @@ def build_app(config: RouterConfig) -> FastAPI:
         (what the routes below do, with the same errors, in about half the time)."""
         request = Request(scope, receive)
         try:
-            if auth:
-                auth[0].dependency(request)
             response = await forward(_GENERATE_PATHS[scope["path"]], scope["path"], request, send)
         except RouterError as exc:
             response = openai_error(exc.message, exc.status_code, exc.type, exc.param)
+        except StarletteHTTPException as exc:  # the body cap's 413, raised while the body is read
+            response = await _http_error(request, exc)
         except Exception as exc:
             response = await _unexpected_error(request, exc)
         await response(scope, receive, send)
 
     app.generate = generate
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await forward("completions", "/v1/completions", request)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await forward("chat", "/v1/chat/completions", request)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict:
         """The union of the healthy workers' models (first card of each id wins)."""
-        async def one(url: str) -> list:
+        async def one(worker) -> list:
             try:
-                response = await client.get(f"{url}/v1/models", headers=registry.auth, timeout=HEALTH_TIMEOUT_S)
+                response = await client.get(f"{worker.url}/v1/models", headers=worker.headers(registry.auth),
+                                            timeout=HEALTH_TIMEOUT_S)
                 data = response.json().get("data") if response.status_code == 200 else None
             except (httpx.HTTPError, ValueError, AttributeError):
                 return []
             return data if isinstance(data, list) else []
 
         cards: dict[str, dict] = {}
-        for data in await asyncio.gather(*(one(w.url) for w in registry.routable())):
+        for data in await asyncio.gather(*(one(w) for w in registry.routable())):
             for card in data:
                 if isinstance(card, dict) and isinstance(card.get("id"), str):
                     cards.setdefault(card["id"], card)
         return {"object": "list", "data": list(cards.values())}
-
-    @app.get("/workers", dependencies=auth)
-    async def list_workers() -> dict:
-        listed = {"policy": policy.name, "workers": [w.as_json() for w in registry.workers.values()]}
-        if pd is not None:  # the decode workers above; the prefill workers here
-            listed.update(prefill_policy=pd.prefill_policy.name,
-                          prefill_workers=[w.as_json() for w in pd.prefill.workers.values()])
-        return listed
-
-    @app.post("/workers", dependencies=auth, status_code=201)
-    async def add_worker(request: Request) -> JSONResponse:
-        """Register ``{"url": ...}``; answers 201 once its first health check ran (state in the body)."""
-        _, body = await read_json(request)
-        try:
-            worker = registry.add(body.get("url"))
-        except DuplicateWorker as exc:
-            raise RouterError(str(exc), 409, param="url") from None
-        except ValueError as exc:
-            raise RouterError(str(exc), param="url") from None
-        await registry.check(worker)
-        return JSONResponse(worker.as_json(), 201)
-
-    @app.delete("/workers/{worker_id}", dependencies=auth)
-    async def remove_worker(worker_id: str) -> dict:
-        """Unregister a worker; its requests in flight finish."""
-        try:
-            worker = registry.remove(worker_id)
-        except KeyError:
-            raise RouterError(f"no worker with id {worker_id!r}", 404, "not_found_error", "worker_id") from None
-        return {"id": worker.worker_id, "url": worker.url, "deleted": True}
 
     @app.get("/health")
     async def health() -> Response:
@@ -407,6 +432,44 @@ def build_app(config: RouterConfig) -> FastAPI:
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(registry.workers.values()), media_type=CONTENT_TYPE_LATEST)
+
+    if not config.worker_admin:  # data-parallel replicas beyond loopback: the workers are fixed
+        return app
+
+    @app.get("/workers")
+    async def list_workers() -> dict:
+        listed = {"policy": policy.name, "workers": [w.as_json() for w in registry.workers.values()]}
+        if pd is not None:  # the decode workers above; the prefill workers here
+            listed.update(prefill_policy=pd.prefill_policy.name,
+                          prefill_workers=[w.as_json() for w in pd.prefill.workers.values()])
+        return listed
+
+    @app.post("/workers", status_code=201)
+    async def add_worker(request: Request) -> JSONResponse:
+        """Register ``{"url": ...}``; answers 201 once its first health check ran (state in the body),
+        403 for a URL outside ``--allowed-worker-urls``."""
+        _, body = await read_json(request)
+        try:
+            url = normalize_url(body.get("url"))
+            if not url_policy.allows(url):
+                raise RouterError(f"url {url} is not allowed by the router's --allowed-worker-urls", 403,
+                                  "permission_error", "url")
+            worker = registry.add(url, trusted=config.runtime_workers_trusted or url in url_policy.implicit)
+        except DuplicateWorker as exc:
+            raise RouterError(str(exc), 409, param="url") from None
+        except ValueError as exc:
+            raise RouterError(str(exc), param="url") from None
+        await registry.check(worker)
+        return JSONResponse(worker.as_json(), 201)
+
+    @app.delete("/workers/{worker_id}")
+    async def remove_worker(worker_id: str) -> dict:
+        """Unregister a worker; its requests in flight finish."""
+        try:
+            worker = registry.remove(worker_id)
+        except KeyError:
+            raise RouterError(f"no worker with id {worker_id!r}", 404, "not_found_error", "worker_id") from None
+        return {"id": worker.worker_id, "url": worker.url, "deleted": True}
 
     return app
 
@@ -421,5 +484,9 @@ def run_router(config: RouterConfig) -> int:
         signal.signal(signum, lambda s, f: None)
     logger.info("router (%s) on http://%s:%d over %d worker(s)", config.policy.name, config.host, config.port,
                 len(config.worker_urls))
+    if config.worker_admin and config.api_key and not config.admin_api_key:
+        logger.warning("--api-key is set but --admin-api-key is not: --api-key also guards /workers, so every "
+                       "client may register workers%s", "" if config.runtime_workers_trusted else
+                       " (they get no --worker-api-key)")
     server.run()
     return 0

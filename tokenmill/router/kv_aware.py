@@ -32,6 +32,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from tokenmill.kv_cache.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
+from tokenmill.kv_events.transport import ClientKeys
 from tokenmill.router.kv_index import KVIndex
 from tokenmill.router.policy import Decision, Policy, RouteRequest, WorkerView
 
@@ -83,6 +84,7 @@ class KVAwarePolicy(Policy):
         predicted_ttl: seconds a dispatched request's prompt blocks count as held by its worker before
             its KV events confirm them (``--kv-predicted-ttl``); 0 trusts the events alone.
         clock: monotonic seconds (tests pass a fake one).
+        owns_index: close ``index`` with the policy (default: only the index it made itself).
 
     Raises:
         ValueError: a negative ``overlap_weight``, ``epsilon`` or ``predicted_ttl``.
@@ -92,14 +94,14 @@ class KVAwarePolicy(Policy):
 
     def __init__(self, index: KVIndex | None = None, overlap_weight: float = 1.0, epsilon: float = 0.25,
                  endpoints: dict[str, tuple[str, str | None]] | None = None, predicted_ttl: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, owns_index: bool | None = None) -> None:
         if not predicted_ttl >= 0:
             raise ValueError(f"predicted_ttl must be >= 0, got {predicted_ttl}")
         if overlap_weight < 0:
             raise ValueError(f"overlap_weight must be >= 0, got {overlap_weight}")
         if epsilon < 0:
             raise ValueError(f"epsilon must be >= 0, got {epsilon}")
-        self._owns_index = index is None
+        self._owns_index = index is None if owns_index is None else owns_index
         self.index = index if index is not None else KVIndex()
         self.overlap_weight = overlap_weight
         self.epsilon = epsilon
@@ -227,6 +229,15 @@ class KVAwarePolicy(Policy):
 
 def build_policy(config) -> KVAwarePolicy:
     """The policy from the router's ``PolicyConfig`` (``kv_overlap_weight``, ``load_cap_epsilon``,
-    ``kv_events_endpoints``, ``kv_predicted_ttl``)."""
-    return KVAwarePolicy(overlap_weight=config.kv_overlap_weight, epsilon=config.load_cap_epsilon,
-                         endpoints=config.kv_events_endpoints, predicted_ttl=config.kv_predicted_ttl)
+    ``kv_events_endpoints``, ``kv_predicted_ttl``, the ``kv_events_curve_*`` certificates).
+
+    Raises:
+        ValueError: a CURVE certificate that cannot be used (``transport.TransportKeyError``).
+    """
+    curve = None
+    if config.kv_events_curve_secret_key_file is not None:
+        curve = ClientKeys.from_files(config.kv_events_curve_secret_key_file, config.kv_events_curve_server_key_file,
+                                      "--kv-events-curve-secret-key-file")
+    return KVAwarePolicy(index=KVIndex(curve=curve), overlap_weight=config.kv_overlap_weight,
+                         epsilon=config.load_cap_epsilon, endpoints=config.kv_events_endpoints,
+                         predicted_ttl=config.kv_predicted_ttl, owns_index=True)

@@ -4,11 +4,13 @@ the workers' KV events (tokenmill.kv_events).
 One background thread owns the ZeroMQ sockets: a SUB socket per worker, and a short-lived DEALER
 per replay request. Each worker's batches are numbered; a gap (or a late join) is filled from the
 worker's replay socket, a changed publisher ``instance`` (the engine restarted) clears the worker's
-entries first. Lookups (``overlap``, ``overlaps``) take a lock and run on any thread; never imports
+entries first. With CURVE keys (``transport.ClientKeys``) every socket authenticates to the publishers
+and the stream is encrypted (docs/kv_events.md). Lookups (``overlap``, ``overlaps``) take a lock and run on any thread; never imports
 torch.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import threading
@@ -28,6 +30,7 @@ from tokenmill.kv_events.events import (
     decode_seq,
     encode_seq,
 )
+from tokenmill.kv_events.transport import ClientKeys
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +64,14 @@ class KVIndex:
     Args:
         replay_timeout: seconds a replay request may take before it counts as failed.
         topic: the publishers' topic (subscription prefix).
+        curve: this subscriber's CURVE key pair and the publishers' public key (None: plain sockets,
+            for publishers on loopback or ipc://).
     """
 
-    def __init__(self, replay_timeout: float = 2.0, topic: str = "") -> None:
+    def __init__(self, replay_timeout: float = 2.0, topic: str = "", curve: ClientKeys | None = None) -> None:
         self.replay_timeout = replay_timeout
         self.topic = topic.encode()
+        self.curve = curve
         self._lock = threading.Lock()
         self._holders: dict[int, dict[str, int]] = {}  # block_hash -> worker_id -> tier bits
         self._blocks: dict[str, set[int]] = {}  # worker_id -> block hashes it holds in some tier
@@ -291,6 +297,8 @@ class _Subscriber:
             if command[0] == "add":
                 sub = self.ctx.socket(zmq.SUB)
                 sub.setsockopt(zmq.SUBSCRIBE, self.index.topic)
+                if self.index.curve is not None:
+                    self.index.curve.apply(sub)
                 # Each (re)connection fetches what was missed meanwhile from the replay socket.
                 monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
                 sub.connect(command[2])
@@ -367,6 +375,8 @@ class _Subscriber:
         """Ask the worker's replay socket for every buffered batch from ``start`` on and apply them."""
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        if self.index.curve is not None:
+            self.index.curve.apply(dealer)
         try:
             dealer.connect(feed.replay_endpoint)
             dealer.send(encode_seq(start))
@@ -395,12 +405,36 @@ class _Subscriber:
 def kv_event_endpoints(status: dict, worker_url: str) -> tuple[str | None, str | None]:
     """(endpoint, replay_endpoint) to connect to, from a tokenmill worker's ``/debug/status``
     (``kv_events``), with a wildcard host (``*``, ``0.0.0.0``, ``[::]``) replaced by ``worker_url``'s
-    host; (None, None) when the worker publishes no events over ZeroMQ."""
+    host; (None, None) when the worker publishes no events over ZeroMQ, or publishes on its loopback
+    (or an ipc:// file) while ``worker_url`` is another host (give ``--kv-events-endpoints`` then)."""
     info = status.get("kv_events") if isinstance(status, dict) else None
     if not isinstance(info, dict) or not info.get("enabled") or info.get("publisher") != "zmq":
         return None, None
     host = urlparse(worker_url).hostname or "127.0.0.1"
-    return _connectable(info.get("endpoint"), host), _connectable(info.get("replay_endpoint"), host)
+    endpoint, replay = _connectable(info.get("endpoint"), host), _connectable(info.get("replay_endpoint"), host)
+    if endpoint is not None and not _is_loopback(host) and _host_only(endpoint):
+        logger.warning("KV index: worker %s publishes its KV events on %s, which this router cannot reach; "
+                       "bind a reachable address with CURVE keys and/or pass --kv-events-endpoints", worker_url,
+                       endpoint)
+        return None, None
+    return endpoint, replay
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_only(endpoint: str) -> bool:
+    """An endpoint only the publisher's own host can connect to (ipc://, tcp on loopback)."""
+    if endpoint.startswith("ipc://"):
+        return True
+    return endpoint.startswith("tcp://") and _is_loopback(endpoint[len("tcp://"):].rpartition(":")[0])
 
 
 def _connectable(endpoint: str | None, host: str) -> str | None:

@@ -8,6 +8,7 @@ for. Pure Python, no I/O, no asyncio (see policy.py): a ``select`` costs microse
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import random
 from collections import OrderedDict
@@ -31,6 +32,9 @@ class PolicyConfig:
     workers whose ``/debug/status`` does not give an address the router can reach.
     kv_predicted_ttl: ``kv_aware``: seconds a dispatched prompt's blocks count as held by its worker
     before KV events confirm them (0: events only).
+    kv_events_curve_secret_key_file, kv_events_curve_server_key_file: ``kv_aware``: the router's CURVE
+    certificate (secret half) and the workers' public certificate, to subscribe to publishers that
+    require CURVE (None: plain sockets; docs/kv_events.md).
     """
 
     name: str = "cache_aware"
@@ -44,6 +48,8 @@ class PolicyConfig:
     kv_overlap_weight: float = 1.0
     kv_events_endpoints: dict[str, tuple[str, str | None]] | None = None
     kv_predicted_ttl: float = 10.0
+    kv_events_curve_secret_key_file: str | None = None
+    kv_events_curve_server_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
@@ -64,6 +70,14 @@ class PolicyConfig:
             raise ValueError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight}")
         if not self.kv_predicted_ttl >= 0:
             raise ValueError(f"kv_predicted_ttl must be >= 0, got {self.kv_predicted_ttl}")
+        if (self.kv_events_curve_secret_key_file is None) != (self.kv_events_curve_server_key_file is None):
+            raise ValueError("kv_events_curve_secret_key_file and kv_events_curve_server_key_file go together")
+
+
+def session_key(session_id: str) -> bytes:
+    """The key a session is remembered under: a 16-byte BLAKE2b digest of its id, so a session map's size
+    does not depend on how long clients make their ids."""
+    return hashlib.blake2b(session_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def request_tokens(request: RouteRequest) -> int:
@@ -196,17 +210,17 @@ class SessionAffinity(Policy):
     """Wraps a policy: a request with a ``session_id`` goes to the worker that served its session last,
     unless that worker is gone or over the load cap (``bounded_load_ok``); otherwise the wrapped
     policy decides (reason ``load_cap`` when the cap overrode the session). Remembers at most
-    ``max_sessions`` sessions (least recently used forgotten first)."""
+    ``max_sessions`` sessions (least recently used forgotten first), each under its ``session_key``."""
 
     def __init__(self, inner: Policy, epsilon: float, max_sessions: int = 65536) -> None:
         self.inner = inner
         self.name = inner.name
         self.epsilon = epsilon
         self.max_sessions = max_sessions
-        self.sessions: OrderedDict[str, str] = OrderedDict()  # session_id -> worker_id
+        self.sessions: OrderedDict[bytes, str] = OrderedDict()  # session_key(session_id) -> worker_id
 
     def select(self, request: RouteRequest, workers: list[WorkerView]) -> Decision:
-        worker_id = self.sessions.get(request.session_id) if request.session_id is not None else None
+        worker_id = self.sessions.get(session_key(request.session_id)) if request.session_id is not None else None
         worker = next((w for w in workers if w.worker_id == worker_id), None)
         if worker is None:
             return self.inner.select(request, workers)
@@ -218,8 +232,9 @@ class SessionAffinity(Policy):
 
     def on_dispatched(self, request: RouteRequest, decision: Decision) -> None:
         if request.session_id is not None:
-            self.sessions[request.session_id] = decision.worker_id
-            self.sessions.move_to_end(request.session_id)
+            key = session_key(request.session_id)
+            self.sessions[key] = decision.worker_id
+            self.sessions.move_to_end(key)
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
         self.inner.on_dispatched(request, decision)

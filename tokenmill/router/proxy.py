@@ -388,19 +388,20 @@ class Proxy:
     def __init__(self, client: httpx.AsyncClient, registry: WorkerRegistry, policy: Policy, metrics: RouterMetrics,
                  api_key: str | None = None, session: aiohttp.ClientSession | None = None) -> None:
         """``client``: control calls (``/detokenize``); ``session``: the data plane (``upstream_session``),
-        which may be set later, once the event loop runs (the app's lifespan does)."""
+        which may be set later, once the event loop runs (the app's lifespan does). ``api_key``: the
+        router's credential for the workers (``--worker-api-key``), sent as their Bearer token."""
         self.client, self.registry, self.policy, self.metrics = client, registry, policy, metrics
         self.api_key = api_key
         self.session = session
 
     def upstream_headers(self, request: Request, route: RouteRequest) -> dict[str, str]:
-        """Content type, the request id, and authorization: the router's key when it has one, else the
-        client's header as given."""
+        """Content type, the request id, and the router's own credential for the workers
+        (``--worker-api-key``) when it has one (``Worker.headers`` removes it for an untrusted worker). The
+        client's Authorization header is never sent on: a worker registered by mistake or by an attacker
+        must not learn the clients' key."""
         headers = {"content-type": "application/json", "x-request-id": route.request_id}
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
-        elif "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
         return headers
 
     async def forward(self, path: str, content: bytes, route: RouteRequest, stream: bool, request: Request,
@@ -497,7 +498,7 @@ class Proxy:
         if arrival is not None:
             self.metrics.overhead.labels("dispatch").observe(time.perf_counter() - arrival)
         try:
-            response = await self.session.post(worker.url + path, data=content, headers=headers)
+            response = await self.session.post(worker.url + path, data=content, headers=worker.headers(headers))
         except aiohttp.ConnectionTimeoutError as exc:
             self._fail(worker, f"connect: {type(exc).__name__}", "connect_error")
         except asyncio.TimeoutError as exc:
@@ -589,7 +590,7 @@ class Proxy:
     async def detokenize(self, worker: Worker, token_ids: list[int], headers: dict[str, str]) -> str:
         """A worker's ``/detokenize`` of ``token_ids`` (raises httpx errors)."""
         response = await self.client.post(f"{worker.url}/detokenize", json={"tokens": token_ids},
-                                          headers=headers, timeout=HEALTH_TIMEOUT_S)
+                                          headers=worker.headers(headers), timeout=HEALTH_TIMEOUT_S)
         response.raise_for_status()
         return response.json()["prompt"]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -32,7 +33,7 @@ def normalize_url(url: object) -> str:
     """``http(s)://host[:port][/path]`` without a trailing slash.
 
     Raises:
-        ValueError: not a string, another scheme, no host, a query or fragment, or a bad port.
+        ValueError: not a string, another scheme, no host, credentials, a query or fragment, or a bad port.
     """
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"url must be a non-empty string like http://host:port, got {url!r}")
@@ -45,8 +46,44 @@ def normalize_url(url: object) -> str:
         raise ValueError(f"url must be http://host[:port] or https://host[:port], got {url!r}")
     if parts.query or parts.fragment:
         raise ValueError(f"url must not have a query or fragment, got {url!r}")
+    if "@" in parts.netloc:  # the router's own credential is --worker-api-key; a user@host also dodges patterns
+        raise ValueError(f"url must not carry credentials (user@host), got {url!r}")
     del port
     return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    """``pattern`` as a regex over a normalized URL: ``*`` is any run of characters within one label
+    (no ``.``, ``:`` or ``/``, as in a TLS wildcard name), ``?`` one such character; the match may stop
+    at the end of the URL or before a ``:`` or ``/`` (so ``http://10.0.0.5`` covers
+    ``http://10.0.0.5:8000`` but not ``http://10.0.0.55`` or ``http://10.0.0.5.evil.example``)."""
+    text = pattern.strip().lower().rstrip("/")
+    body = "".join("[^./:]*" if c == "*" else "[^./:]" if c == "?" else re.escape(c) for c in text)
+    return re.compile(f"{body}(?:[:/].*)?", re.DOTALL)
+
+
+class WorkerURLPolicy:
+    """Which URLs ``POST /workers`` may register (``--allowed-worker-urls``): each pattern is an
+    fnmatch-style glob or a prefix (see ``_pattern_regex``), and the workers given on the command line
+    are always allowed. No patterns: any URL.
+
+    Raises:
+        ValueError: an empty pattern, or one that is not an http(s) URL pattern.
+    """
+
+    def __init__(self, patterns: tuple[str, ...] | None, implicit_urls: tuple[str, ...] = ()) -> None:
+        self.patterns = None if patterns is None else tuple(patterns)
+        for pattern in self.patterns or ():
+            if not pattern.strip().lower().startswith(("http://", "https://")):
+                raise ValueError(f"--allowed-worker-urls: a pattern starts with http:// or https://, got {pattern!r}")
+        self._regexes = [_pattern_regex(p) for p in self.patterns or ()]
+        self.implicit = frozenset(normalize_url(u) for u in implicit_urls)  # the command line's workers
+
+    def allows(self, url: str) -> bool:
+        """Whether the normalized ``url`` may be registered."""
+        if self.patterns is None or url in self.implicit:
+            return True
+        return any(r.fullmatch(url.lower()) for r in self._regexes)
 
 
 @dataclass(eq=False)
@@ -64,6 +101,13 @@ class Worker:
     kv_events_replay_endpoint: str | None = None
     model_path: str | None = None  # a tokenmill worker's tokenizer or model path (None: the embedded model)
     last_error: str | None = None
+    trusted: bool = True  # gets the router's --worker-api-key (see WorkerRegistry.add)
+
+    def headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """``headers`` to send this worker: without ``Authorization`` unless it is ``trusted``."""
+        if self.trusted:
+            return headers
+        return {k: v for k, v in headers.items() if k.lower() != "authorization"}
 
     def view(self) -> WorkerView:
         return WorkerView(worker_id=self.worker_id, url=self.url, healthy=self.state == "healthy",
@@ -102,14 +146,18 @@ class WorkerRegistry:
     """The workers by id (registration order), their health checks and tokenmill detection."""
 
     def __init__(self, client: httpx.AsyncClient, policy: Policy, api_key: str | None = None) -> None:
+        """``api_key``: the router's credential for the workers (``--worker-api-key``), sent on control
+        calls (``/debug/status``, ``/v1/models``) as ``auth``; never a client's key."""
         self.client = client
         self.policy = policy
         self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.workers: dict[str, Worker] = {}
         self._ids = itertools.count()
 
-    def add(self, url: object) -> Worker:
-        """Register ``url`` as ``pending`` (not routable until a health check passes).
+    def add(self, url: object, trusted: bool = True) -> Worker:
+        """Register ``url`` as ``pending`` (not routable until a health check passes). ``trusted``: the
+        worker gets the router's credential (``--worker-api-key``); False for a worker registered at run
+        time by a party the router did not authenticate as its administrator (docs/router.md).
 
         Raises:
             ValueError: a malformed URL; DuplicateWorker: already registered.
@@ -118,7 +166,7 @@ class WorkerRegistry:
         for worker in self.workers.values():
             if worker.url == url:
                 raise DuplicateWorker(f"worker {url} is already registered as {worker.worker_id}")
-        worker = Worker(worker_id=f"worker-{next(self._ids)}", url=url)
+        worker = Worker(worker_id=f"worker-{next(self._ids)}", url=url, trusted=trusted)
         self.workers[worker.worker_id] = worker
         logger.info("worker %s added: %s", worker.worker_id, url)
         return worker
@@ -177,7 +225,8 @@ class WorkerRegistry:
         worker.is_tokenmill, worker.block_size = False, None
         worker.kv_events_endpoint = worker.kv_events_replay_endpoint = None
         try:
-            response = await self.client.get(f"{worker.url}/debug/status", headers=self.auth, timeout=HEALTH_TIMEOUT_S)
+            response = await self.client.get(f"{worker.url}/debug/status", headers=worker.headers(self.auth),
+                                             timeout=HEALTH_TIMEOUT_S)
             status = response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             status = None

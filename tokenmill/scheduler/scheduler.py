@@ -270,7 +270,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token_id in params.stop_token_ids:
+        if token_id in params.stop_token_id_set:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:

@@ -14,7 +14,9 @@ import secrets
 import stat
 from pathlib import Path
 
-SECRET_ENV = "TOKENMILL_CLUSTER_SECRET"
+from tokenmill import envs
+
+SECRET_ENV = envs.CLUSTER_SECRET
 MIN_SECRET_BYTES = 16
 
 
@@ -90,7 +92,7 @@ def load_cluster_secret(value: str | bytes | None = None, file: str | os.PathLik
         return data.strip()
     if file is not None:
         return read_secret_file(file)
-    env = os.environ.get(SECRET_ENV)
+    env = envs.cluster_secret()
     if env:
         return load_cluster_secret(value=env)
     path = default_secret_path()

@@ -1,9 +1,11 @@
 """The FastAPI app (routes, API-key check, lifespan of the engine thread) and ``run_server``.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions (API key checked when configured),
-/health, /version, /metrics, /tokenize, /detokenize, /tokenizer_info, the debug views /debug/kv_cache
-and /debug/status (engine configuration, CPU ISA path and kernel choice, KV pool, the /metrics counters
-as JSON), and the web page at / with its files under /static (tokenmill/server/static, public).
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /health, /version, /metrics, /tokenize,
+/detokenize, /tokenizer_info, the debug views /debug/kv_cache and /debug/status (engine configuration, CPU
+ISA path and kernel choice, KV pool, the /metrics counters as JSON), and the web page at / with its files
+under /static (tokenmill/server/static). Every request first passes the surface guards of
+``tokenmill.security.http`` (``install_surface_guards``): Host header, CORS, API key (every path but
+``PUBLIC_PATHS``), JSON content type on POST/PUT/PATCH/DELETE, request-body cap.
 Tokenizing, chat templating and detokenizing run in worker threads (``asyncio.to_thread``), so a
 large input never stalls the event loop and the requests of other clients.
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hmac
 import logging
 import platform
 import signal
@@ -24,17 +25,21 @@ from typing import Callable
 
 import torch
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.middleware.cors import CORSMiddleware
 
 import tokenmill
 from tokenmill import csrc_build
 from tokenmill.config import ConfigError
+from tokenmill.security.http import (AllowedHostsMiddleware, APIKeyMiddleware, BodySizeLimitMiddleware,
+                                     JSONContentTypeMiddleware, allowed_hosts_for, is_loopback)
 from tokenmill.server.async_engine import EngineDeadError
 from tokenmill.server.errors import APIError, error_response, install_error_handlers
+from tokenmill.server.kv_transfer_params import kv_transfer_router
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenmill.server.serving_chat import create_chat_completion, render_chat
 from tokenmill.server.serving_completions import create_completion
@@ -46,6 +51,10 @@ from tokenmill.server.state import ServerConfig, ServerState
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).with_name("static")  # the web page (plain HTML/JS/CSS, no build step)
+# Served without the API key: the liveness probe and the web page (static files, no data; its API calls
+# carry the key). /metrics joins them with --metrics-without-auth. Every other path needs the key.
+PUBLIC_PATHS = ("/health", "/")
+PUBLIC_PREFIXES = ("/static/",)
 
 
 def kv_cache_snapshot(engine, check_integrity: bool = True) -> dict:
@@ -156,18 +165,22 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
     return info
 
 
-def _api_key_check(api_key: str | None) -> list:
-    if not api_key:
-        return []
-    expected = f"Bearer {api_key}".encode()
-
-    def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise APIError("missing or incorrect API key: send 'Authorization: Bearer <key>'", 401,
-                           "authentication_error", code="invalid_api_key")
-
-    return [Depends(check)]
+def install_surface_guards(app: FastAPI, config: ServerConfig) -> None:
+    """Wrap ``app`` in the HTTP guards, outermost first: allowed Host header (400), CORS when
+    ``allowed_origins`` is set (preflights answered before the key check), the API key (401, every path
+    but the public ones), a JSON content type on state-changing methods (415), the body cap (413)."""
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes,
+                       timeout_s=config.request_body_timeout, max_buffered_bytes=config.max_buffered_body_bytes)
+    app.add_middleware(JSONContentTypeMiddleware)
+    if config.api_key:
+        public = PUBLIC_PATHS + (("/metrics",) if config.metrics_without_auth else ())
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=public,
+                           public_prefixes=PUBLIC_PREFIXES)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                           allow_credentials=config.allow_credentials)
+    app.add_middleware(AllowedHostsMiddleware, allowed_hosts=allowed_hosts_for(config.host, config.allowed_hosts))
 
 
 def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
@@ -183,7 +196,8 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=_api_key_check(config.api_key))
+    install_surface_guards(app, config)
+    v1 = APIRouter(prefix="/v1")
 
     def model_cards() -> list[dict]:
         """The base model, then each LoRA adapter (``parent``: its base model)."""
@@ -218,7 +232,8 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
     v1.include_router(lora_router(state, config.allow_runtime_lora_updating))
     v1.include_router(sessions_router(state, config.session_save_path))
     app.include_router(v1)
-    app.include_router(rl_router(state, config.enable_rl_endpoints, _api_key_check(config.api_key)))  # docs/rl.md
+    app.include_router(rl_router(state, config.enable_rl_endpoints))  # docs/rl.md
+    app.include_router(kv_transfer_router(state))  # POST /kv_transfer/release (docs/pd_disaggregation.md)
 
     @app.get("/health")
     async def health():
@@ -254,7 +269,7 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> dict:
-        """Special tokens, chat template and length limit of the served tokenizer (public, like /tokenize)."""
+        """Special tokens, chat template and length limit of the served tokenizer."""
         return tokenizer_info(state.tokenizer, state.max_model_len)
 
     @app.post("/detokenize")
@@ -267,9 +282,7 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
             raise APIError(f"tokens must be in [0, {vocab_size}), got {bad[:5]}", param="tokens")
         return {"prompt": await asyncio.to_thread(state.decode, body.tokens)}
 
-    debug_auth = _api_key_check(config.api_key)  # like /v1: engine internals are not public
-
-    @app.get("/debug/kv_cache", dependencies=debug_auth)
+    @app.get("/debug/kv_cache")
     async def debug_kv_cache() -> JSONResponse:
         """The KV pool, scheduler counts and check_integrity() result, read on the engine thread."""
         try:
@@ -277,7 +290,7 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, "service_unavailable_error") from None
 
-    @app.get("/debug/status", dependencies=debug_auth)
+    @app.get("/debug/status")
     async def debug_status(check_integrity: bool = True) -> JSONResponse:
         """Configuration, CPU ISA path and kernel choice, KV pool (read on the engine thread; with
         ``check_integrity=false`` without the O(blocks) pool check, for pollers), and ``metrics``: the
@@ -323,6 +336,10 @@ def run_server(config: ServerConfig) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _ignore_signal)
     logger.info("serving %r on http://%s:%d", config.served_model_name, config.host, config.port)
+    if not config.api_key and not is_loopback(config.host):
+        logger.warning("serving on %s beyond loopback WITHOUT --api-key: anyone who can reach port %d can use "
+                       "every endpoint (generate, sleep, sessions, LoRA); set --api-key (docs/security.md)",
+                       config.host, config.port)
     server.run()
     if load_failures and isinstance(load_failures[0], ValueError):
         exc = load_failures[0]

@@ -33,6 +33,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread is not serving (still loading, crashed, or shut down)."""
 
 
+class QueueFullError(RuntimeError):
+    """Too many sequences wait for the engine already (``max_queued_requests``); retry later."""
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One prompt to generate for: already tokenized and validated by the server."""
@@ -112,6 +116,8 @@ class AsyncEngine:
         on_load_failure: called (from the engine thread) if the engine cannot be built.
         on_loaded: called with the LLM on the engine thread once it is built, before it serves (an
             exception there is a load failure).
+        max_queued_requests: most sequences waiting in the scheduler; an add that would go past it
+            (while any wait) fails with QueueFullError. None: no limit.
     """
 
     def __init__(
@@ -120,8 +126,10 @@ class AsyncEngine:
         tracker: RequestMetricsTracker | None = None,
         on_load_failure: Callable[[BaseException], None] | None = None,
         on_loaded: Callable[[LLM], None] | None = None,
+        max_queued_requests: int | None = None,
     ) -> None:
         self._engine_args = engine_args
+        self._max_queued_requests = max_queued_requests
         self._on_loaded = on_loaded
         self._tracker = tracker
         self._on_load_failure = on_load_failure
@@ -168,7 +176,8 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
 
     async def add(self, requests: list[EngineRequest]) -> RequestStream:
-        """Queue requests atomically: all are added, or none (the engine's ValueError is re-raised)."""
+        """Queue requests atomically: all are added, or none (the engine's ValueError is re-raised;
+        QueueFullError past ``max_queued_requests``)."""
         self.check_healthy()
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
@@ -295,6 +304,13 @@ class AsyncEngine:
                 return True
 
     def _add(self, engine, command: _Add) -> None:
+        num_waiting = engine.scheduler.num_waiting
+        num_new = sum(r.params.n for r in command.requests)
+        if self._max_queued_requests is not None and num_waiting and num_waiting + num_new > self._max_queued_requests:
+            command.accepted.set_exception(QueueFullError(
+                f"{num_waiting} sequences wait for the engine already; this request's {num_new} would pass the "
+                f"server's limit of {self._max_queued_requests} (--max-queued-requests); retry later"))
+            return
         added: list[str] = []
         try:
             for r in command.requests:

@@ -106,7 +106,7 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(str(exc.detail), exc.status_code, error_type)
+    return error_response(str(exc.detail), exc.status_code, error_type, code=getattr(exc, "code", None))
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

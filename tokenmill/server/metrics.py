@@ -115,6 +115,12 @@ class _EngineStatsCollector(Collector):
             ("kv_transfer_leases", "Finished prompts whose blocks were leased to a consumer.", "leases_total"),
             ("kv_transfer_leases_expired", "Leases freed unclaimed after lease_ttl_s.", "leases_expired_total"),
             ("kv_transfer_sent_bytes", "KV bytes sent to consumers.", "bytes_sent_total"),
+            ("kv_transfer_leases_refused", "Finished prompts not leased: over max_leases or max_lease_blocks.",
+             "leases_refused_total"),
+            ("kv_transfer_connections_refused", "Producer connections refused: outside allowed_consumers, or signed pulls over max_connections.",
+             "connections_refused_total"),
+            ("kv_transfer_auth_failures", "Producer connections that never presented a pull signed with the "
+             "cluster secret.", "auth_failures_total"),
         ):
             if key in info:
                 counter = CounterMetricFamily(f"tokenmill:{name}", doc, labels=labels)
@@ -122,7 +128,8 @@ class _EngineStatsCollector(Collector):
                 yield counter
         fallbacks = CounterMetricFamily("tokenmill:kv_transfer_local_fallbacks",
                                         "Requests that asked for remote K/V but computed their prompt here, by reason "
-                                        "(connect, timeout, refused, mismatch, corrupt, protocol, params).",
+                                        "(connect, timeout, refused, mismatch, corrupt, protocol, params, auth, "
+                                        "not_allowed, too_large).",
                                         labels=["model_name", "reason"])
         for reason, count in sorted(info["local_fallbacks"].items()):
             fallbacks.add_metric([self._model_name, reason], count)

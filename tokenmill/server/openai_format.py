@@ -12,10 +12,11 @@ from tokenmill.outputs import Logprob, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.errors import APIError, field_error
 from tokenmill.server.protocol import SamplingRequest
+from tokenmill.server.request_limits import RequestLimits
 from tokenmill.token_strings import TokenString, TokenStrings
 
 MAX_N = 128  # most sequences one request may ask for
-MAX_STOP_STRINGS = 32  # every stop string is searched at every step
+MAX_STOP_STRINGS = RequestLimits.max_stop_strings  # the default of --max-stop-strings
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias
 _NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -65,16 +66,19 @@ def build_sampling_params(
     prompt_logprobs: int | None = None,
     aliases: dict[str, str] | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
+    limits: RequestLimits | None = None,
 ) -> SamplingParams:
     """SamplingParams for a request, or an APIError naming the request field at fault.
 
     ``aliases`` maps SamplingParams field names to the request's names (chat's
     ``top_logprobs`` is ``logprobs`` here). ``structured_outputs``: the output constraint
-    (``build_structured_outputs``, or a tool-call constraint).
+    (``build_structured_outputs``, or a tool-call constraint). ``limits``: the server's
+    ``--max-stop-strings``, ``--max-stop-token-ids``, ``--max-logit-bias`` (None: the defaults).
     """
+    limits = limits or RequestLimits()
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
-    if stop is not None and len(stop) > MAX_STOP_STRINGS:
-        raise APIError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
+    limits.check_stop(stop, request.stop_token_ids)
+    limits.check_logit_bias(request.logit_bias)
     if request.n > MAX_N:
         raise APIError(f"n must be <= {MAX_N}, got {request.n}", param="n")
     for token_id in request.stop_token_ids or ():

@@ -96,7 +96,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    cache_salt: Text | None = None
+    cache_salt: Text | None = Field(default=None, max_length=1024)  # hashed into every block: bounded (issue 41)
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None

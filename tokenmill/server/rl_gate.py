@@ -107,7 +107,7 @@ class RLGate:
         num_aborted = 0
         if abort:
             def abort_all(engine) -> int:
-                outputs = engine_ops.abort_all(engine)
+                outputs = engine.abort_all()
                 self.engine.deliver(outputs)
                 return len(outputs)
 
@@ -152,7 +152,7 @@ class RLGate:
             self.sleeping = True
             try:
                 await self._drain(abort=False)
-                await self.call_engine(lambda engine: engine_ops.sleep(engine, level))
+                await self.call_engine(lambda engine: engine.sleep(level))
             except BaseException:
                 self.sleeping = False
                 raise
@@ -162,6 +162,6 @@ class RLGate:
     async def wake_up(self) -> None:
         """Restore the KV pool (and the weights) and take requests again."""
         async with self._op_lock():
-            await self.call_engine(engine_ops.wake_up)
+            await self.call_engine(lambda engine: engine.wake_up())
             self.sleeping = False
             self._notify()

@@ -24,6 +24,7 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import EngineRequest, RequestStream
 from tokenmill.server.errors import APIError
+from tokenmill.server.kv_transfer_params import accept_kv_transfer_params
 from tokenmill.server.openai_format import (
     build_sampling_params, build_structured_outputs, chat_logprobs, check_length, usage,
 )
@@ -63,6 +64,7 @@ def _tool_request(body: ChatCompletionRequest, state: ServerState) -> ToolReques
     """The request's validated tools, or None without tools (APIError naming the field otherwise)."""
     if body.functions:
         raise APIError("functions is deprecated and not supported; send tools", param="functions")
+    state.config.request_limits.check_tools(body.tools)
     try:
         tool_request = parse_tools(body.tools, body.tool_choice)
     except ToolCallingError as exc:
@@ -101,12 +103,17 @@ async def _engine_request(
         body, vocab_size=state.vocab_size, max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         aliases={"logprobs": "top_logprobs", "max_tokens": max_tokens_param}, structured_outputs=constraint,
+        limits=state.config.request_limits,
     )
+    state.config.request_limits.check_num_seqs(1, body.n)
     await asyncio.to_thread(state.check_constraint, constraint, constraint_param)
     token_ids = await asyncio.to_thread(render_chat, state, body.messages, body.add_generation_prompt,
                                         body.allow_special_tokens_in_content, tool_request)
     check_length(len(token_ids), max_tokens, state.max_model_len, "messages", max_tokens_param)
-    return (EngineRequest(request_id, token_ids, params, None, body.cache_salt, lora_request, body.kv_transfer_params),
+    state.config.request_limits.check_num_tokens(
+        [state.max_model_len - len(token_ids) if max_tokens is None else max_tokens], body.n, max_tokens_param)
+    kv_transfer_params = accept_kv_transfer_params(state, body.kv_transfer_params)  # signed by the PD router only
+    return (EngineRequest(request_id, token_ids, params, None, body.cache_salt, lora_request, kv_transfer_params),
             tool_request)
 
 

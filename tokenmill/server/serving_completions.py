@@ -19,6 +19,7 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import EngineRequest, RequestStream
 from tokenmill.server.errors import APIError
+from tokenmill.server.kv_transfer_params import accept_kv_transfer_params
 from tokenmill.server.openai_format import (
     CompletionLogprobs, build_sampling_params, build_structured_outputs, check_length, usage,
 )
@@ -44,12 +45,17 @@ def _engine_requests(
     params = build_sampling_params(
         body, vocab_size=state.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if body.echo else None, structured_outputs=constraint,
+        limits=state.config.request_limits,
     )
-    state.check_constraint(constraint, constraint_param)
     prompts = _prompt_list(body.prompt)
+    state.config.request_limits.check_num_seqs(len(prompts), body.n)  # before any work per prompt
+    state.check_constraint(constraint, constraint_param)
     if not prompts:
         raise APIError("prompt must not be empty", param="prompt")
     engine = state.llm().engine
+    if body.kv_transfer_params is not None and len(prompts) > 1:
+        raise APIError("kv_transfer_params needs a single prompt", param="kv_transfer_params")
+    kv_transfer_params = accept_kv_transfer_params(state, body.kv_transfer_params)  # signed by the PD router only
     requests = []
     for i, prompt in enumerate(prompts):
         try:
@@ -61,9 +67,10 @@ def _engine_requests(
             text = state.decode(token_ids)
         request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
         requests.append(EngineRequest(request_id, token_ids, params, text, body.cache_salt, lora_request,
-                                      body.kv_transfer_params))
-    if body.kv_transfer_params is not None and len(requests) > 1:
-        raise APIError("kv_transfer_params needs a single prompt", param="kv_transfer_params")
+                                      kv_transfer_params))
+    state.config.request_limits.check_num_tokens(
+        [engine.max_model_len - len(r.prompt_token_ids) if body.max_tokens is None else body.max_tokens
+         for r in requests], body.n, "max_tokens")
     return requests
 
 

@@ -4,7 +4,7 @@ vLLM's where SGLang has none:
 ``POST /update_weights_from_disk``, ``POST /update_weights_from_tensor``, ``POST /reset_prefix_cache``,
 ``POST /pause_generation``, ``POST /resume_generation``, ``POST /sleep?level=1|2``, ``POST /wake_up``,
 ``GET /is_sleeping``, ``GET /weight_info``. Without the flag each answers 404 naming it; with
-``--api-key`` each needs the key. Checkpoints are read and checked in a worker thread while the
+``--api-key`` each needs the key (the server's middleware), and every POST needs a JSON content type. Checkpoints are read and checked in a worker thread while the
 requests in flight finish; the copy runs on the engine thread once it is idle (``RLGate``).
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from tokenmill.rl import engine_ops
 from tokenmill.rl.checkpoint import WeightUpdateError, check_dense, check_tensor_specs, read_checkpoint
 from tokenmill.server.errors import APIError
 from tokenmill.server.rl_gate import RLGate
@@ -99,16 +98,16 @@ def _decode_tensors(blobs: list[str], served_config, targets) -> dict:
     return {n: t for n, t in tensors.items() if n in targets}
 
 
-def rl_router(state, enabled: bool, auth: list) -> APIRouter:
-    """The RL routes at the server root. ``state``: the ServerState (``state.rl``: its RLGate);
-    ``auth``: the API-key dependencies. Without ``enabled`` every route answers 404 naming the flag."""
+def rl_router(state, enabled: bool) -> APIRouter:
+    """The RL routes at the server root. ``state``: the ServerState (``state.rl``: its RLGate). Without
+    ``enabled`` every route answers 404 naming the flag."""
 
     def check_enabled() -> None:
         if not enabled:
             raise APIError("the RL endpoints are off; start the server with --enable-rl-endpoints", 404,
                            "not_found_error")
 
-    router = APIRouter(dependencies=[Depends(check_enabled), *auth])
+    router = APIRouter(dependencies=[Depends(check_enabled)])
     gate: RLGate = state.rl
     metrics = RLMetrics(state.metrics.registry, state.model_name)
 
@@ -124,7 +123,7 @@ def rl_router(state, enabled: bool, auth: list) -> APIRouter:
 
         def apply(engine, prepared) -> dict:
             tensors, source_path = prepared
-            return engine_ops.update_weights(engine, tensors, source_path=source_path, flush_cache=body.flush_cache,
+            return engine.update_weights(tensors, source_path=source_path, flush_cache=body.flush_cache,
                                              weight_version=body.weight_version, started=started)
 
         try:
@@ -149,7 +148,7 @@ def rl_router(state, enabled: bool, auth: list) -> APIRouter:
         def read(engine):
             check_dense(engine.loaded.model)
             tensors = read_checkpoint(body.model_path, engine.loaded.hf_config, engine.rl_state.targets,
-                                      use_gguf_cache=engine_ops.is_served_gguf(engine, body.model_path))
+                                      use_gguf_cache=engine.is_served_gguf(body.model_path))
             return tensors, body.model_path
 
         return await apply_update(read, "disk", body)
@@ -170,7 +169,7 @@ def rl_router(state, enabled: bool, auth: list) -> APIRouter:
     async def reset_prefix_cache() -> dict:
         """Forget every cached KV block (pool, RAM and disk tiers) once the requests in flight finish."""
         try:
-            await gate.exclusive(lambda engine: engine_ops.flush_prefix_cache(engine, clear_disk=True))
+            await gate.exclusive(lambda engine: engine.flush_prefix_cache(clear_disk=True))
         except WeightUpdateError as exc:
             raise APIError(str(exc), param=exc.param) from None
         metrics.flushes.labels(metrics.model_name, "reset").inc()
@@ -219,7 +218,7 @@ def rl_router(state, enabled: bool, auth: list) -> APIRouter:
         """Version, fingerprint, path and load time of the served weights, update and flush counts,
         pause and sleep state."""
         state.llm()
-        info = await gate.call_engine(engine_ops.weight_info)
+        info = await gate.call_engine(lambda engine: engine.weight_info())
         return {**info, "paused": gate.user_paused, "num_queued_requests": gate.num_queued}
 
     return router

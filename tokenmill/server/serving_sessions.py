@@ -9,7 +9,9 @@
 - ``DELETE /v1/sessions/{id}``: erases it.
 
 Without the flag every route answers 404 naming it. The engine-side copies run on the engine thread
-(``AsyncEngine.call``), file I/O in worker threads.
+(``AsyncEngine.call``), file I/O in worker threads. ``--session-max-bytes`` (413) and
+``--session-max-total-bytes`` (507) bound the disk a client can fill; with ``--session-secret-file`` each
+session carries an HMAC and a restore refuses one that fails it (``kv_transfer.session``).
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import asyncio
 import uuid
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.kv_transfer.blocks import KVBlocksError, export_blocks, extra_keys_of, import_blocks
-from tokenmill.kv_transfer.session import delete_session, read_session, session_dir, write_session
+from tokenmill.kv_transfer.session import SessionQuota, delete_session, read_session, session_dir, write_session
+from tokenmill.security import SecretError, read_secret_file
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.async_engine import EngineDeadError, EngineRequest
 from tokenmill.server.errors import APIError
@@ -38,18 +41,29 @@ class SaveSessionRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     model: str | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, max_length=1024)  # as the completions routes bound it
 
 
 def _api_error(exc: KVBlocksError) -> APIError:
     kind = {404: "not_found_error", 409: "conflict_error", 507: "insufficient_storage_error"}.get(
         exc.status_code, "invalid_request_error")
-    return APIError(str(exc), exc.status_code, kind, param=exc.param)
+    code = {413: "request_too_large", 507: "insufficient_storage"}.get(exc.status_code)
+    return APIError(str(exc), exc.status_code, kind, param=exc.param, code=code)
 
 
 def sessions_router(state, save_path: str | None) -> APIRouter:
-    """The session routes, mounted under /v1."""
+    """The session routes, mounted under /v1; limits and secret from ``state.config`` (``ServerConfig``).
+
+    Raises:
+        SecretError: ``session_secret_file`` cannot be used (missing, open to other users, too short).
+    """
     router = APIRouter()
+    config = state.config
+    quota = SessionQuota(config.session_max_bytes, config.session_max_total_bytes)
+    try:
+        secret = read_secret_file(config.session_secret_file) if config.session_secret_file else None
+    except SecretError as exc:
+        raise SecretError(f"--session-secret-file: {exc}") from None
 
     def root(session_id: str) -> str:
         if save_path is None:
@@ -113,7 +127,11 @@ def sessions_router(state, save_path: str | None) -> APIRouter:
             except APIError as exc:
                 if exc.status_code != 409 or attempt == SAVE_ATTEMPTS - 1:
                     raise
-        written = await asyncio.to_thread(write_session, save_root, session_id, meta, blocks, state_ckpts)
+        try:
+            written = await asyncio.to_thread(write_session, save_root, session_id, meta, blocks, state_ckpts,
+                                              quota=quota, secret=secret, param=param)
+        except KVBlocksError as exc:
+            raise _api_error(exc) from None
         return {**written, "num_tokens": len(meta.token_ids), "num_blocks": len(meta.block_hashes),
                 "num_prompt_tokens": len(token_ids)}
 
@@ -122,7 +140,7 @@ def sessions_router(state, save_path: str | None) -> APIRouter:
         """Load a saved session into the prefix cache (all or nothing)."""
         save_root = root(session_id)
         try:
-            meta, blocks, state_ckpts = await asyncio.to_thread(read_session, save_root, session_id)
+            meta, blocks, state_ckpts = await asyncio.to_thread(read_session, save_root, session_id, secret=secret)
         except KVBlocksError as exc:
             raise _api_error(exc) from None
         result = await on_engine(lambda engine: import_blocks(engine, meta, blocks, state_ckpts))

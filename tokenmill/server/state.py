@@ -16,13 +16,16 @@ from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.adapter import LoRAAdapterError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
-from tokenmill.server.async_engine import AsyncEngine, EngineDeadError, EngineRequest, RequestStream
+from tokenmill.server.async_engine import AsyncEngine, EngineDeadError, EngineRequest, QueueFullError, RequestStream
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import RequestMetricsTracker, ServerMetrics
 from tokenmill.server.openai_format import SSE_DONE, sse
-from tokenmill.server.rl_gate import RLGate
+from tokenmill.server.request_limits import RequestLimits
+from tokenmill.server.rl_gate import RLGate, ServiceUnavailable
 from tokenmill.server.serving_lora import LoRAModulePath, ServedAdapters
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.security.http import (DEFAULT_MAX_BUFFERED_BODY_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                     DEFAULT_REQUEST_BODY_TIMEOUT_S)
 from tokenmill.structured_output import ConstraintError
 from tokenmill.token_strings import TokenStrings
 
@@ -38,7 +41,16 @@ class ServerConfig:
     Args:
         engine_args: the engine options (``LLM(...)``'s; the ``tokenmill serve`` engine flags).
         served_model_name: the name clients must use in ``model``.
-        api_key: when set, every /v1 route needs ``Authorization: Bearer <api_key>``.
+        api_key: when set, every route needs ``Authorization: Bearer <api_key>`` except ``/health``, the
+            web page (``/``, ``/static/*``) and, with ``metrics_without_auth``, ``/metrics``.
+        metrics_without_auth: serve ``/metrics`` without the API key (for scrapers).
+        allowed_hosts: the Host header names served (``*``: any; ``*.example.com``: subdomains); None:
+            on a loopback bind the loopback names and ``host``, beyond loopback any. Others get 400.
+        allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS (vLLM's flags);
+            no origins (the default): no CORS headers, so browsers keep other sites' pages out.
+        max_request_body_bytes: the largest request body (bytes); larger ones get 413 unread.
+        request_body_timeout: seconds a request's whole body may take to arrive (408 after).
+        max_buffered_body_bytes: request body bytes all requests may hold at once (503 with Retry-After over).
         timeout_graceful_shutdown: seconds in-flight requests get to finish after SIGTERM/SIGINT.
         allow_special_tokens_in_content: default of the chat request field of that name: parse
             special-token strings in message contents into control tokens (off: plain text).
@@ -49,10 +61,16 @@ class ServerConfig:
             ``engine_args``), each reached with ``model: name``.
         allow_runtime_lora_updating: enable ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
         session_save_path: directory of saved sessions (``/v1/sessions/{id}/save|restore``); None: off.
+        session_max_bytes: largest saved session, in bytes (None: only ``session_max_total_bytes``); 413 over it.
+        session_max_total_bytes: most bytes the session directory may hold; a save past it gets 507.
+        session_secret_file: a secret file (0600, >= 16 bytes); saved sessions then carry an HMAC of their
+            files and a restore refuses one whose HMAC fails (None: no integrity check).
         enable_log_requests: one INFO log line per finished request (id, model or adapter, tokens,
             finish reason, latency).
         enable_rl_endpoints: serve the RL rollout routes (weight updates, pause, sleep; docs/rl.md).
         max_paused_requests: most requests held while generation is paused (more get 503 + Retry-After).
+        request_limits: how much one request may ask (stop strings, prompts, sequences, constraint size and
+            compile time, queued sequences; ``tokenmill.server.request_limits``).
     """
 
     served_model_name: str
@@ -69,7 +87,20 @@ class ServerConfig:
     enable_log_requests: bool = True
     enable_rl_endpoints: bool = False
     max_paused_requests: int = 1024
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
     session_save_path: str | None = None
+    session_max_bytes: int | None = None
+    session_max_total_bytes: int = 4 * 1024**3
+    session_secret_file: str | None = None
+    metrics_without_auth: bool = False
+    allowed_hosts: tuple[str, ...] | None = None
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
+    max_buffered_body_bytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES
 
 
 class ServerState:
@@ -85,7 +116,8 @@ class ServerState:
         tracker = RequestMetricsTracker(self.metrics, log_requests=config.enable_log_requests,
                                         base_model_name=self.model_name)
         self.engine = AsyncEngine(config.engine_args, tracker, on_load_failure,
-                                  on_loaded=lambda llm: self.adapters.register_static(llm.engine))
+                                  on_loaded=lambda llm: self.adapters.register_static(llm.engine),
+                                  max_queued_requests=config.request_limits.max_queued_requests)
         self.rl = RLGate(self.engine, config.max_paused_requests)  # pause / sleep gate, weight version
         self._token_strings: TokenStrings | None = None
 
@@ -128,12 +160,17 @@ class ServerState:
         return self._token_strings
 
     def check_constraint(self, constraint: StructuredOutputsParams | None, param: str | None) -> None:
-        """Compile an output constraint (cached for the engine) so that a bad one is a 400 naming
-        ``param`` before the request is queued. Blocking: run it in a worker thread."""
+        """Compile an output constraint (cached for the engine) so that a bad one, one over
+        ``--max-structured-output-bytes`` or one that does not compile within
+        ``--structured-outputs-compile-timeout`` is a 400 naming ``param`` before the request is queued.
+        Blocking: run it in a worker thread."""
         if constraint is None:
             return
+        limits = self.config.request_limits
+        limits.check_constraint_size(constraint, param)
         try:
-            self.llm().engine.structured_output_manager.compile(constraint)
+            self.llm().engine.structured_output_manager.compile(constraint,
+                                                                timeout=limits.structured_outputs_compile_timeout)
         except ConstraintError as exc:
             raise APIError(f"{param}: {exc.reason}", param=param) from None
 
@@ -152,6 +189,8 @@ class ServerState:
             return stream
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, "service_unavailable_error") from None
+        except QueueFullError as exc:
+            raise ServiceUnavailable(str(exc)) from None
         except LoRAAdapterError as exc:  # unloaded between the name lookup and the queueing
             raise APIError(str(exc), 404, "not_found_error", param="model", code="model_not_found") from None
         except ValueError as exc:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from tokenmill.config import ConfigError, _config_from_value
+from tokenmill.config_error import ConfigError, config_from_value
 
 SPEC_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -94,4 +94,4 @@ class SpeculativeConfig:
         """
         if value is None:
             return None
-        return _config_from_value(cls, value, "speculative_config", '{"method": "ngram", "num_speculative_tokens": 3}')
+        return config_from_value(cls, value, "speculative_config", '{"method": "ngram", "num_speculative_tokens": 3}')

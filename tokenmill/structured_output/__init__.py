@@ -4,10 +4,12 @@
 library sits behind. Imports flow one way: engine/runner -> structured_output -> sampling_params,
 config. Never imports torch.
 """
-from tokenmill.structured_output.backend import CompiledConstraint, ConstraintError, Matcher, StructuredOutputBackend
+from tokenmill.structured_output.backend import (
+    CompiledConstraint, ConstraintError, ConstraintTimeoutError, Matcher, StructuredOutputBackend,
+)
 from tokenmill.structured_output.manager import BACKENDS, GrammarBitmask, StructuredOutputManager
 
 __all__ = [
-    "BACKENDS", "CompiledConstraint", "ConstraintError", "GrammarBitmask", "Matcher", "StructuredOutputBackend",
-    "StructuredOutputManager",
+    "BACKENDS", "CompiledConstraint", "ConstraintError", "ConstraintTimeoutError", "GrammarBitmask", "Matcher",
+    "StructuredOutputBackend", "StructuredOutputManager",
 ]

@@ -31,6 +31,10 @@ class ConstraintError(ValueError):
         self.reason = reason
 
 
+class ConstraintTimeoutError(ConstraintError):
+    """A constraint that did not compile within the caller's deadline (``StructuredOutputManager.compile``)."""
+
+
 @dataclass(frozen=True)
 class CompiledConstraint:
     """A compiled constraint, shared by every request using the same (backend, kind, spec).

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,11 +19,14 @@ import numpy as np
 from tokenmill.config import StructuredOutputsConfig
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output.backend import (
-    BITS_PER_WORD, CompiledConstraint, ConstraintError, Matcher, StructuredOutputBackend,
+    BITS_PER_WORD, CompiledConstraint, ConstraintError, ConstraintTimeoutError, Matcher, StructuredOutputBackend,
 )
 
 # Compiled constraints kept (least recently used dropped first).
 CACHE_SIZE = 512
+# Threads that compile constraints with a deadline (``compile(..., timeout=...)``): a compile past its
+# deadline keeps its thread until the library returns, so a few slow ones cannot start more threads.
+COMPILE_THREADS = 2
 BACKENDS = ("guidance", "xgrammar")
 
 
@@ -61,7 +65,7 @@ class StructuredOutputManager:
         eos_token_ids: ids that end a sequence (allowed where the constraint is complete).
 
     Thread safety: :meth:`compile` may be called from any thread (the server validates
-    constraints before queueing); everything else runs on the engine's thread.
+    constraints before queueing, with a deadline); everything else runs on the engine's thread.
     """
 
     def __init__(self, config: StructuredOutputsConfig, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
@@ -74,6 +78,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, str, str], CompiledConstraint] = OrderedDict()
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self._compiling: dict[tuple[str, str, str], Future] = {}  # key -> its compile in flight
+        self._compile_executor: ThreadPoolExecutor | None = None
         eos_bits = np.zeros((vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD, dtype=np.uint32)
         for t in self.eos_token_ids:
             if 0 <= t < vocab_size:
@@ -94,11 +100,18 @@ class StructuredOutputManager:
                                                set(self.eos_token_ids))
             return self._backend
 
-    def compile(self, params: StructuredOutputsParams) -> CompiledConstraint:
+    def compile(self, params: StructuredOutputsParams, timeout: float | None = None) -> CompiledConstraint:
         """The compiled constraint of ``params`` (from the cache when seen before).
+
+        ``timeout``: None compiles on the calling thread. Otherwise the compile runs on one of
+        ``COMPILE_THREADS`` worker threads and the caller waits at most ``timeout`` seconds (building
+        the backend's token tables on first use is not counted); a compile past it goes on and its
+        result is cached for later requests. A constraint already compiling is waited for, never
+        compiled twice at once.
 
         Raises:
             ConstraintError: the constraint is invalid or cannot be enforced exactly.
+            ConstraintTimeoutError (a ConstraintError): not compiled within ``timeout`` seconds.
         """
         backend = self.backend
         kind, spec = params.kind, params.spec()
@@ -108,12 +121,45 @@ class StructuredOutputManager:
             if compiled is not None:
                 self._cache.move_to_end(key)
                 return compiled
-        compiled = backend.compile(kind, spec)  # outside the lock: compiling may take a while
+            future = self._compiling.get(key)
+            started = future is None
+            if started:
+                future = self._compiling[key] = Future()
+                future.set_running_or_notify_cancel()
+        if started:
+            if timeout is None:
+                self._compile_into(future, key, backend, kind, spec)
+            else:
+                if self._compile_executor is None:
+                    with self._lock:
+                        if self._compile_executor is None:
+                            self._compile_executor = ThreadPoolExecutor(COMPILE_THREADS,
+                                                                        thread_name_prefix="tokenmill-compile")
+                self._compile_executor.submit(self._compile_into, future, key, backend, kind, spec)
+        try:
+            return future.result(timeout)
+        except FutureTimeoutError:
+            raise ConstraintTimeoutError(kind, f"it did not compile within {timeout:g} s") from None
+
+    def _compile_into(self, future: Future, key: tuple[str, str, str], backend: StructuredOutputBackend,
+                      kind: str, spec: str) -> None:
+        """Compile (outside the lock: it may take a while), cache, and settle ``future``."""
+        try:
+            try:
+                compiled = backend.compile(kind, spec)
+            except RecursionError:  # a deeply nested schema or grammar (Python's json, jsonschema, gbnf_to_lark)
+                raise ConstraintError(kind, "it is nested too deeply") from None
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter
+            with self._lock:
+                del self._compiling[key]
+            future.set_exception(exc)
+            return
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return compiled
+            del self._compiling[key]
+        future.set_result(compiled)
 
     def cache_size(self) -> int:
         """How many compiled constraints are cached."""
@@ -192,10 +238,13 @@ class StructuredOutputManager:
         return bitmask, only_stop, allows_none
 
     def close(self) -> None:
-        """Stop the worker thread."""
+        """Stop the worker threads (a compile past its deadline is not waited for)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._compile_executor is not None:
+            self._compile_executor.shutdown(wait=False, cancel_futures=True)
+            self._compile_executor = None
 
 
 def _build_backend(name: str, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> StructuredOutputBackend:
