@@ -130,3 +130,24 @@ def test_prefault_takes_the_pages_without_writing_them():
     stopped = Prefault(zeros_on_huge_pages((64, 1024, 1024), torch.uint8, torch.device("cpu")))
     stopped.stop()
     assert not stopped.thread.is_alive()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or tuple(int(x) for x in platform.release().split(".")[:2])
+                    < (5, 14), reason="MADV_POPULATE_WRITE needs Linux 5.14+")
+def test_prefault_waits_while_the_engine_steps_and_goes_on_when_it_is_idle():
+    """Beside running steps the thread would slow them (the memory system backs each page); while ``engine_busy``
+    is called it takes no page, and it finishes once the engine has been idle for ``QUIET_S``."""
+    import time
+
+    from tokenmill.huge_pages import Prefault
+
+    t = zeros_on_huge_pages((64, 1024, 1024), torch.uint8, torch.device("cpu"))
+    prefault = Prefault(t, start_busy=True)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:  # an engine stepping every 10 ms
+        prefault.engine_busy()
+        time.sleep(0.01)
+    assert mapping_field(t.data_ptr(), "Rss") < 4 << 20  # nothing taken while busy
+    prefault.thread.join(timeout=60)
+    assert not prefault.thread.is_alive()
+    assert mapping_field(t.data_ptr(), "Rss") >= 62 << 20  # idle: every page taken

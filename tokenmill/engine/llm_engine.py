@@ -357,6 +357,7 @@ class LLMEngine(RLEngineOps):
 
     def _step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
+        self.runner.kv_pool.engine_busy()  # the KV pool's pages fault in only while no step runs
         if self.kv_connector is not None:  # K/V that arrived from producers into its blocks, before planning
             self.kv_connector.before_schedule()
         scheduler_output = self.scheduler.schedule()

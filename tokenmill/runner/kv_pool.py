@@ -54,6 +54,11 @@ class KVPool:
         self.block_bytes = self.kv_block_bytes + self.scale_block_bytes
         self._released: dict[str, int | None] = {}
 
+    def engine_busy(self) -> None:
+        """An engine step is running: the background prefault (if any) waits for the engine to go idle."""
+        if self._prefault is not None:
+            self._prefault.engine_busy()
+
     def _start_prefault(self) -> Prefault | None:
         """Fault the K/V mapping's pages in behind the engine's back (``huge_pages.Prefault``), so no step pays
         for first touches; None for a pool that is not its own mapping."""
