@@ -26,8 +26,10 @@ import pytest
 
 from tests.server_fixtures import REPO, LocalHTTPServer, ServerProcess, free_port
 from tests.test_router import RouterProcess, stop_all
-from tokenmill.router.proxy import ClientStream, SSEEvent, StreamState, encode_event
 from tests.tiny_models import make_tiny_model
+from tokenmill.router.client_stream import ClientStream
+from tokenmill.router.resume import StreamState
+from tokenmill.router.sse import SSEEvent, encode_event
 
 WORKER_ARGS = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "1024", "--block-size", "16"]
 FAST = ["--policy", "round_robin", "--health-check-interval", "0.3"]

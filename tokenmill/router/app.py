@@ -33,7 +33,8 @@ from tokenmill.router.access import guarded
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import PolicyConfig, make_policy
 from tokenmill.router.policy import RouteRequest
-from tokenmill.router.proxy import PromptIds, Proxy, openai_error, upstream_session
+from tokenmill.router.proxy import PromptIds, Proxy, openai_error
+from tokenmill.router.upstream import upstream_session
 from tokenmill.router.tokenize import RequestTokenizer
 from tokenmill.router.workers import (HEALTH_TIMEOUT_S, DuplicateWorker, WorkerRegistry, WorkerURLPolicy,
                                       normalize_url)

@@ -41,7 +41,8 @@ from starlette.responses import Response
 from tokenmill.kv_transfer.params_auth import RELEASE_PATH, RELEASE_PURPOSE
 from tokenmill.router.policies import request_tokens, session_key
 from tokenmill.router.policy import Policy, RouteRequest
-from tokenmill.router.proxy import UPSTREAM_ERRORS, Proxy
+from tokenmill.router.proxy import Proxy
+from tokenmill.router.upstream import UPSTREAM_ERRORS
 from tokenmill.router.workers import Lease, Worker, WorkerRegistry
 from tokenmill.security import sign_params
 
