@@ -28,7 +28,7 @@ EXTRA_TORCH_FREE = ("tokenmill.kv_transfer.scheduler_side",)  # the scheduler ha
 FORBIDDEN = (("runner", "spec_decode"), ("router", "server"), ("router", "engine"))
 
 # Attributes that are the runner's KV tensors; read outside runner/ only through the KVPool.
-KV_TENSOR_ATTRS = {"kv_cache", "kv_scales", "kv_caches"}
+KV_TENSOR_ATTRS = {"kv_cache", "kv_scales", "kv_caches", "state_cache"}
 
 
 def modules_of(package: str) -> list[str]:

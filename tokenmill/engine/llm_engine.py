@@ -153,7 +153,7 @@ class LLMEngine(RLEngineOps):
             state_slots = build_state_pool(self)
         checkpointed = state_slots is not None and state_slots.checkpoints is not None
         self.kv_store = build_kv_store(config.cache, self.runner.kv_pool, self.loaded, max_model_len,
-                                       self.runner.state_cache if checkpointed else None)
+                                       self.runner.kv_pool.state if checkpointed else None)
         if self.kv_store is not None and kv_events is not None:
             self.kv_store.set_kv_events(kv_events)
         return KVCacheManager(self.runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,

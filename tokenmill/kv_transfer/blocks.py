@@ -157,7 +157,7 @@ def export_blocks(engine, token_ids: list[int], extra_keys: tuple = (), lora_nam
 
 def _state_cache(engine):
     """A hybrid model's LinearStateCache with prefix-cache checkpoints, or None."""
-    cache = getattr(engine.runner, "state_cache", None)
+    cache = engine.runner.kv_pool.state
     return cache if cache is not None and cache.checkpoint_conv is not None else None
 
 

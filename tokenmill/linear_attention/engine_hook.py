@@ -55,7 +55,7 @@ def build_state_pool(engine):
         checkpoints = StateCheckpoints(num_checkpoints, config.cache.state_checkpoint_interval,
                                        drop_on_evict=not config.cache.kv_offload_enabled)
     slots = engine.runner.allocate_state_cache(num_seqs, checkpoints)
-    cache = engine.runner.state_cache
+    cache = engine.runner.kv_pool.state
     if config.deterministic:
         from tokenmill.linear_attention import invariant_ops
 

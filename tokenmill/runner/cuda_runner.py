@@ -160,8 +160,8 @@ class CudaModelRunner(ModelRunner):
         """A hybrid model's linear-attention state pool: ``num_slots`` live slots plus one padding slot that padded
         decode rows read and write; every decode bucket's metadata reads the rows' slots from the decode buffers,
         and the decode graphs are captured now. Returns the pool's ``StateSlotAllocator``."""
-        self.state_cache = LinearStateCache(self.model, num_slots, self.loaded.dtype, self.device, num_padding_slots=1,
-                                            checkpoints=checkpoints)
+        self.kv_pool.state = LinearStateCache(self.model, num_slots, self.loaded.dtype, self.device,
+                                              num_padding_slots=1, checkpoints=checkpoints)
         self.decode_buffers.set_linear_state(self.state_cache.decode_metadata, self.state_cache.padding_slot)
         if self.device.type == "cuda":
             version = fla_ops.version()

@@ -53,6 +53,9 @@ class KVPool:
         self.scale_block_bytes = 0 if scales is None else math.prod(self.block_shape[:-1]) * scales.element_size()
         self.block_bytes = self.kv_block_bytes + self.scale_block_bytes
         self._released: dict[str, int | None] = {}
+        # A hybrid model's linear-attention state pool (``LinearStateCache``: live slots, prefix-cache
+        # checkpoints), set by the runner when it allocates it (``allocate_state_cache``); None otherwise.
+        self.state = None
 
     def engine_busy(self) -> None:
         """An engine step is running: the background prefault (if any) waits for the engine to go idle."""

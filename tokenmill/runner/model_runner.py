@@ -191,7 +191,6 @@ class ModelRunner:
             logger.info("lean decode step: %s", why_not or "on")
         self.sampler = Sampler(self.vocab_size)
         self.verify_as_decode_rows = True  # verify steps of decoding requests as decode rows (runner.verify_rows)
-        self.state_cache = None  # hybrid models: the linear layers' state pool (allocate_state_cache)
 
     def release_kv(self) -> None:
         """Give the KV pool's memory back (the engine sleeps: ``tokenmill.rl``); every view stays valid. The
@@ -202,13 +201,19 @@ class ModelRunner:
         """Bring the KV pool back, zeroed (wake up); the CUDA runner captures its decode graphs again."""
         self.kv_pool.restore()
 
+    @property
+    def state_cache(self):
+        """A hybrid model's linear-attention state pool (``LinearStateCache``), held by the KV pool; None for other
+        models or before ``allocate_state_cache``."""
+        return self.kv_pool.state
+
     def allocate_state_cache(self, num_slots: int, checkpoints=None):
         """Allocate a hybrid model's linear-attention state pool (``num_slots`` sequences, and the slots of
         ``checkpoints``, a ``StateCheckpoints`` or None) beside the KV pool; returns its ``StateSlotAllocator`` for
         the KV cache manager (docs/hybrid_models.md)."""
         from tokenmill.linear_attention.state_cache import LinearStateCache
 
-        self.state_cache = LinearStateCache(self.model, num_slots, self.loaded.dtype, self.device,
+        self.kv_pool.state = LinearStateCache(self.model, num_slots, self.loaded.dtype, self.device,
                                             checkpoints=checkpoints)
         return self.state_cache.slots
 
