@@ -27,7 +27,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.kv_cache_manager import KVCacheManager
 from tokenmill.kv_cache.state_slots import StateCheckpoints, StateSlotAllocator, state_pool_sizes
-from tokenmill.kv_transfer.blocks import KVBlocksError, export_blocks, import_blocks
+from tokenmill.kv_transfer.blocks import KVBlocksError
 from tokenmill.kv_transfer.session import read_session, write_session
 from tokenmill.linear_attention import chunk_gated_delta_rule, decode_step, invariant_ops, recurrent_gated_delta_rule
 from tokenmill.memory_plan import PlanConfig, plan_memory, read_model_shape
@@ -356,7 +356,7 @@ def test_session_save_restore_carries_state_checkpoints(tiny, tmp_path):
                     state_checkpoint_interval=2)
     with LLM(**settings) as source:  # checkpoints after 8, 16 and 24 tokens: blocks 1, 3 and 5
         run_one(source, base, SamplingParams(temperature=0, max_tokens=1))
-        meta, blocks, state = export_blocks(source.engine, base[:28])
+        meta, blocks, state = source.engine.block_io.export_blocks(base[:28])
     assert meta.format_version == 2 and meta.state_blocks == [1, 3, 5] and len(meta.block_hashes) == 7
     assert state["state_conv"].shape[:2] == state["state_recurrent"].shape[:2] == (3, 3)  # 3 checkpoints x 3 layers
     write_session(tmp_path / "sessions", "hybrid", meta, blocks, state)
@@ -365,7 +365,7 @@ def test_session_save_restore_carries_state_checkpoints(tiny, tmp_path):
     prompt = base[:28] + tail
     ref_tokens, ref_logprobs, _, _ = run_one(plain, prompt)
     with LLM(**settings) as target:  # another engine: restored blocks hit with their checkpoints
-        result = import_blocks(target.engine, meta, blocks, state)
+        result = target.engine.block_io.import_blocks(meta, blocks, state)
         assert result["num_imported"] == 7 and result["num_state_checkpoints"] == 3
         tokens, logprobs, num_cached, _ = run_one(target, prompt)
         assert num_cached == 24 and tokens == ref_tokens  # resumed at the checkpoint after 24 tokens
@@ -374,17 +374,17 @@ def test_session_save_restore_carries_state_checkpoints(tiny, tmp_path):
     kv_only = type(meta)(**{**json.loads(meta.to_json()), "format_version": 1, "state_blocks": [],
                             "state_sha256": None})
     with LLM(**settings) as target:  # a session without state (format 1): KV hits, linear layers recompute
-        assert import_blocks(target.engine, kv_only, blocks)["num_state_checkpoints"] == 0
+        assert target.engine.block_io.import_blocks(kv_only, blocks)["num_state_checkpoints"] == 0
         tokens, _, num_cached, _ = run_one(target, prompt)
         assert num_cached == 0 and tokens == ref_tokens
         corrupt = {**state, "state_recurrent": state["state_recurrent"].clone()}
         corrupt["state_recurrent"].view(-1)[5] += 1.0
         for bad, param in ((corrupt, "state_sha256"), ({}, "state_blocks")):
             with pytest.raises(KVBlocksError) as info:
-                import_blocks(target.engine, meta, blocks, bad)
+                target.engine.block_io.import_blocks(meta, blocks, bad)
             assert info.value.param == param and info.value.status_code == 400
     with LLM(**{**settings, "enable_prefix_caching": False}) as no_cache, pytest.raises(KVBlocksError) as info:
-        import_blocks(no_cache.engine, meta, blocks, state)
+        no_cache.engine.block_io.import_blocks(meta, blocks, state)
     assert info.value.param == "state_blocks"
 
 

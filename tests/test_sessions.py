@@ -14,7 +14,7 @@ import torch
 from tests.server_fixtures import ServerProcess
 from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.kv_transfer.blocks import KVBlocksError, export_blocks, import_blocks
+from tokenmill.kv_transfer.blocks import KVBlocksError
 from tokenmill.kv_transfer.session import read_session, session_dir, write_session
 
 BLOCK_SIZE = 16
@@ -51,7 +51,7 @@ def test_offline_export_import_between_engines_and_refusals(tiny, tmp_path):
     prompt = list(range(100, 150))  # 3 full blocks of 16 and 2 tokens
     with make_llm(tiny) as source:
         want = source.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0))[0]
-        meta, blocks, state = export_blocks(source.engine, prompt)
+        meta, blocks, state = source.engine.block_io.export_blocks(prompt)
     assert state == {} and meta.format_version == 1 and meta.state_blocks == []
     assert meta.token_ids == prompt[:48] and len(meta.block_hashes) == 3
     write_session(tmp_path / "sessions", "s1", meta, blocks)
@@ -60,10 +60,10 @@ def test_offline_export_import_between_engines_and_refusals(tiny, tmp_path):
 
     with make_llm(tiny) as target:
         before = cached_hashes(target)
-        result = import_blocks(target.engine, meta, blocks)
+        result = target.engine.block_io.import_blocks(meta, blocks)
         assert result == {"num_blocks": 3, "num_imported": 3, "num_already_cached": 0, "num_tokens": 48,
                           "num_state_checkpoints": 0}
-        assert import_blocks(target.engine, meta, blocks)["num_already_cached"] == 3  # idempotent
+        assert target.engine.block_io.import_blocks(meta, blocks)["num_already_cached"] == 3  # idempotent
         assert len(cached_hashes(target) - before) == 3
         target.engine.check_integrity()
         got = target.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0))[0]
@@ -80,7 +80,7 @@ def test_offline_export_import_between_engines_and_refusals(tiny, tmp_path):
             before = cached_hashes(llm)
             free = llm.engine.kv_cache_manager.block_pool.num_free_blocks
             with pytest.raises(KVBlocksError) as info:
-                import_blocks(llm.engine, meta, blocks)
+                llm.engine.block_io.import_blocks(meta, blocks)
             assert info.value.param == param and info.value.status_code == 400, (param, info.value)
             assert cached_hashes(llm) == before and llm.engine.kv_cache_manager.block_pool.num_free_blocks == free
 
@@ -88,22 +88,22 @@ def test_offline_export_import_between_engines_and_refusals(tiny, tmp_path):
         corrupt = blocks.clone()
         corrupt.view(-1)[7] += 1.0
         with pytest.raises(KVBlocksError, match="checksum") as info:
-            import_blocks(target.engine, meta, corrupt)
+            target.engine.block_io.import_blocks(meta, corrupt)
         assert info.value.param == "sha256"
         tampered = json.loads(meta.to_json())
         tampered["token_ids"][3] += 1  # the hashes no longer follow from the tokens
         with pytest.raises(KVBlocksError) as info:
-            import_blocks(target.engine, type(meta)(**tampered), blocks)
+            target.engine.block_io.import_blocks(type(meta)(**tampered), blocks)
         assert info.value.param == "block_hashes"
         assert not cached_hashes(target)
 
     long_prompt = list(range(500, 581))
     with make_llm(tiny) as source:
         source.generate({"prompt_token_ids": long_prompt}, SamplingParams(max_tokens=1))
-        meta5, blocks5, _ = export_blocks(source.engine, long_prompt)
+        meta5, blocks5, _ = source.engine.block_io.export_blocks(long_prompt)
     with make_llm(tiny, num_kv_blocks=4) as small:  # 5 blocks do not fit in 4: refused, nothing changes
         with pytest.raises(KVBlocksError) as info:
-            import_blocks(small.engine, meta5, blocks5)
+            small.engine.block_io.import_blocks(meta5, blocks5)
         assert info.value.status_code == 507 and not cached_hashes(small)
         small.engine.check_integrity()
 
@@ -175,7 +175,7 @@ def test_blocks_tensor_layout_matches_the_pool(tiny):
     with make_llm(tiny) as llm:
         prompt = list(range(200, 233))
         llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
-        meta, blocks, _ = export_blocks(llm.engine, prompt)
+        meta, blocks, _ = llm.engine.block_io.export_blocks(prompt)
         kv = llm.engine.runner.kv_cache  # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
         ids = llm.engine.kv_cache_manager.cached_prefix_block_ids([int(h, 16) for h in meta.block_hashes])
         assert blocks.shape == (2, kv.shape[0], 2, BLOCK_SIZE, kv.shape[4], kv.shape[5])
@@ -194,7 +194,7 @@ def test_a_quantized_kv_cache_saves_and_restores_with_its_scales(tiny, tmp_path,
         source.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
         want = source.generate({"prompt_token_ids": prompt}, greedy)[0]  # from its own prefix cache
         assert want.num_cached_tokens == 48
-        meta, blocks, state = export_blocks(source.engine, prompt)
+        meta, blocks, state = source.engine.block_io.export_blocks(prompt)
         pool = source.engine.runner.kv_pool
         ids = source.engine.kv_cache_manager.cached_prefix_block_ids([int(h, 16) for h in meta.block_hashes])
         assert meta.kv_dtype == pool.dtype_name and blocks.dtype == pool.dtype
@@ -207,13 +207,13 @@ def test_a_quantized_kv_cache_saves_and_restores_with_its_scales(tiny, tmp_path,
     with make_llm(tiny, kv_cache_dtype=kv_cache_dtype) as target:
         for bad in ({}, {"kv_scales": state["kv_scales"][:, :1]}):
             with pytest.raises(KVBlocksError) as info:
-                import_blocks(target.engine, meta, blocks, bad)
+                target.engine.block_io.import_blocks(meta, blocks, bad)
             assert info.value.param == "kv_scales" and not cached_hashes(target)
         wrong = {"kv_scales": state["kv_scales"] * 2}
         with pytest.raises(KVBlocksError) as info:
-            import_blocks(target.engine, meta, blocks, wrong)
+            target.engine.block_io.import_blocks(meta, blocks, wrong)
         assert info.value.param == "sha256" and not cached_hashes(target)
-        assert import_blocks(target.engine, meta, blocks, state)["num_imported"] == 3
+        assert target.engine.block_io.import_blocks(meta, blocks, state)["num_imported"] == 3
         got = target.generate({"prompt_token_ids": prompt}, greedy)[0]
         assert got.num_cached_tokens == 48
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
@@ -221,5 +221,5 @@ def test_a_quantized_kv_cache_saves_and_restores_with_its_scales(tiny, tmp_path,
                 == [{t: lp.logprob for t, lp in pos.items()} for pos in want.outputs[0].logprobs])
     with make_llm(tiny) as float_kv:  # a float KV cache refuses quantized blocks by their dtype
         with pytest.raises(KVBlocksError) as info:
-            import_blocks(float_kv.engine, meta, blocks, state)
+            float_kv.engine.block_io.import_blocks(meta, blocks, state)
         assert info.value.param == "kv_dtype"

@@ -19,6 +19,7 @@ from tokenmill.kv_cache import KVCacheManager
 from tokenmill.kv_events import KVEventCollector
 from tokenmill.kv_events.publisher import build_kv_event_publisher
 from tokenmill.kv_offload import build_kv_store
+from tokenmill.kv_transfer.blocks import BlockIO, engine_fingerprints
 from tokenmill.lora import LoRARequest
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.loader import load_model
@@ -114,6 +115,9 @@ class LLMEngine(RLEngineOps):
         if kv_events is not None and not config.cache.enable_prefix_caching:
             logger.warning("KV events are on but prefix caching is off: no block is ever cached, so none is reported")
         self.kv_cache_manager = self._build_kv_cache(max_model_len, kv_events)
+        # Whole blocks in and out of the pool: sessions, and KV transfer's fingerprint (docs/sessions.md).
+        self.block_io = BlockIO(self.runner.kv_pool, self.kv_cache_manager, self.kv_store, self.fingerprints,
+                                self.lora_manager)
         self.kv_connector = None  # prefill/decode disaggregation (tokenmill/kv_transfer, docs/pd_disaggregation.md)
         if config.kv_transfer_config is not None:
             self.kv_connector = self._build_kv_connector(config.kv_transfer_config)
@@ -159,8 +163,13 @@ class LLMEngine(RLEngineOps):
         return KVCacheManager(self.runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                               lower_tiers=self.kv_store, kv_events=kv_events, state_slots=state_slots)
 
+    def fingerprints(self) -> tuple[str, str]:
+        """(model fingerprint, tokenizer fingerprint) of the weights served now (``kv_offload.fingerprint``; one
+        pass over the weights): what saved sessions and transferred blocks are checked against."""
+        return engine_fingerprints(self.loaded, self.config.cache.block_size, self.runner.kv_pool.dtype,
+                                   self.tokenizer)
+
     def _build_kv_connector(self, transfer_config):
-        from tokenmill.kv_transfer.blocks import engine_fingerprints
         from tokenmill.kv_transfer.connector import KVConnector
 
         if self.device.type != "cpu":
@@ -168,7 +177,7 @@ class LLMEngine(RLEngineOps):
         if not self.config.cache.enable_prefix_caching:
             raise ConfigError("`kv_transfer_config` needs prefix caching (transferred blocks are prefix-cache entries)")
         return KVConnector(transfer_config, self.runner.kv_pool, self.config.cache.block_size,
-                           lambda: engine_fingerprints(self)[0])
+                           lambda: self.fingerprints()[0])
 
     def _build_speculator(self, spec_config, max_model_len: int) -> Speculator:
         valid_prefix = self.structured_output_manager.valid_draft_prefix

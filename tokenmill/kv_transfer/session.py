@@ -5,7 +5,7 @@ with the checks that make it safe: model and tokenizer fingerprints, KV dtype, b
 A session ``ID`` under ``--session-save-path DIR`` is the directory ``DIR/ID/`` holding
 ``kv.safetensors`` (tensor ``kv``: ``(num_blocks, layers, 2, block_size, kv_heads, head_dim)``, and for a
 hybrid model the state checkpoints of some of the blocks, ``state_conv`` and ``state_recurrent``, see
-``blocks.export_blocks``) and ``session.json`` (``KVBlockMeta`` plus the session id and time). It is written to a temporary
+``BlockIO.export_blocks``) and ``session.json`` (``KVBlockMeta`` plus the session id and time). It is written to a temporary
 directory and renamed, so a reader never sees half a session. File I/O only; the engine-side copies
 are ``blocks.py``'s.
 

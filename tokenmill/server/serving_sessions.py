@@ -21,7 +21,7 @@ import uuid
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.kv_transfer.blocks import KVBlocksError, export_blocks, extra_keys_of, import_blocks
+from tokenmill.kv_transfer.blocks import KVBlocksError
 from tokenmill.kv_transfer.session import SessionQuota, delete_session, read_session, session_dir, write_session
 from tokenmill.security import SecretError, read_secret_file
 from tokenmill.sampling_params import SamplingParams
@@ -107,7 +107,7 @@ def sessions_router(state, save_path: str | None) -> APIRouter:
         if len(token_ids) + 1 > state.max_model_len:
             raise APIError(f"{param}: {len(token_ids)} tokens do not fit max_model_len {state.max_model_len}",
                            param=param)
-        extra_keys = await on_engine(lambda engine: extra_keys_of(engine, body.cache_salt, lora_request))
+        extra_keys = await on_engine(lambda engine: engine.block_io.extra_keys_of(body.cache_salt, lora_request))
         lora_name = lora_request.lora_name if lora_request is not None else None
         for attempt in range(SAVE_ATTEMPTS):
             # One greedy token over the tokens: their blocks are computed (or found) and cached.
@@ -122,7 +122,7 @@ def sessions_router(state, save_path: str | None) -> APIRouter:
                 stream.close()
             try:
                 meta, blocks, state_ckpts = await on_engine(
-                    lambda engine: export_blocks(engine, token_ids, extra_keys, lora_name))
+                    lambda engine: engine.block_io.export_blocks(token_ids, extra_keys, lora_name))
                 break
             except APIError as exc:
                 if exc.status_code != 409 or attempt == SAVE_ATTEMPTS - 1:
@@ -143,7 +143,7 @@ def sessions_router(state, save_path: str | None) -> APIRouter:
             meta, blocks, state_ckpts = await asyncio.to_thread(read_session, save_root, session_id, secret=secret)
         except KVBlocksError as exc:
             raise _api_error(exc) from None
-        result = await on_engine(lambda engine: import_blocks(engine, meta, blocks, state_ckpts))
+        result = await on_engine(lambda engine: engine.block_io.import_blocks(meta, blocks, state_ckpts))
         return {"id": session_id, **result}
 
     @router.delete("/sessions/{session_id}")
