@@ -22,7 +22,8 @@ TORCH_FREE = ("scheduler", "kv_cache", "kv_events", "structured_output", "tool_c
 # Modules of those packages that wrap a third-party library which itself imports torch, loaded only when
 # chosen: xgrammar (its Python package imports torch at import time).
 TORCH_FREE_EXEMPT = {"tokenmill.structured_output.xgrammar_backend"}
-EXTRA_TORCH_FREE = ("tokenmill.kv_transfer.scheduler_side",)  # the scheduler half of the KV connector
+EXTRA_TORCH_FREE = ("tokenmill.kv_transfer.scheduler_side",  # the scheduler half of the KV connector
+                    "tokenmill.request", "tokenmill.lora_request")  # the core request types
 
 # (importer package, imported package): never.
 FORBIDDEN = (("runner", "spec_decode"), ("router", "server"), ("router", "engine"))

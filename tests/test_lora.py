@@ -23,7 +23,7 @@ from tokenmill.config import ConfigError, SchedulerConfig
 from tokenmill.engine.llm import build_engine_config
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.layers import batch_invariant
-from tokenmill.lora.request import LoRAModulePath, parse_lora_module
+from tokenmill.lora_request import LoRAModulePath, parse_lora_module
 from tokenmill.scheduler import Scheduler
 
 NEW_TOKENS = 10

@@ -17,7 +17,7 @@ from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.lora.adapter import BaseModelShapes, FusedModuleShape, LoRAAdapter, LoRASliceWeights
 from tokenmill.lora.mapping import build_lora_mapping
 from tokenmill.lora.ops import add_lora, add_lora_reference
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.lora.slots import LoRASlots
 
 needs_kernels = pytest.mark.skipif(not batch_invariant.available(), reason="no C compiler for the batch-invariant kernels")

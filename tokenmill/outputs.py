@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -34,7 +34,7 @@ def seconds(text: str) -> float:
 
 def lora_module(text: str):
     """argparse type for --lora-modules: ``name=path`` or ``{"name", "path", "base_model_name"}``."""
-    from tokenmill.lora.request import parse_lora_module
+    from tokenmill.lora_request import parse_lora_module
 
     try:
         return parse_lora_module(text)

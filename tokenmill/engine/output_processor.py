@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from tokenmill.detokenizer import IncrementalDetokenizer
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.request import Request
 from tokenmill.token_strings import TokenStrings

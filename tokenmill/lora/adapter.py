@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 
 # PEFT target module -> (fused module under model.layers.{i}, slice index within it).
 PEFT_TARGETS: dict[str, tuple[str, int]] = {

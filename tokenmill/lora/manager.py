@@ -17,7 +17,7 @@ from torch import nn
 from tokenmill.config import LoRAConfig
 from tokenmill.lora.adapter import (FUSED_MODULES, BaseModelShapes, FusedModuleShape, LoRAAdapter, LoRAAdapterError,
                                     load_adapter)
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.lora.slots import LoRASlots
 
 logger = logging.getLogger(__name__)

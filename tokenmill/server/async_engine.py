@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from tokenmill.engine.llm import LLM
 from tokenmill.engine_args import EngineArgs
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import EngineStats, RequestMetricsTracker

@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.chat_prompt import ContentSpecialTokensError
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import EngineRequest, RequestStream
 from tokenmill.server.errors import APIError

@@ -18,7 +18,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.lora.adapter import LoRAAdapterError
-from tokenmill.lora.request import LoRAModulePath, LoRARequest
+from tokenmill.lora_request import LoRAModulePath, LoRARequest
 from tokenmill.server.async_engine import EngineDeadError
 from tokenmill.server.errors import APIError
 

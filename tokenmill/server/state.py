@@ -14,7 +14,7 @@ from fastapi import Request
 
 from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.adapter import LoRAAdapterError
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import AsyncEngine, EngineDeadError, EngineRequest, QueueFullError, RequestStream
 from tokenmill.server.errors import APIError
