@@ -135,19 +135,24 @@ def test_prefault_takes_the_pages_without_writing_them():
 @pytest.mark.skipif(not sys.platform.startswith("linux") or tuple(int(x) for x in platform.release().split(".")[:2])
                     < (5, 14), reason="MADV_POPULATE_WRITE needs Linux 5.14+")
 def test_prefault_waits_while_the_engine_steps_and_goes_on_when_it_is_idle():
-    """Beside running steps the thread would slow them (the memory system backs each page); while ``engine_busy``
-    is called it takes no page, and it finishes once the engine has been idle for ``QUIET_S``."""
+    """Beside running steps the thread would slow them (the memory system backs each page); while steps run (short
+    ones back to back, then one longer than ``QUIET_S``) it takes no page, and it finishes once the engine has been
+    idle for ``QUIET_S``."""
     import time
 
     from tokenmill.huge_pages import Prefault
 
     t = zeros_on_huge_pages((64, 1024, 1024), torch.uint8, torch.device("cpu"))
     prefault = Prefault(t, start_busy=True)
-    deadline = time.monotonic() + 1.5
+    deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:  # an engine stepping every 10 ms
-        prefault.engine_busy()
+        prefault.step_started()
         time.sleep(0.01)
+        prefault.step_ended()
+    prefault.step_started()  # one long step: 3 x QUIET_S
+    time.sleep(3 * Prefault.QUIET_S)
     assert mapping_field(t.data_ptr(), "Rss") < 4 << 20  # nothing taken while busy
+    prefault.step_ended()
     prefault.thread.join(timeout=60)
     assert not prefault.thread.is_alive()
     assert mapping_field(t.data_ptr(), "Rss") >= 62 << 20  # idle: every page taken

@@ -25,6 +25,8 @@ from tokenmill.config import (
 
 if TYPE_CHECKING:
     import argparse
+    from tokenmill.kv_transfer.config import KVTransferConfig
+    from tokenmill.spec_decode.config import SpeculativeConfig
 
 _NAME = re.compile(r"`(\w+)`")
 

@@ -133,20 +133,20 @@ def release_pages(tensor: torch.Tensor) -> int:
 
 class Prefault:
     """Fault in a ``zeros_on_huge_pages`` CPU tensor's pages on a background thread (madvise
-    MADV_POPULATE_WRITE, Linux 5.14+, in 64 MiB steps): the memory is taken as if written, without writing it,
+    MADV_POPULATE_WRITE, Linux 5.14+, in 2 MiB steps): the memory is taken as if written, without writing it,
     so the thread may run while the engine writes into the same pages. A pool left to fault on first write
     pays for each new 2 MiB page inside the step that first writes it (a KV pool at 32 concurrent requests:
     about 6% of throughput on a 2-core Xeon until every block had been used once); zeroing it up front held
     start-up for seconds. Where the call is unavailable the thread ends at once and pages fault on demand.
 
-    It works only while the engine is idle: each engine step calls ``engine_busy()``, and the thread waits until
-    no step has run for ``QUIET_S``. Faulting pages in takes the memory system (about 0.4 GB/s in a VM, the
+    It works only while the engine is idle: each engine step calls ``step_started()`` and ``step_ended()``, and
+    the thread waits while a step runs and until ``QUIET_S`` after the last one ended. Faulting pages in takes the memory system (about 0.4 GB/s in a VM, the
     hypervisor backing each page), so beside running steps it slowed them by half for seconds (batch-1 TTFT
     193 ms instead of 59 ms on the first requests, 2-core VM); pages the engine touches first fault in its
     steps as they would without the thread.
 
     ``stop()`` ends the thread early (before the memory is released); it is a daemon thread either way.
-    ``start_busy``: count the construction as an engine step (the thread first waits ``QUIET_S``).
+    ``start_busy``: count the construction as the end of an engine step (the thread first waits ``QUIET_S``).
     """
 
     _STEP = 2 << 20  # bytes per madvise: one huge page, what a step starting meanwhile may wait for (1-150 ms)
@@ -154,7 +154,8 @@ class Prefault:
 
     def __init__(self, tensor: torch.Tensor, start_busy: bool = False) -> None:
         self._stop = threading.Event()
-        self._last_busy = time.monotonic() if start_busy else 0.0  # time.monotonic() of the latest engine step
+        self._last_busy = time.monotonic() if start_busy else 0.0  # time.monotonic() the latest step ended
+        self._in_step = False
         storage = tensor.untyped_storage()
         self._range = (storage.data_ptr(), storage.nbytes())
         self.thread = threading.Thread(target=self._run, name="tokenmill-prefault", daemon=True)
@@ -168,8 +169,8 @@ class Prefault:
         page = mmap.PAGESIZE
         first, end = -(-start // page) * page, (start + size) // page * page
         for at in range(first, end, self._STEP):
-            while (wait := self.QUIET_S - (time.monotonic() - self._last_busy)) > 0:
-                if self._stop.wait(wait):
+            while self._in_step or (wait := self.QUIET_S - (time.monotonic() - self._last_busy)) > 0:
+                if self._stop.wait(self.QUIET_S if self._in_step else wait):
                     return
             if self._stop.is_set():
                 return
@@ -177,9 +178,15 @@ class Prefault:
                 logger.debug("madvise(MADV_POPULATE_WRITE) refused: errno %d", ctypes.get_errno())
                 return
 
-    def engine_busy(self) -> None:
-        """An engine step runs now: the thread pauses until the engine has been idle for ``QUIET_S``."""
+    def step_started(self) -> None:
+        """An engine step starts: the thread pauses (after its current 2 MiB) until the step has ended."""
+        self._in_step = True
         self._last_busy = time.monotonic()
+
+    def step_ended(self) -> None:
+        """The step ended: the thread goes on once no other step has started for ``QUIET_S``."""
+        self._last_busy = time.monotonic()
+        self._in_step = False
 
     def stop(self) -> None:
         """End the thread (waits for its current step)."""

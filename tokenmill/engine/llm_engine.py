@@ -357,7 +357,12 @@ class LLMEngine(RLEngineOps):
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns a RequestOutput for every request with news."""
-        outputs = self._step()
+        pool = self.runner.kv_pool
+        pool.step_started()  # the KV pool's pages fault in only while no step runs
+        try:
+            outputs = self._step()
+        finally:
+            pool.step_ended()
         if self.kv_events is not None:
             self.kv_events.publish_pending()  # the step's KV events, as one batch (never blocks)
         if envs.check_integrity() and not self.has_unfinished_requests():  # went idle: nothing may be held
@@ -366,7 +371,6 @@ class LLMEngine(RLEngineOps):
 
     def _step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
-        self.runner.kv_pool.engine_busy()  # the KV pool's pages fault in only while no step runs
         if self.kv_connector is not None:  # K/V that arrived from producers into its blocks, before planning
             self.kv_connector.before_schedule()
         scheduler_output = self.scheduler.schedule()

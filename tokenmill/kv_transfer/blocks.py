@@ -203,8 +203,6 @@ class BlockIO:
         recurrent = cache.checkpoint_recurrent.index_select(1, index).transpose(0, 1).contiguous().cpu()
         return [i for i, _ in slots], {"state_conv": conv, "state_recurrent": recurrent}
 
-
-
     def _rows(self, blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         """The pool's byte rows of ``blocks`` and their ``scales``.
 

@@ -178,7 +178,7 @@ class ClientStream(Response):
                                self.route.request_id, choice.index, worker.worker_id, len(choice.token_ids), cut)
                 self.upstream = await proxy.open(worker, "/v1/completions", json.dumps(body).encode(), headers)
                 if self.upstream.status != 200:
-                    detail = (await proxy._read_or_fail(worker, self.upstream))[:500].decode(errors="replace")
+                    detail = (await proxy.read_or_fail(worker, self.upstream))[:500].decode(errors="replace")
                     await self._body(send, sse_error(f"resuming on {worker.worker_id} failed: "
                                                      f"{self.upstream.status} {detail}"))
                     return False

@@ -237,7 +237,7 @@ class Proxy:
             self._fail(worker, f"{type(exc).__name__}: {exc}", "connect_error")
         if response.status >= 500:
             try:
-                body = await self._read_or_fail(worker, response)
+                body = await self.read_or_fail(worker, response)
             finally:
                 close_upstream(response)
             failed = Response(body, response.status, {WORKER_HEADER: worker.worker_id},
@@ -280,7 +280,7 @@ class Proxy:
                                     "timeout_error")
             reply_headers = {WORKER_HEADER: worker.worker_id}
             if not stream or response.status != 200:
-                body = await self._read_or_fail(worker, response)
+                body = await self.read_or_fail(worker, response)
                 return Response(body, response.status, reply_headers,
                                 media_type=response.headers.get("content-type"))
             for name in ("content-type", "content-encoding", "cache-control"):
@@ -307,7 +307,7 @@ class Proxy:
                 if response is not None:
                     close_upstream(response)
 
-    async def _read_or_fail(self, worker: Worker, response: aiohttp.ClientResponse) -> bytes:
+    async def read_or_fail(self, worker: Worker, response: aiohttp.ClientResponse) -> bytes:
         try:
             return await response.read()
         except UPSTREAM_ERRORS as exc:

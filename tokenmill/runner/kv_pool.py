@@ -42,6 +42,9 @@ class KVPool:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         kv = zeros_on_huge_pages(shape, dtype, device)  # scattered block reads: fewer TLB misses
         self._adopt(kv, None if scale_dtype is None else torch.zeros(shape[:-1], dtype=scale_dtype, device=device))
+        # A hybrid model's linear-attention state pool (``LinearStateCache``: live slots, prefix-cache
+        # checkpoints), set by the runner when it allocates it (``allocate_state_cache``); None otherwise.
+        self.state = None
         self._prefault = self._start_prefault()
 
     def _adopt(self, kv: torch.Tensor, scales: torch.Tensor | None) -> None:
@@ -53,14 +56,16 @@ class KVPool:
         self.scale_block_bytes = 0 if scales is None else math.prod(self.block_shape[:-1]) * scales.element_size()
         self.block_bytes = self.kv_block_bytes + self.scale_block_bytes
         self._released: dict[str, int | None] = {}
-        # A hybrid model's linear-attention state pool (``LinearStateCache``: live slots, prefix-cache
-        # checkpoints), set by the runner when it allocates it (``allocate_state_cache``); None otherwise.
-        self.state = None
 
-    def engine_busy(self) -> None:
-        """An engine step is running: the background prefault (if any) waits for the engine to go idle."""
+    def step_started(self) -> None:
+        """An engine step starts: the background prefault (if any) waits until the engine is idle again."""
         if self._prefault is not None:
-            self._prefault.engine_busy()
+            self._prefault.step_started()
+
+    def step_ended(self) -> None:
+        """The engine step ended (``step_started``)."""
+        if self._prefault is not None:
+            self._prefault.step_ended()
 
     def _start_prefault(self) -> Prefault | None:
         """Fault the K/V mapping's pages in behind the engine's back (``huge_pages.Prefault``), so no step pays
@@ -81,6 +86,7 @@ class KVPool:
         pool = cls.__new__(cls)
         pool._adopt(kv, scales)
         pool._prefault = None
+        pool.state = None
         return pool
 
     @property
@@ -167,7 +173,8 @@ class KVPool:
 
     def release(self) -> None:
         """Give the pool's memory back (sleep): a CPU pool of its own mapping drops its pages in place
-        (it reads as zeros), any other storage shrinks to nothing. Views stay valid; no-op when released."""
+        (it reads as zeros), any other storage shrinks to nothing. Views stay valid; no-op when released. A hybrid
+        model's state pool (``state``, small) is kept."""
         if self._released:
             return
         if self._prefault is not None:
