@@ -4,7 +4,6 @@ Derived values are properties, never written back after construction.
 """
 from __future__ import annotations
 
-import ipaddress
 import math
 import numbers
 import re
@@ -12,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.config_error import ConfigError, config_from_value
+from tokenmill.security.addresses import is_loopback
 
 if TYPE_CHECKING:
     from tokenmill.kv_transfer.config import KVTransferConfig
@@ -239,13 +239,7 @@ def _local_endpoint(endpoint: str) -> bool:
     addresses are not."""
     if endpoint.startswith("ipc://"):
         return not endpoint.startswith("ipc://@")  # Linux's abstract namespace has no file permissions
-    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(endpoint[len("tcp://"):].rpartition(":")[0])
 
 
 @dataclass(frozen=True)

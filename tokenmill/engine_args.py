@@ -6,6 +6,7 @@ these fields, as vLLM's ``EngineArgs``. Help texts name other options as `name`:
 the keyword in docstrings. Imports the standard library and ``tokenmill.config`` only: the router process
 loads this module, so never torch, numpy or ``tokenmill.engine``.
 """
+import argparse
 import dataclasses
 import os
 import re
@@ -24,7 +25,6 @@ from tokenmill.config import (
 )
 
 if TYPE_CHECKING:
-    import argparse
     from tokenmill.kv_transfer.config import KVTransferConfig
     from tokenmill.spec_decode.config import SpeculativeConfig
 
@@ -280,8 +280,6 @@ def _option_type(name: str) -> type:
 
 
 def _add_option(parser: "argparse.ArgumentParser", name: str, positional: bool, override: dict[str, Any]) -> None:
-    import argparse
-
     spelling, default = cli_spelling(name), getattr(EngineArgs, name)
     help_text = render_help(_FIELDS[name].metadata["help"], cli=True)
     if spelling.example is not None:
@@ -359,3 +357,25 @@ def with_options_signature(init: Callable) -> Callable:
         params.append(inspect.Parameter(f.name, kind, default=f.default, annotation=f.type))
     init.__signature__ = inspect.Signature(params, return_annotation=None)
     return init
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value

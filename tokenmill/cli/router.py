@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from tokenmill.cli.serve import name_list, port_number, positive_int, seconds
+from tokenmill.cli.serve import name_list, port_number, seconds
+from tokenmill.engine_args import positive_int
 from tokenmill.security.http import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 

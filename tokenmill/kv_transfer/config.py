@@ -17,6 +17,26 @@ DEFAULT_MAX_CONNECTIONS = 16
 DEFAULT_MAX_LEASES = 64
 
 
+def _check_address_list(name: str, key: str, value, hosts: bool) -> None:
+    """Check ``kv_connector_extra_config.<key>``: None, or a list of CIDRs and IP addresses (``hosts``: host names too).
+
+    Raises:
+        ConfigError naming the key.
+    """
+    if value is None:
+        return
+    what = "hosts or CIDRs" if hosts else "CIDRs or IP addresses"
+    if not isinstance(value, list) or not all(isinstance(a, str) and a for a in value):
+        raise ConfigError(f"`{name}` kv_connector_extra_config.{key} must be a list of {what}, got {value!r}")
+    for entry in value:
+        if hosts and "/" not in entry:
+            continue  # a host name or address, resolved when connecting
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            raise ConfigError(f"`{name}` kv_connector_extra_config.{key}: {entry!r} is not one of {what}") from None
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
     """How this engine takes part in KV transfer.
@@ -78,29 +98,8 @@ class KVTransferConfig:
         if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
             raise ConfigError(f"`{name}` kv_connector_extra_config.secret_file must be a file path, got "
                               f"{secret_file!r}")
-        allowed = extra.get("allowed_producers")
-        if allowed is not None:
-            if not isinstance(allowed, list) or not all(isinstance(a, str) and a for a in allowed):
-                raise ConfigError(f"`{name}` kv_connector_extra_config.allowed_producers must be a list of hosts "
-                                  f"or CIDRs, got {allowed!r}")
-            for entry in allowed:
-                if "/" in entry:
-                    try:
-                        ipaddress.ip_network(entry, strict=False)
-                    except ValueError:
-                        raise ConfigError(f"`{name}` kv_connector_extra_config.allowed_producers: {entry!r} is "
-                                          f"not a CIDR") from None
-        consumers = extra.get("allowed_consumers")
-        if consumers is not None:
-            if not isinstance(consumers, list) or not all(isinstance(a, str) and a for a in consumers):
-                raise ConfigError(f"`{name}` kv_connector_extra_config.allowed_consumers must be a list of CIDRs, "
-                                  f"got {consumers!r}")
-            for entry in consumers:
-                try:
-                    ipaddress.ip_network(entry, strict=False)
-                except ValueError:
-                    raise ConfigError(f"`{name}` kv_connector_extra_config.allowed_consumers: {entry!r} is not a "
-                                      f"CIDR or an IP address") from None
+        _check_address_list(name, "allowed_producers", extra.get("allowed_producers"), hosts=True)
+        _check_address_list(name, "allowed_consumers", extra.get("allowed_consumers"), hosts=False)
 
     @property
     def is_producer(self) -> bool:

@@ -10,7 +10,6 @@ torch.
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import queue
 import threading
@@ -31,6 +30,7 @@ from tokenmill.kv_events.events import (
     encode_seq,
 )
 from tokenmill.kv_events.transport import ClientKeys
+from tokenmill.security.addresses import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ def kv_event_endpoints(status: dict, worker_url: str) -> tuple[str | None, str |
         return None, None
     host = urlparse(worker_url).hostname or "127.0.0.1"
     endpoint, replay = _connectable(info.get("endpoint"), host), _connectable(info.get("replay_endpoint"), host)
-    if endpoint is not None and not _is_loopback(host) and _host_only(endpoint):
+    if endpoint is not None and not is_loopback(host) and _host_only(endpoint):
         logger.warning("KV index: worker %s publishes its KV events on %s, which this router cannot reach; "
                        "bind a reachable address with CURVE keys and/or pass --kv-events-endpoints", worker_url,
                        endpoint)
@@ -420,21 +420,13 @@ def kv_event_endpoints(status: dict, worker_url: str) -> tuple[str | None, str |
     return endpoint, replay
 
 
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _host_only(endpoint: str) -> bool:
     """An endpoint only the publisher's own host can connect to (ipc://, tcp on loopback)."""
     if endpoint.startswith("ipc://"):
         return True
-    return endpoint.startswith("tcp://") and _is_loopback(endpoint[len("tcp://"):].rpartition(":")[0])
+    return endpoint.startswith("tcp://") and is_loopback(endpoint[len("tcp://"):].rpartition(":")[0])
 
 
 def _connectable(endpoint: str | None, host: str) -> str | None:

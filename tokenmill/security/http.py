@@ -19,6 +19,8 @@ from typing import Awaitable, Callable, Iterable
 
 from starlette.exceptions import HTTPException
 
+from tokenmill.security.addresses import is_loopback
+
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # always allowed: a rebinding page cannot send them
@@ -52,15 +54,6 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
-def is_loopback(host: str) -> bool:
-    """Whether a bind address (``127.0.0.1``, ``::1``, ``localhost``) reaches only this machine."""
-    host = host.strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def this_hosts_names() -> list[str]:

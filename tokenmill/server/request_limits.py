@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 
 from typing import TYPE_CHECKING
 
+from tokenmill.engine_args import positive_float, positive_int
+
 if TYPE_CHECKING:
     from tokenmill.sampling_params import StructuredOutputsParams
     from tokenmill.server.errors import APIError
@@ -116,30 +118,30 @@ class RequestLimits:
         d = cls()
         group = parser.add_argument_group("request limits (each refused with 400 naming the field, except the queue)")
         add = group.add_argument
-        add("--max-stop-strings", type=_positive_int, default=d.max_stop_strings, metavar="N",
+        add("--max-stop-strings", type=positive_int, default=d.max_stop_strings, metavar="N",
             help=f"most strings in stop (default {d.max_stop_strings})")
-        add("--max-stop-string-length", type=_positive_int, default=d.max_stop_string_length, metavar="CHARS",
+        add("--max-stop-string-length", type=positive_int, default=d.max_stop_string_length, metavar="CHARS",
             help=f"most characters in one stop string (default {d.max_stop_string_length})")
-        add("--max-stop-token-ids", type=_positive_int, default=d.max_stop_token_ids, metavar="N",
+        add("--max-stop-token-ids", type=positive_int, default=d.max_stop_token_ids, metavar="N",
             help=f"most ids in stop_token_ids (default {d.max_stop_token_ids})")
-        add("--max-logit-bias", type=_positive_int, default=d.max_logit_bias, metavar="N",
+        add("--max-logit-bias", type=positive_int, default=d.max_logit_bias, metavar="N",
             help=f"most entries in logit_bias (default {d.max_logit_bias})")
-        add("--max-prompts-per-request", type=_positive_int, default=d.max_prompts_per_request, metavar="N",
+        add("--max-prompts-per-request", type=positive_int, default=d.max_prompts_per_request, metavar="N",
             help=f"most prompts in one completions request (default {d.max_prompts_per_request})")
-        add("--max-num-seqs-per-request", type=_positive_int, default=d.max_num_seqs_per_request, metavar="N",
+        add("--max-num-seqs-per-request", type=positive_int, default=d.max_num_seqs_per_request, metavar="N",
             help=f"most sequences one request makes, prompts × n (default {d.max_num_seqs_per_request})")
-        add("--max-tokens-per-request", type=_positive_int, default=d.max_tokens_per_request, metavar="N",
+        add("--max-tokens-per-request", type=positive_int, default=d.max_tokens_per_request, metavar="N",
             help="most tokens one request may generate, n × max_tokens summed over its prompts "
                  f"(default {d.max_tokens_per_request})")
-        add("--max-structured-output-bytes", type=_positive_int, default=d.max_structured_output_bytes,
+        add("--max-structured-output-bytes", type=positive_int, default=d.max_structured_output_bytes,
             metavar="BYTES", help="most bytes of one output constraint: JSON schema, regex, grammar, choices, or the "
                                   f"tools of a forced tool call (default {d.max_structured_output_bytes})")
-        add("--structured-outputs-compile-timeout", type=_positive_float, default=d.structured_outputs_compile_timeout,
+        add("--structured-outputs-compile-timeout", type=positive_float, default=d.structured_outputs_compile_timeout,
             metavar="SECONDS", help="seconds an output constraint may take to compile before the request is refused "
                                     f"(default {d.structured_outputs_compile_timeout:g})")
-        add("--max-tools", type=_positive_int, default=d.max_tools, metavar="N",
+        add("--max-tools", type=positive_int, default=d.max_tools, metavar="N",
             help=f"most entries in tools (default {d.max_tools})")
-        add("--max-queued-requests", type=_positive_int, default=d.max_queued_requests, metavar="N",
+        add("--max-queued-requests", type=positive_int, default=d.max_queued_requests, metavar="N",
             help="most sequences waiting for the engine; more get 503 with Retry-After "
                  f"(default {d.max_queued_requests})")
 
@@ -156,21 +158,5 @@ def _refuse(message: str, param: str) -> APIError:
     return APIError(message, param=param)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
