@@ -71,24 +71,20 @@ def test_a_large_tensor_is_advised_onto_huge_pages():
     assert 14 << 20 <= advised <= 16 << 20  # the whole 2 MiB pages inside 16 MiB
 
 
-def test_the_engines_cpu_kv_cache_is_advised(monkeypatch, tmp_path):
-    """ModelRunner's KV pool allocates its KV tensor through zeros_on_huge_pages (a spy records the call)."""
+def test_the_engines_cpu_kv_cache_is_advised(tmp_path):
+    """ModelRunner's KV pool is a mapping of its own (``zeros_on_huge_pages``), which the idle engine's prefault
+    thread advises onto huge pages (VmFlags "hg") and faults in."""
     from tests.tiny_models import make_tiny_model
     from tokenmill import LLM
-    from tokenmill.runner import kv_pool
 
-    calls = []
-    real = kv_pool.zeros_on_huge_pages
-
-    def spy(shape, dtype, device):
-        calls.append(tuple(shape))
-        return real(shape, dtype, device)
-
-    monkeypatch.setattr(kv_pool, "zeros_on_huge_pages", spy)
-    llm = LLM(model=str(make_tiny_model("llama", tmp_path)), num_kv_blocks=64)
+    llm = LLM(model=str(make_tiny_model("llama", tmp_path)), num_kv_blocks=1024)  # 8 MiB of K/V
     try:
-        assert calls and calls[0][2] >= 64  # (layers, 2, blocks + padding, block_size, kv_heads, head_dim)
+        pool = llm.engine.runner.kv_pool
+        assert is_mapped(pool.kv)
         assert llm.generate([[1, 2, 3]])[0].outputs[0].token_ids
+        if pool._prefault is not None and thp_mode() == "madvise":
+            pool._prefault.thread.join(timeout=60)
+            assert "hg" in mapping_vm_flags(pool.kv[:, :, -1].data_ptr())
     finally:
         llm.close()
 
@@ -156,3 +152,22 @@ def test_prefault_waits_while_the_engine_steps_and_goes_on_when_it_is_idle():
     prefault.thread.join(timeout=60)
     assert not prefault.thread.is_alive()
     assert mapping_field(t.data_ptr(), "Rss") >= 62 << 20  # idle: every page taken
+
+
+@pytest.mark.skipif(thp_mode() != "madvise" or tuple(int(x) for x in platform.release().split(".")[:2]) < (5, 14),
+                    reason="needs THP enabled=madvise and MADV_POPULATE_WRITE (Linux 5.14+)")
+def test_an_unadvised_pool_faults_small_pages_in_steps_and_the_idle_prefault_advises_the_rest():
+    """The KV pool's mapping (``advise=False``): a first write in a step takes small pages at once (no compaction
+    inside the step); the prefault advises each 2 MiB it takes, so the rest of the pool ends on huge pages."""
+    from tokenmill.huge_pages import Prefault
+
+    t = zeros_on_huge_pages((64, 1024, 1024), torch.uint8, torch.device("cpu"), advise=False)
+    assert "hg" not in mapping_vm_flags(t.data_ptr())
+    t[:8].fill_(1)  # an engine step writing 8 MiB before the prefault reached it
+    assert mapping_field(t.data_ptr(), "AnonHugePages") == 0
+    prefault = Prefault(t, advise=True)
+    prefault.thread.join(timeout=60)
+    assert not prefault.thread.is_alive()
+    assert int(t.sum()) == 8 << 20
+    assert mapping_field(t[40].data_ptr(), "AnonHugePages") >= 32 << 20  # taken by the thread: huge pages
+    assert "hg" in mapping_vm_flags(t[40].data_ptr())

@@ -26,7 +26,9 @@ EXTRA_TORCH_FREE = ("tokenmill.kv_transfer.scheduler_side",  # the scheduler hal
                     "tokenmill.request", "tokenmill.lora_request")  # the core request types
 
 # (importer package, imported package): never.
-FORBIDDEN = (("runner", "spec_decode"), ("router", "server"), ("router", "engine"))
+FORBIDDEN = (("runner", "spec_decode"), ("router", "server"), ("router", "engine"),
+             # moe/ is a layer library: the model files import it, never the other way
+             ("moe", "models"), ("moe", "engine"), ("moe", "runner"), ("moe", "server"))
 
 # Attributes that are the runner's KV tensors; read outside runner/ only through the KVPool.
 KV_TENSOR_ATTRS = {"kv_cache", "kv_scales", "kv_caches", "state_cache"}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import threading
 import time
 
 import httpx2 as httpx
@@ -137,6 +139,98 @@ def test_failed_transfers_fall_back_to_local_compute_with_their_reason(engines, 
     settle(producer, consumer)
 
 
+class CuttingRelay:
+    """A TCP relay in front of a real producer: it passes the consumer's bytes through and the producer's first
+    ``limit`` bytes (the handshake, the reply, part of the blocks), then ``stall``s (sends nothing more, keeps both
+    connections open until the consumer gives up) or ``die``s (closes both), as a hung or killed producer would
+    in the middle of a transfer."""
+
+    def __init__(self, producer_port: int, limit: int, mode: str) -> None:
+        self.producer_port, self.limit, self.mode = producer_port, limit, mode
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            upstream = socket.create_connection(("127.0.0.1", self.producer_port))
+            done = threading.Event()
+            threading.Thread(target=self._pump, args=(client, upstream, None, done), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self.limit, done), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, limit: int | None, done: threading.Event) -> None:
+        sent = 0
+        try:
+            while limit is None or sent < limit:
+                data = src.recv(min(65536, limit - sent) if limit is not None else 65536)
+                if not data:
+                    break
+                dst.sendall(data)
+                sent += len(data)
+            if limit is not None and self.mode == "stall":
+                done.wait(30)  # hung: hold the connection until the consumer closes its side
+        except OSError:
+            pass
+        finally:
+            done.set()
+            for conn in (src, dst):  # shutdown first: it ends the other pump's recv and sends the FIN now
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_transfers_stalling_or_dying_midway_under_concurrent_load_fall_back_to_local_compute(engines):
+    """Six requests at once on the consumer: two pull through a producer that hangs halfway through the blocks, one
+    through one that dies there, one pulls normally and two have no remote prefill. Each completes with the colocated
+    engine's greedy tokens; the broken pulls are counted as timeout / protocol fallbacks; every pool ends whole."""
+    producer, consumer, reference = engines[0], engines[2], engines[3]  # the consumer pulls over TCP
+    prompts = [list(range(5000 + 100 * i, 5060 + 100 * i)) for i in range(6)]  # no block cached by other tests
+    want = [run(reference, f"load-ref-{i}", p, GREEDY, None).outputs[0].token_ids for i, p in enumerate(prompts)]
+    params = [prefill(producer, f"load-p-{i}", prompts[i]) for i in range(4)]
+    block_bytes = consumer.engine.runner.kv_pool.block_bytes
+    stall = CuttingRelay(params[0]["remote_port"], 2 * block_bytes, "stall")  # the reply and ~1.5 of 4 blocks
+    die = CuttingRelay(params[2]["remote_port"], 2 * block_bytes, "die")
+    kv = [{**params[0], "remote_port": stall.port}, {**params[1], "remote_port": stall.port},
+          {**params[2], "remote_port": die.port}, params[3], None, None]
+    stats = consumer.engine.kv_connector.stats
+    before = (dict(stats.local_fallbacks), stats.remote_prefill_requests)
+    try:
+        for i, prompt in enumerate(prompts):
+            consumer.engine.add_request(f"load-{i}", {"prompt_token_ids": prompt}, GREEDY, kv_transfer_params=kv[i])
+        done = {}
+        deadline = time.monotonic() + 60
+        while consumer.engine.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            for output in consumer.engine.step():
+                if output.finished:
+                    done[output.request_id] = output
+    finally:
+        stall.close()
+        die.close()
+    assert [done[f"load-{i}"].outputs[0].token_ids for i in range(6)] == want
+    assert stall.connections == 2 and die.connections == 1
+    fallbacks = {k: v - before[0].get(k, 0) for k, v in stats.local_fallbacks.items() if v != before[0].get(k, 0)}
+    assert fallbacks == {"timeout": 2, "protocol": 1}, fallbacks
+    assert stats.remote_prefill_requests == before[1] + 1
+    deadline = time.monotonic() + 15  # the broken pulls' leases end (released, or expired after lease_ttl_s)
+    while producer.engine.kv_connector.producer.num_leases:
+        assert time.monotonic() < deadline
+        producer.engine.step()
+        time.sleep(0.05)
+    settle(producer, consumer)
+
+
 def test_an_unclaimed_lease_expires_and_frees_the_producers_blocks(tiny):
     with LLM(tiny, kv_transfer_config={"kv_role": "kv_producer",
                                        "kv_connector_extra_config": {"lease_ttl_s": 0.3}}, **KW) as producer:
@@ -205,6 +299,10 @@ def test_router_pd_disaggregation_end_to_end(tiny, tmp_path):
             **{k: v for k, v in body.items()}, stream=True) if c.choices)
         assert streamed == want["choices"][0]["message"]["content"]
         assert metric(d.url, "tokenmill:kv_transfer_remote_prefill_requests_total") == 2
+        # n > 1: one transfer fills one sequence, so the decode worker computes the shared prompt for all of them
+        two = router.post("/v1/chat/completions", {**body, "n": 2}).json()
+        assert [c["message"] for c in two["choices"]] == [want["choices"][0]["message"]] * 2
+        assert metric(router.url, "tokenmill_router:pd_requests_total", 'path="local_n"') == 1
 
         # Multi-round with a session: short rounds stay on the decode worker (local incremental prefill).
         history, rounds = [CHAT[0]], []

@@ -8,6 +8,7 @@ real code path), stop strings spanning tokens still match, and constraint compil
 from __future__ import annotations
 
 import json
+import time
 import random
 import sys
 import threading
@@ -83,6 +84,17 @@ def test_over_limit_field_gets_400_naming_it_and_the_server_still_serves(server,
     assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+])
+def test_priority_is_refused_under_fcfs_naming_it(server, route, body):
+    """As vLLM: a non-zero ``priority`` needs --scheduling-policy priority (tests/test_priority_scheduling.py)."""
+    response = server.post(route, {**body, "priority": 3})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "priority", response.text[:300]
+    assert server.post(route, {**body, "priority": 0}).status_code == 200
+
+
 def test_requests_at_the_limits_are_served(server):
     body = {"prompt": "Hi", "max_tokens": 4, "stop": ["s" * 1024] * 32, "stop_token_ids": list(range(1024)),
             "logit_bias": {str(i): 0 for i in range(1024)}, "n": 2, "temperature": 0}
@@ -106,6 +118,13 @@ def test_full_waiting_queue_gets_503_with_retry_after(server):
                 assert int(refused.headers["Retry-After"]) >= 1
                 assert refused.json()["error"]["type"] == "service_unavailable_error"
                 assert "--max-queued-requests" in refused.json()["error"]["message"]
+                # once a step has seen the full queue, a request is refused before any work on it: a prompt the
+                # tokenizer would refuse (400) gets the 503 too
+                deadline = time.monotonic() + 10
+                while (early := client.post("/v1/completions", json={"prompt": [10**9], "max_tokens": 1})
+                       ).status_code != 503 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert early.status_code == 503 and early.headers["Retry-After"], early.text
     server.wait_idle()  # leaving the streams aborted both
     assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
 

@@ -56,11 +56,15 @@ def test_updated_engine_equals_transformers_and_a_fresh_engine_on_the_new_weight
         after = llm.generate([p], SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0))[0]
         new_info = llm.weight_info()
         assert new_info["fingerprint"] != old_info["fingerprint"]
+        # one key for every consumer: the disk tier's directory, sessions / KV transfer, weight_info
+        engine = llm.engine
+        assert engine.fingerprints()[0] == new_info["fingerprint"] == engine.kv_store.disk.fingerprint.hex()
     ref = Reference(ckpts["new"])
     assert after.outputs[0].token_ids == ref.greedy(p, 8) != first.outputs[0].token_ids
     got = [next(iter(e.values())).logprob for e in after.prompt_logprobs[1:]]
     assert got == pytest.approx(ref.prompt_logprobs(p), abs=2e-4)
     with make_llm(ckpts["new"], kv_offload_disk_path=str(tmp_path / "kv2")) as fresh:
+        assert fresh.engine.rl_state.fingerprint == new_info["fingerprint"]  # from the disk tier's start: no 2nd pass
         assert fresh.weight_info()["fingerprint"] == new_info["fingerprint"]
         assert fresh.generate([p], GREEDY)[0].outputs[0].token_ids == after.outputs[0].token_ids
 

@@ -286,10 +286,8 @@ def test_data_parallel_replicas_serve_through_the_router_and_leave_no_process(cl
     check_serves_then_stops_cleanly(model, "mp", logs / "data_parallel.log")
 
 
-def test_ray_replicas_serve_through_the_router_and_leave_no_process(cluster):
-    pytest.importorskip("ray", reason="the ray extra is not installed (pip install tokenmill[ray])")
-    model, _, _, logs = cluster
-    check_serves_then_stops_cleanly(model, "ray", logs / "data_parallel_ray.log")
+# Ray replicas serving through the router, failing over and leaving no process: tests/test_ray_multinode.py (two
+# Ray nodes, one replica each).
 
 
 def test_ray_backend_without_ray_is_a_one_line_error(cluster):

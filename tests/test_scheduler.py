@@ -69,7 +69,7 @@ def test_preemption_evicts_newest_and_recomputes():
     out = s.schedule()  # position 12 needs a fourth block: b (newest) is preempted for a
     assert out.preempted_req_ids == {"b"} and scheduled(out) == {"a": 1}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert s.waiting[0] is b
+    assert s.waiting.peek() is b
     from tests.scheduler_helpers import runner_output
     s.update_from_output(out, runner_output(out))
     while s.has_unfinished_requests():

@@ -76,3 +76,10 @@ def test_bench_serve_endpoint_spellings(argv, endpoint):
 def test_kv_cache_memory_bytes_is_kv_cache_memory_in_bytes():
     assert engine_kwargs(parse("serve", "--kv-cache-memory-bytes", str(3 * 2**29)))["kv_cache_memory"] == 1.5
     assert engine_kwargs(parse("serve", "--kv-cache-memory", "0.25"))["kv_cache_memory"] == 0.25
+
+
+def test_scheduling_policy_flag_is_vllms():
+    assert engine_kwargs(parse("serve", "--scheduling-policy", "priority"))["scheduling_policy"] == "priority"
+    assert engine_kwargs(parse("serve"))["scheduling_policy"] == "fcfs"
+    with pytest.raises(SystemExit):
+        parse("serve", "--scheduling-policy", "lifo")

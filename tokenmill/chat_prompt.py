@@ -13,12 +13,37 @@ from collections import Counter
 from typing import Any
 
 
-class ContentSpecialTokensError(ValueError):
-    """A message holds special-token text that cannot be kept as plain text (``param`` names it)."""
+class ChatPromptError(ValueError):
+    """A conversation or rendering option the prompt cannot be built from; ``param`` names the
+    request field (for a 400 answer that names it)."""
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ContentSpecialTokensError(ChatPromptError):
+    """A message holds special-token text that cannot be kept as plain text (``param`` names it)."""
+
+
+def check_prompt_options(messages: list[dict], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """The rules vLLM applies to the two ways a rendered conversation can end: a new assistant turn
+    opened (``add_generation_prompt``) or the last message left open for the model to continue
+    (``continue_final_message``, a prefill). Not both; and only an assistant message is continued.
+
+    Raises:
+        ChatPromptError: naming ``continue_final_message``.
+    """
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise ChatPromptError("continue_final_message and add_generation_prompt cannot both be true: send "
+                              "add_generation_prompt: false to continue the final assistant message",
+                              "continue_final_message")
+    role = messages[-1].get("role") if messages else None
+    if role != "assistant":
+        raise ChatPromptError(f"continue_final_message continues the last message, which must be from the "
+                              f"assistant; it is from {role!r}", "continue_final_message")
 
 
 class ChatPromptRenderer:
@@ -53,20 +78,26 @@ class ChatPromptRenderer:
 
     def render(
         self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False,
-        *, tools: list[dict] | None = None,
+        *, tools: list[dict] | None = None, continue_final_message: bool = False,
     ) -> list[int]:
         """Prompt token ids of a conversation (``messages``: dicts with ``role`` and ``content``, and
         any other keys the template reads, such as ``tool_calls``); ``tools`` goes to the template.
+        ``continue_final_message``: the prompt ends inside the last (assistant) message, with no
+        end-of-turn token after its content, so the model continues it (transformers' option of
+        the same name; needs ``add_generation_prompt=False``).
 
         Raises:
             ValueError: the model has no chat template, or the template rejects the conversation.
+            ChatPromptError: the options break :func:`check_prompt_options`'s rules.
             ContentSpecialTokensError: a content yields special tokens and the template alters contents.
         """
         tokenizer = self._tokenizer
         if not tokenizer.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        check_prompt_options(messages, add_generation_prompt, continue_final_message)
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message)
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         if allow_special_tokens_in_content:
             return token_ids
@@ -74,7 +105,7 @@ class ChatPromptRenderer:
         markers = [f"<tokenmill-content-{nonce}-{i}>" for i in range(len(messages))]
         skeleton = tokenizer.apply_chat_template(
             [{**m, "content": marker} for m, marker in zip(messages, markers)], tools=tools, tokenize=False,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         )
         template_specials = self._special_counts(tokenizer.encode(skeleton, add_special_tokens=False))
         if self._special_counts(token_ids) == template_specials:

@@ -77,6 +77,8 @@ class CacheConfig:
         state_cache_memory_gib: hybrid models: memory budget in GiB for the linear-attention state pool
             (live state slots, at most ``max_num_seqs``, then prefix-cache state checkpoints); None:
             ``max_num_seqs`` of each (``kv_cache.state_slots.state_pool_sizes``).
+        session_kv_ttl: seconds an agent session's cached blocks (requests with a ``session_id``) stay ahead of
+            plain LRU eviction after its request ends (0: off; needs prefix caching).
 
     Raises:
         ConfigError: a setting out of range, or a disk-tier size without a disk-tier path.
@@ -93,6 +95,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     state_checkpoint_interval: int = 8
     state_cache_memory_gib: float | None = None
+    session_kv_ttl: float = 0.0
 
     @property
     def disk_tier_size_gib(self) -> float:
@@ -116,6 +119,10 @@ class CacheConfig:
         check_number("state_cache_memory", self.state_cache_memory_gib, 0, inclusive=False, optional=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_number("kv_offload_memory", self.kv_offload_memory_gib, 0, inclusive=True)
+        check_number("session_kv_ttl", self.session_kv_ttl, 0, inclusive=True)
+        if self.session_kv_ttl and not self.enable_prefix_caching:
+            raise ConfigError("`session_kv_ttl` keeps sessions' cached blocks and needs prefix caching, which "
+                              "`!enable_prefix_caching` turns off")
         if self.kv_offload_disk_path is not None and not isinstance(self.kv_offload_disk_path, str):
             raise ConfigError(f"`kv_offload_disk_path` must be a path, got {self.kv_offload_disk_path!r}")
         if self.kv_offload_disk_path is not None and not self.kv_offload_disk_path:
@@ -146,6 +153,8 @@ class SchedulerConfig:
         enable_chunked_prefill: split long prompts across steps under the budget.
         max_loras: most distinct LoRA adapters in one step (None: LoRA off); the engine copies it
             from ``LoRAConfig``.
+        policy: "fcfs" (first come, first served) or "priority" (``Request.priority``, lower first; ties by
+            arrival; lower-priority running requests are preempted for higher ones: ``scheduler.Scheduler``).
     """
 
     max_num_seqs: int = 128
@@ -153,9 +162,12 @@ class SchedulerConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     max_loras: int | None = None
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs)
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"`scheduling_policy` must be 'fcfs' or 'priority', got {self.policy!r}")
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_int("max_model_len", self.max_model_len, optional=True)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
@@ -231,6 +243,7 @@ class StructuredOutputsConfig:
 
 
 KV_EVENTS_PUBLISHERS = ("zmq", "null")
+KV_EVENTS_FORMATS = ("tokenmill", "vllm")  # the payload encoding (tokenmill.kv_events.events)
 
 
 def _local_endpoint(endpoint: str) -> bool:
@@ -268,6 +281,9 @@ class KVEventsConfig:
         max_queue_size: batches waiting between the engine thread and the publisher thread; a
             batch that finds the queue full is dropped (counted), never waited for.
         topic: the first frame of every published message (subscribers filter on it).
+        format: the payload encoding: ``tokenmill`` (msgpack maps with the publisher ``instance`` and the
+            tiers' names) or ``vllm`` (vLLM's ``KVEventBatch``: msgspec array-like structs, read by
+            decoders written for vLLM; docs/kv_events.md).
 
     Raises:
         ConfigError: an unknown publisher, a malformed endpoint or a count out of range.
@@ -284,6 +300,7 @@ class KVEventsConfig:
     curve_secret_key_file: str | None = None
     curve_client_keys_dir: str | None = None
     allow_insecure_bind: bool = False
+    format: str = "tokenmill"
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -305,6 +322,8 @@ class KVEventsConfig:
                 raise ConfigError(f"`kv_events_config` {name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.topic, str):
             raise ConfigError(f"`kv_events_config` topic must be a string, got {self.topic!r}")
+        if self.format not in KV_EVENTS_FORMATS:
+            raise ConfigError(f"`kv_events_config` format must be 'tokenmill' or 'vllm', got {self.format!r}")
         if not isinstance(self.allow_insecure_bind, bool):
             raise ConfigError(f"`kv_events_config` allow_insecure_bind must be true or false, "
                               f"got {self.allow_insecure_bind!r}")

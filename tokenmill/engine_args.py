@@ -100,6 +100,10 @@ class EngineArgs:
         "keep state checkpoints for it too")
     enable_chunked_prefill: bool = option(
         True, "split long prompts across steps under `max_num_batched_tokens`")
+    scheduling_policy: str = option(
+        "fcfs", "fcfs: requests run in arrival order; priority: by each request's `priority` field (lower "
+        "first, ties by arrival), preempting lower-priority running requests for higher ones (docs/scheduling.md)",
+        choices=("fcfs", "priority"))
     seed: int = option(0, "seed of the engine's global RNG, which draws for requests without a sampling seed")
     num_threads: int | None = option(None, "torch CPU threads (default: the CPUs this process may use)")
     deterministic: bool = option(
@@ -123,6 +127,10 @@ class EngineArgs:
     state_cache_memory: float | None = option(
         None, "hybrid linear-attention models: GiB for the state pool (up to `max_num_seqs` live slots, the rest "
         "prefix-cache checkpoints; default: `max_num_seqs` of each)", metavar="GIB")
+    session_kv_ttl: float = option(
+        0.0, "seconds an agent session's cached KV blocks (requests with an X-Session-Id header or `user` field) "
+        "stay ahead of plain LRU eviction between turns; moved to a lower KV tier, not dropped, when the pool "
+        "needs them anyway (0: off; docs/kv_offload.md)", metavar="SECONDS")
     device: str = option("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N")
     gpu_memory_utilization: float = option(
         0.9, "CUDA: fraction of device memory for weights + activations + KV cache (the KV pool gets what a "
@@ -190,12 +198,14 @@ class EngineArgs:
                 kv_cache_dtype=self.kv_cache_dtype,
                 state_checkpoint_interval=self.state_checkpoint_interval,
                 state_cache_memory_gib=self.state_cache_memory,
+                session_kv_ttl=self.session_kv_ttl,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
             ),
         )
 

@@ -6,6 +6,7 @@ Each accessor reads ``os.environ`` when called, never at import, so a variable s
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 from pathlib import Path
@@ -19,6 +20,9 @@ STATS_INTERVAL_S = "TOKENMILL_STATS_INTERVAL_S"
 CHECK_INTEGRITY = "TOKENMILL_CHECK_INTEGRITY"
 WORKER_API_KEY = "TOKENMILL_WORKER_API_KEY"
 CLUSTER_SECRET = "TOKENMILL_CLUSTER_SECRET"
+KV_OFFLOAD_DISK_FAULT = "TOKENMILL_KV_OFFLOAD_DISK_FAULT"
+FAULT_INJECT_STEP = "TOKENMILL_FAULT_INJECT_STEP"
+FUZZ_MAX_EXAMPLES = "TOKENMILL_FUZZ_MAX_EXAMPLES"
 
 # Every variable and what it does: the table of docs/environment.md (tests/test_envs.py keeps them in step).
 VARIABLES: dict[str, str] = {
@@ -40,6 +44,15 @@ VARIABLES: dict[str, str] = {
     CLUSTER_SECRET: "the cluster secret (16 bytes or more) that signs kv_transfer_params, KV transfer frames and KV "
                     "event tags; unset: an explicit secret file, else the per-user file "
                     "$XDG_CONFIG_HOME/tokenmill/cluster.key (created 0600 on first use)",
+    KV_OFFLOAD_DISK_FAULT: "test only: ERRNO or ERRNO@BYTES (e.g. EROFS, ENOSPC@65536) makes the disk KV tier's "
+                           "writes fail with that error once it has written BYTES (default 0) in this process, "
+                           "for fault tests where a real full or read-only filesystem cannot be made",
+    FAULT_INJECT_STEP: "test only: N or N,M,... makes the engine's N-th model forward (counted from 1 in this "
+                       "process) raise InjectedFault, as a kernel failing for one batch would; the requests of that "
+                       "step fail with a 500 and the engine carries on (several in a row: it reports dead)",
+    FUZZ_MAX_EXAMPLES: "test only: examples Schemathesis draws per API operation and generation mode in "
+                       "tests/test_api_fuzz.py, an integer > 0 (default 8, about a minute per app on 2 cores; "
+                       "benchmarks/fuzz_api.py sets more)",
 }
 
 DEFAULT_STATS_INTERVAL_S = 10.0
@@ -101,3 +114,63 @@ def worker_api_key() -> str | None:
 def cluster_secret() -> str | None:
     """$TOKENMILL_CLUSTER_SECRET, or None when unset or empty (``tokenmill.security.load_cluster_secret``)."""
     return os.environ.get(CLUSTER_SECRET, "").strip() or None
+
+
+def kv_offload_disk_fault() -> tuple[int, int] | None:
+    """$TOKENMILL_KV_OFFLOAD_DISK_FAULT as (errno, bytes written before the fault), or None when unset or empty.
+
+    Raises:
+        ValueError: not ``ERRNO`` or ``ERRNO@BYTES`` with a known errno name and BYTES >= 0.
+    """
+    text = os.environ.get(KV_OFFLOAD_DISK_FAULT, "").strip()
+    if not text:
+        return None
+    name, _, after = text.partition("@")
+    code = getattr(errno, name.strip().upper(), None)
+    try:
+        after_bytes = int(after) if after.strip() else 0
+    except ValueError:
+        after_bytes = -1
+    if not isinstance(code, int) or after_bytes < 0:
+        raise ValueError(f"{KV_OFFLOAD_DISK_FAULT} must be ERRNO or ERRNO@BYTES (e.g. ENOSPC@65536), got {text!r}")
+    return code, after_bytes
+
+
+def fault_inject_steps() -> frozenset[int]:
+    """$TOKENMILL_FAULT_INJECT_STEP as the set of model forwards (1 = the first) that raise ``InjectedFault``;
+    empty when unset or empty (read once, when an engine is built).
+
+    Raises:
+        ValueError: not a comma-separated list of integers >= 1.
+    """
+    text = os.environ.get(FAULT_INJECT_STEP, "").strip()
+    if not text:
+        return frozenset()
+    try:
+        steps = frozenset(int(part) for part in text.split(","))
+    except ValueError:
+        steps = frozenset({0})
+    if min(steps) < 1:
+        raise ValueError(f"{FAULT_INJECT_STEP} must be N or N,M,... with integers >= 1, got {text!r}")
+    return steps
+
+
+DEFAULT_FUZZ_MAX_EXAMPLES = 8
+
+
+def fuzz_max_examples() -> int:
+    """$TOKENMILL_FUZZ_MAX_EXAMPLES if set and not empty, else 8: the API fuzzer's examples per operation.
+
+    Raises:
+        ValueError: not an integer > 0.
+    """
+    text = os.environ.get(FUZZ_MAX_EXAMPLES, "").strip()
+    if not text:
+        return DEFAULT_FUZZ_MAX_EXAMPLES
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{FUZZ_MAX_EXAMPLES} must be an integer > 0, got {text!r}")
+    return value

@@ -70,12 +70,18 @@ def advise_huge_pages(tensor: torch.Tensor) -> int:
     return last - first
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                        advise: bool = True) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype, device=device)``; on CPU, from 2 MiB up, the memory is an anonymous
     private mapping of its own, advised onto huge pages and aligned to one, and left untouched: Linux hands
     out zero-filled pages on first write, so a KV pool of many GiB is ready at once instead of after seconds
     of zeroing (4.0 s for 9 GiB on a 2-core Xeon), and only the blocks used ever take memory. Such a tensor's
     storage cannot be resized; ``release_pages`` empties it instead (see ``is_mapped``).
+
+    ``advise`` False: the mapping is not advised yet (``Prefault(..., advise=True)`` advises it 2 MiB at a time
+    while the engine is idle). Under THP ``defrag=madvise`` a first write to an advised page may compact memory
+    inside the step that writes it (up to 146 ms for one page measured here); unadvised pages fault as 4 KiB
+    pages at once, and the pages advised later are collapsed by khugepaged in the background.
 
     Raises:
         RuntimeError / MemoryError: the allocator (or mmap) refuses, e.g. more than memory and swap.
@@ -92,7 +98,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torc
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
         raise MemoryError(f"mmap of {nbytes} bytes: {exc}") from exc
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if advise and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             region.madvise(mmap.MADV_HUGEPAGE)
         except OSError as exc:  # THP compiled out: ordinary pages
@@ -147,12 +153,16 @@ class Prefault:
 
     ``stop()`` ends the thread early (before the memory is released); it is a daemon thread either way.
     ``start_busy``: count the construction as the end of an engine step (the thread first waits ``QUIET_S``).
+    ``advise``: the tensor is a ``zeros_on_huge_pages(..., advise=False)`` mapping: each 2 MiB is advised onto
+    huge pages (MADV_HUGEPAGE) just before it is faulted in, so only pages taken while the engine is idle pay
+    for compaction; where MADV_POPULATE_WRITE is unavailable the whole mapping is advised at once instead.
     """
 
     _STEP = 2 << 20  # bytes per madvise: one huge page, what a step starting meanwhile may wait for (1-150 ms)
     QUIET_S = 0.5  # seconds without an engine step before the thread goes on
 
-    def __init__(self, tensor: torch.Tensor, start_busy: bool = False) -> None:
+    def __init__(self, tensor: torch.Tensor, start_busy: bool = False, advise: bool = False) -> None:
+        self._advise = advise
         self._stop = threading.Event()
         self._last_busy = time.monotonic() if start_busy else 0.0  # time.monotonic() the latest step ended
         self._in_step = False
@@ -174,8 +184,13 @@ class Prefault:
                     return
             if self._stop.is_set():
                 return
-            if libc.madvise(at, min(self._STEP, end - at), _MADV_POPULATE_WRITE) != 0:
+            size = min(self._STEP, end - at)
+            if self._advise:
+                libc.madvise(at, size, _MADV_HUGEPAGE)  # a refusal (THP compiled out) leaves small pages
+            if libc.madvise(at, size, _MADV_POPULATE_WRITE) != 0:
                 logger.debug("madvise(MADV_POPULATE_WRITE) refused: errno %d", ctypes.get_errno())
+                if self._advise:  # old kernel: the rest faults in on demand, onto huge pages
+                    libc.madvise(at, end - at, _MADV_HUGEPAGE)
                 return
 
     def step_started(self) -> None:

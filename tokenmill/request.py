@@ -51,6 +51,9 @@ class Request:
     constrained request, advanced on each accepted token; None when unconstrained.
     ``lora_request`` is the adapter the request runs with (None: the base model); ``lora_digest`` the
     hash of its content (``LoRAAdapter.digest``), which its prefix-cache block hashes carry.
+    ``session_id``: the agent session the request belongs to (the server's ``X-Session-Id`` header or ``user``
+    field): with ``session_kv_ttl`` its cached blocks outlive plain LRU between turns (kv_cache_manager.py).
+    ``priority``: under the priority scheduling policy, lower values run first (ties by ``arrival_time``).
     ``kv_transfer_params``: vLLM's field for prefill/decode disaggregation (``do_remote_decode`` on
     the prefill side, ``do_remote_prefill`` and where to pull from on the decode side).
     """
@@ -69,8 +72,12 @@ class Request:
         lora_request: LoRARequest | None = None,
         lora_digest: str | None = None,
         kv_transfer_params: dict | None = None,
+        priority: int = 0,
+        session_id: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.session_id = session_id  # an agent session (X-Session-Id / user): its blocks are kept between turns
+        self.priority = priority  # the priority scheduling policy runs lower values first (vLLM's field)
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids

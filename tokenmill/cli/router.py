@@ -81,9 +81,20 @@ def register(subparsers) -> None:
                              "kv_transfer_params with; the workers' kv_connector_extra_config.secret_file must hold "
                              "the same (default: $TOKENMILL_CLUSTER_SECRET, else the per-user "
                              "~/.config/tokenmill/cluster.key; docs/pd_disaggregation.md)")
-    parser.add_argument("--health-check-interval", type=positive_seconds, default=10.0,
-                        help="seconds between health checks of every worker (GET /health)")
-    parser.add_argument("--request-timeout", type=positive_seconds, default=1800.0,
+    parser.add_argument("--health-check-interval-secs", "--health-check-interval", dest="health_check_interval",
+                        type=positive_seconds, default=1.0,
+                        help="seconds between health checks of each worker (GET /health; SGLang router's spelling)")
+    parser.add_argument("--health-check-timeout-secs", dest="health_check_timeout", type=positive_seconds,
+                        default=3.0,
+                        help="seconds a worker's GET /health may take; past it, unless one of its streams sent "
+                             "something within as long, the worker is hung: out of routing, and its requests in "
+                             "flight retried or resumed elsewhere. A stopped worker is routed around within "
+                             "interval + timeout")
+    parser.add_argument("--stream-stall-timeout-secs", dest="stream_stall_timeout", type=seconds, default=15.0,
+                        help="seconds a stream may go without an event after its first token before the router "
+                             "takes its worker as failed and resumes the stream on another (0: no bound)")
+    parser.add_argument("--request-timeout-secs", "--request-timeout", dest="request_timeout",
+                        type=positive_seconds, default=1800.0,
                         help="longest wait in seconds for a worker's next bytes")
     parser.add_argument("--api-key", default=None,
                         help="clients' key: require 'Authorization: Bearer <key>' on every route but /health (and "
@@ -112,6 +123,11 @@ def register(subparsers) -> None:
     parser.add_argument("--metrics-without-auth", action="store_true",
                         help="serve /metrics without --api-key (for a Prometheus scraper without the key)")
     parser.add_argument("--seed", type=int, default=None, help="seed of power_of_two's random choices")
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="OpenTelemetry tracing: one 'router_request' span per generation request, child of the "
+                             "client's W3C traceparent, exported to this OTLP/HTTP receiver (e.g. "
+                             "http://127.0.0.1:4318/v1/traces); the workers (prefill ones too) get its traceparent. "
+                             "Default off: the client's traceparent is passed on as it came (docs/tracing.md)")
     parser.set_defaults(func=cmd_router)
 
 
@@ -136,6 +152,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from tokenmill import envs
     from tokenmill.router.app import RouterConfig, run_router
     from tokenmill.router.policies import PolicyConfig
+    from tokenmill.tracing import otlp_traces_endpoint
 
     policy = PolicyConfig(name=args.policy, cache_threshold=args.cache_threshold,
                           balance_abs_threshold=args.balance_abs_threshold,
@@ -160,6 +177,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         raise ValueError(f"--pd-local-prefill-threshold must be >= 0, got {args.pd_local_prefill_threshold}")
     config = RouterConfig(worker_urls=worker_urls, policy=policy, host=args.host, port=args.port,
                           api_key=args.api_key, health_check_interval=args.health_check_interval,
+                          health_check_timeout=args.health_check_timeout,
+                          stream_stall_timeout=args.stream_stall_timeout or None,
                           request_timeout=args.request_timeout, tokenizer=args.tokenizer, prefill_urls=prefill_urls,
                           prefill_policy=prefill_policy, pd_local_prefill_threshold=args.pd_local_prefill_threshold,
                           kv_transfer_secret_file=args.kv_transfer_secret_file,
@@ -168,5 +187,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                           allowed_hosts=None if args.allowed_hosts is None else tuple(
                               h for group in args.allowed_hosts for h in group),
                           max_request_body_bytes=args.max_request_body_bytes,
-                          metrics_without_auth=args.metrics_without_auth)
+                          metrics_without_auth=args.metrics_without_auth,
+                          otlp_traces_endpoint=otlp_traces_endpoint(args.otlp_traces_endpoint)
+                          if args.otlp_traces_endpoint else None)
     return run_router(config)

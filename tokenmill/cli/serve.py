@@ -55,6 +55,11 @@ def register(subparsers) -> None:
                              "(/, /static/*; its API calls send the key)")
     parser.add_argument("--metrics-without-auth", action="store_true",
                         help="with --api-key: serve /metrics without the key (for Prometheus scrapers)")
+    parser.add_argument("--metrics-compat", choices=["vllm"], default=None,
+                        help="vllm: /metrics also exports, beside tokenmill:*, the series inference gateways and "
+                             "vLLM dashboards read under vLLM's names and labels (vllm:num_requests_waiting, "
+                             "vllm:kv_cache_usage_perc, vllm:lora_requests_info, TTFT/ITL/e2e histograms; "
+                             "docs/metrics.md)")
     parser.add_argument("--allowed-hosts", nargs="+", action=ExtendNames, type=name_list, default=None,
                         metavar="HOST",
                         help="Host header names served, port ignored ('*' any, '*.example.com' subdomains; "
@@ -81,8 +86,11 @@ def register(subparsers) -> None:
                                               "it gets 503 with Retry-After (default: 256 MiB)")
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients use (default: the model path, or the embedded model's name)")
-    parser.add_argument("--timeout-graceful-shutdown", type=seconds, default=30.0,
-                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    parser.add_argument("--shutdown-timeout", "--timeout-graceful-shutdown", dest="shutdown_timeout", type=seconds,
+                        default=30.0, metavar="SECONDS",
+                        help="on SIGTERM/SIGINT the server drains: new requests get 503 and /ready 503, the requests in "
+                             "flight get this long to finish (then they end with a 503 error), the disk KV tier is "
+                             "flushed, and it exits 0 (default 30; --timeout-graceful-shutdown is the older name)")
     parser.add_argument("--allow-special-tokens-in-content", action="store_true",
                         help="parse special-token strings in chat message contents into control tokens (default: "
                              "plain text, so a message cannot forge a turn); requests may override it")
@@ -117,12 +125,26 @@ def register(subparsers) -> None:
                         help="one INFO log line per finished request (default on)")
     parser.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                         help="same as --no-enable-log-requests")
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="OpenTelemetry tracing: export one 'llm_request' span per request (GenAI attributes: "
+                             "model, sampling parameters, token usage, queue time, TTFT, e2e), child of the "
+                             "request's W3C traceparent, to this OTLP/HTTP receiver, e.g. "
+                             "http://127.0.0.1:4318/v1/traces (no path: /v1/traces); default off (docs/tracing.md)")
+    parser.add_argument("--collect-detailed-traces", nargs="+", action=ExtendNames, type=name_list, default=None,
+                        metavar="MODULES",
+                        help="with --otlp-traces-endpoint, more per span: 'model' the model-phase latencies "
+                             "(prefill, decode, inference), 'worker' the engine steps' summed time and count and "
+                             "scheduled / first_token events, 'all' both; comma-separated (docs/tracing.md)")
     parser.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
                         help="serve N engine replicas behind a router on --port (threads divided between them)")
+    parser.add_argument("--data-parallel-size-local", type=positive_int, default=None, metavar="L",
+                        help="with --distributed-executor-backend ray: L replicas on each of N / L Ray nodes (1: "
+                             "one per node; a STRICT_SPREAD placement group; default: wherever Ray places them)")
     parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
                         help="replicas as local processes (mp) or Ray actors (ray: pip install tokenmill[ray])")
     parser.add_argument("--ray-address", default=None,
-                        help="ray backend: the cluster to join (default: a local Ray instance on 127.0.0.1)")
+                        help="ray backend: the cluster to join, HEAD:PORT of its `ray start --head` (default: a new "
+                             "one-node Ray instance on this machine, stopped at exit)")
     parser.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES,
                         help="routing policy of the data-parallel router (see tokenmill router)")
     from tokenmill.server.request_limits import RequestLimits
@@ -190,7 +212,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.api_server import run_server
     from tokenmill.server.request_limits import RequestLimits
     from tokenmill.server.state import ServerConfig
+    from tokenmill.tracing import detailed_trace_modules, otlp_traces_endpoint
 
+    endpoint = otlp_traces_endpoint(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
+    if args.collect_detailed_traces and endpoint is None:
+        raise ValueError("--collect-detailed-traces needs --otlp-traces-endpoint")
     engine_args = EngineArgs.from_cli_args(args)
     check_engine_args(engine_args)  # bad flags: a one-line error before the port is bound
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -205,7 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+        shutdown_timeout=args.shutdown_timeout,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
@@ -220,6 +246,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_paused_requests=args.max_paused_requests,
         request_limits=RequestLimits.from_cli_args(args),
         metrics_without_auth=args.metrics_without_auth,
+        metrics_compat=args.metrics_compat,
         allowed_hosts=None if args.allowed_hosts is None else tuple(args.allowed_hosts),
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods or ["*"]),
@@ -228,6 +255,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         request_body_timeout=args.request_body_timeout,
         max_buffered_body_bytes=args.max_buffered_body_bytes,
+        otlp_traces_endpoint=endpoint,
+        collect_detailed_traces=detailed_trace_modules(args.collect_detailed_traces or ()),
     )
     if args.data_parallel_size > 1:
         from tokenmill.cli.replicas import run_data_parallel

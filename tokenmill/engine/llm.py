@@ -104,11 +104,13 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns finished RequestOutputs in input order.
 
         ``lora_request``: one adapter for every prompt, or a list with one entry (or None: the base
-        model) per prompt; needs ``enable_lora``.
+        model) per prompt; needs ``enable_lora``. ``priority``: one per prompt (vLLM's), lower runs first;
+        needs ``scheduling_policy="priority"``.
 
         Raises ValueError (before anything is queued) when a prompt, its parameters or its adapter are invalid.
         """
@@ -123,11 +125,15 @@ class LLM:
             lora_request = [lora_request] * len(prompts)
         if len(lora_request) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(lora_request)} lora_request entries")
+        if priority is None:
+            priority = [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priority entries")
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
         added = []
         try:
-            for request_id, prompt, params, lora in zip(ids, prompts, sampling_params, lora_request):
-                self.engine.add_request(request_id, prompt, params, lora_request=lora)
+            for request_id, prompt, params, lora, rank in zip(ids, prompts, sampling_params, lora_request, priority):
+                self.engine.add_request(request_id, prompt, params, lora_request=lora, priority=rank)
                 added.append(request_id)
         except Exception:
             self.engine.abort_request(added)
@@ -138,12 +144,17 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
-        while len(results) < len(ids):
-            for output in self.engine.step():
-                if output.finished and output.request_id in wanted:
-                    results[output.request_id] = output
-                    bar.update(1)
-        bar.close()
+        try:
+            while len(results) < len(ids):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        results[output.request_id] = output
+                        bar.update(1)
+        except BaseException:  # a failed step (StepFailedError) or an interrupt: leave no request behind
+            self.engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
         return [results[i] for i in ids]
 
     def chat(
@@ -155,9 +166,11 @@ class LLM:
         allow_special_tokens_in_content: bool = False,
         tools: list[dict] | None = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate
-        (``allow_special_tokens_in_content`` as in :meth:`apply_chat_template`). ``tools``: OpenAI
+        (``allow_special_tokens_in_content`` and ``continue_final_message`` as in
+        :meth:`apply_chat_template`). ``tools``: OpenAI
         tool dicts, rendered by the template or, when it has no tools section, as a Hermes system
         block; messages may hold assistant ``tool_calls`` and ``tool`` turns (see
         ``tokenmill.tool_calling``). Parse calls out of the text with ``tool_calling.extract_tool_calls``.
@@ -170,12 +183,13 @@ class LLM:
         for conversation in conversations:
             conversation, template_tools = conversation_for_template(conversation, tools, supports_tools)
             prompts.append({"prompt_token_ids": self.apply_chat_template(
-                conversation, add_generation_prompt, allow_special_tokens_in_content, tools=template_tools)})
+                conversation, add_generation_prompt, allow_special_tokens_in_content, tools=template_tools,
+                continue_final_message=continue_final_message)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False,
-        tools: list[dict] | None = None,
+        tools: list[dict] | None = None, continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.
 
@@ -183,10 +197,13 @@ class LLM:
         control tokens; ``allow_special_tokens_in_content=True`` parses them into control tokens
         (tokenizing the rendered text as a whole). See ``engine/chat_prompt.py``. ``tools``
         (OpenAI tool dicts) go to the template's ``tools`` variable; for templates without one use
-        ``tokenmill.tool_calling.conversation_for_template`` first.
+        ``tokenmill.tool_calling.conversation_for_template`` first. ``continue_final_message``: the
+        prompt ends inside the last message, which must be the assistant's, with no end-of-turn token
+        after it, so the model continues it (needs ``add_generation_prompt=False``; a
+        ``tokenmill.chat_prompt.ChatPromptError``, a ValueError, otherwise).
         """
         return self._chat_renderer.render(messages, add_generation_prompt, allow_special_tokens_in_content,
-                                          tools=tools)
+                                          tools=tools, continue_final_message=continue_final_message)
 
 
 def build_engine_config(**kwargs) -> EngineConfig:

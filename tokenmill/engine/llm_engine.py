@@ -19,7 +19,7 @@ from tokenmill.kv_cache import KVCacheManager
 from tokenmill.kv_events import KVEventCollector
 from tokenmill.kv_events.publisher import build_kv_event_publisher
 from tokenmill.kv_offload import build_kv_store
-from tokenmill.kv_transfer.blocks import BlockIO, engine_fingerprints
+from tokenmill.kv_transfer.blocks import BlockIO, tokenizer_fingerprint
 from tokenmill.lora import LoRARequest
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.loader import load_model
@@ -38,6 +38,25 @@ logger = logging.getLogger(__name__)
 
 # A prompt: text, token ids, or {"prompt": str} / {"prompt_token_ids": list[int]}.
 PromptType = str | list[int] | dict
+
+
+class InjectedFault(RuntimeError):
+    """The failure ``TOKENMILL_FAULT_INJECT_STEP`` raises in a model forward (tests of step failures)."""
+
+
+class StepFailedError(RuntimeError):
+    """A model forward raised: the step's requests cannot go on, the engine can.
+
+    ``request_ids``: the ids (as given to ``add_request``) of the requests scheduled in the failed step, still
+    in the engine: the caller aborts them (``abort_request`` frees their blocks). ``cause``: what the forward
+    raised. The prefix-cache entries of the blocks that step was to write are already gone, so no later request
+    can hit K/V that was never written.
+    """
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
 
 
 class LLMEngine(RLEngineOps):
@@ -114,7 +133,11 @@ class LLMEngine(RLEngineOps):
         kv_events = KVEventCollector(config.cache.block_size) if config.kv_events_config.enable_kv_cache_events else None
         if kv_events is not None and not config.cache.enable_prefix_caching:
             logger.warning("KV events are on but prefix caching is off: no block is ever cached, so none is reported")
+        self.rl_state = RLState.initial(self.loaded)  # weight version and sleep state (tokenmill/rl, docs/rl.md)
+        self._tokenizer_fingerprint: str | None = None
         self.kv_cache_manager = self._build_kv_cache(max_model_len, kv_events)
+        if self.kv_store is not None and self.kv_store.disk is not None:  # the disk tier fingerprinted the weights
+            self.rl_state.fingerprint = self.kv_store.disk.fingerprint.hex()
         # Whole blocks in and out of the pool: sessions, and KV transfer's fingerprint (docs/sessions.md).
         self.block_io = BlockIO(self.runner.kv_pool, self.kv_cache_manager, self.kv_store, self.fingerprints,
                                 self.lora_manager)
@@ -131,8 +154,9 @@ class LLMEngine(RLEngineOps):
         if config.speculative_config is not None:
             self.speculator = self._build_speculator(config.speculative_config, max_model_len)
         self.stats_logger = StatsLogger()
+        self._fault_steps = envs.fault_inject_steps()  # test only (docs/environment.md); empty: no cost per step
+        self._num_forwards = 0
         self.model_name = self.loaded.model_path
-        self.rl_state = RLState.initial(self.loaded)  # weight version and sleep state (tokenmill/rl, docs/rl.md)
         self.kv_events = build_kv_event_publisher(config.kv_events_config, kv_events)  # binds its sockets: last
         # Everything alive now (modules, weights, tokenizer tables: ~350k objects) lives as long as the
         # engine: move it out of the collector's generations so that full collections, which would otherwise
@@ -161,13 +185,16 @@ class LLMEngine(RLEngineOps):
         if self.kv_store is not None and kv_events is not None:
             self.kv_store.set_kv_events(kv_events)
         return KVCacheManager(self.runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                              lower_tiers=self.kv_store, kv_events=kv_events, state_slots=state_slots)
+                              lower_tiers=self.kv_store, kv_events=kv_events, state_slots=state_slots,
+                              session_ttl=config.cache.session_kv_ttl)
 
     def fingerprints(self) -> tuple[str, str]:
-        """(model fingerprint, tokenizer fingerprint) of the weights served now (``kv_offload.fingerprint``; one
-        pass over the weights): what saved sessions and transferred blocks are checked against."""
-        return engine_fingerprints(self.loaded, self.config.cache.block_size, self.runner.kv_pool.dtype,
-                                   self.tokenizer)
+        """(model fingerprint, tokenizer fingerprint) of the weights served now: what saved sessions and
+        transferred blocks are checked against. Each computed once (``model_fingerprint``: once per weight
+        version) and then reused."""
+        if self._tokenizer_fingerprint is None:
+            self._tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
+        return self.model_fingerprint(), self._tokenizer_fingerprint
 
     def _build_kv_connector(self, transfer_config):
         from tokenmill.kv_transfer.connector import KVConnector
@@ -177,7 +204,7 @@ class LLMEngine(RLEngineOps):
         if not self.config.cache.enable_prefix_caching:
             raise ConfigError("`kv_transfer_config` needs prefix caching (transferred blocks are prefix-cache entries)")
         return KVConnector(transfer_config, self.runner.kv_pool, self.config.cache.block_size,
-                           lambda: self.fingerprints()[0])
+                           self.model_fingerprint)
 
     def _build_speculator(self, spec_config, max_model_len: int) -> Speculator:
         valid_prefix = self.structured_output_manager.valid_draft_prefix
@@ -195,6 +222,11 @@ class LLMEngine(RLEngineOps):
     @property
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
+
+    @property
+    def expert_load(self):
+        """A mixture-of-experts model's ``tokenmill.moe.ExpertLoad`` (tokens per expert), else None."""
+        return getattr(self.loaded.model, "expert_load", None)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -234,10 +266,14 @@ class LLMEngine(RLEngineOps):
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         kv_transfer_params: dict | None = None,
+        priority: int = 0,
+        session_id: str | None = None,
     ) -> None:
         """Validate, tokenize and queue a request (``params.n`` sequences), with ``lora_request``'s
         adapter applied (None: the base model). ``kv_transfer_params``: prefill/decode disaggregation
-        (vLLM's field; needs ``kv_transfer_config``).
+        (vLLM's field; needs ``kv_transfer_config``). ``priority``: under ``scheduling_policy="priority"``,
+        lower values run first (ties by arrival); must be 0 otherwise. ``session_id``: the agent session (with
+        ``session_kv_ttl`` its cached blocks are kept between turns).
 
         Raises:
             ValueError: empty prompt, prompt too long, or prompt + max_tokens over max_model_len;
@@ -247,6 +283,10 @@ class LLMEngine(RLEngineOps):
         """
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {type(priority).__name__}")
+        if priority and self.scheduler_config.policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (the engine runs fcfs)")
         params = (params or SamplingParams()).with_defaults(self.loaded.generation_config)
         self._check_token_ids(params)
         text, token_ids = self.tokenize_prompt(prompt)
@@ -289,7 +329,8 @@ class LLMEngine(RLEngineOps):
             children.append(
                 Request(child_id, token_ids, params, self.loaded.eos_token_ids, max_tokens,
                         arrival_time=arrival_time, cache_salt=cache_salt, seed=seed, grammar=grammar,
-                        lora_request=lora_request, lora_digest=lora_digest, kv_transfer_params=kv_transfer_params)
+                        lora_request=lora_request, lora_digest=lora_digest, kv_transfer_params=kv_transfer_params,
+                        priority=priority, session_id=session_id)
             )
         self.output_processor.add_request(request_id, text, children)
         for child in children:
@@ -389,7 +430,12 @@ class LLMEngine(RLEngineOps):
             scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens,
             scheduler_output.scheduled_spec_decode_tokens,
         )
-        runner_output = self.runner.execute_model(scheduler_output)
+        try:
+            if self._fault_steps:
+                self._inject_fault()
+            runner_output = self.runner.execute_model(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - contained: the step's requests fail, not the engine
+            raise self._step_failed(scheduler_output, exc) from exc
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         num_sampled = sum(t is not None for t in runner_output.sampled_token_ids)
         num_drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
@@ -417,6 +463,36 @@ class LLMEngine(RLEngineOps):
         if self.speculator is not None:  # drafts for the next step
             self.speculator.propose(self.scheduler.running)
         return outputs
+
+    def _inject_fault(self) -> None:
+        self._num_forwards += 1
+        if self._num_forwards in self._fault_steps:
+            raise InjectedFault(f"fault injected in model forward {self._num_forwards} (TOKENMILL_FAULT_INJECT_STEP)")
+
+    def _step_failed(self, scheduler_output, exc: Exception) -> StepFailedError:
+        """Contain a forward that raised: wait for the step's grammar masks (their worker thread reads the
+        matchers), drop the prefix-cache entries of the blocks the step was to write (``allocate_slots``
+        indexed them before the forward), and name the step's requests for the caller to fail.
+
+        Raises:
+            AssertionError: the KV pool's invariants no longer hold (the engine cannot go on).
+        """
+        if self.kv_cache_manager.state_slots is not None:  # hybrid models: the state checkpoints were planned
+            raise exc  # against this step too; dropping them is not supported, so the engine reports dead
+        if scheduler_output.grammar_bitmask is not None:
+            try:
+                scheduler_output.grammar_bitmask.result()
+            except Exception:  # noqa: BLE001 - the step failed already
+                pass
+        parents = self.output_processor.child_to_parent
+        request_ids = []
+        for request in scheduler_output.scheduled_requests:
+            self.kv_cache_manager.discard_unwritten(request)
+            request_ids.append(parents.get(request.request_id, request.request_id))
+        self.check_integrity()
+        logger.error("engine step failed (%d requests fail with it): %s: %s", len(scheduler_output.scheduled_requests),
+                     type(exc).__name__, exc, exc_info=exc)
+        return StepFailedError(list(dict.fromkeys(request_ids)), exc)
 
     def close(self, save_cached: bool = True) -> None:
         """Release the KV tiers: with a disk tier, write every cached block held only in the pool or

@@ -5,7 +5,10 @@ caching: full blocks are indexed by chained hashes; a hit reuses the longest cac
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from tokenmill.kv_cache.block_hash import extend_block_hashes
 from tokenmill.kv_cache.block_pool import BlockPool, KVCacheBlock
@@ -15,6 +18,19 @@ from tokenmill.request import Request
 
 if TYPE_CHECKING:
     from tokenmill.kv_events.collector import KVEventCollector
+
+
+MAX_TRACKED_SESSIONS = 4096  # agent sessions whose hit counts are kept (least recently seen dropped first)
+
+
+@dataclass
+class SessionCounts:
+    """Prefix-cache counts of one agent session's requests (tokens)."""
+
+    queries: int = 0
+    hits: int = 0
+    requests: int = 0
+    last_seen: float = 0.0  # the manager's clock
 
 
 class KVCacheManager:
@@ -30,11 +46,16 @@ class KVCacheManager:
         state_slots: a hybrid (linear-attention) model's per-sequence state pool, consulted on admission and
             freed with the blocks (tokenmill/kv_cache/state_slots.py); its checkpoints, if any, follow the pool's
             evictions. None for attention-only models.
+        session_ttl: seconds the cached blocks of a finished (or preempted) request with a ``session_id`` stay
+            ahead of plain LRU eviction (an agent between turns, waiting on a tool); 0: off. When the pool needs
+            them anyway they are evicted last, oldest first, to a lower tier if there is one.
+        clock: seconds, monotonic (``time.monotonic``), for ``session_ttl``.
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = True, lower_tiers: LowerTiers | None = None,
         kv_events: KVEventCollector | None = None, state_slots: StateSlotAllocator | None = None,
+        session_ttl: float = 0.0, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -52,12 +73,18 @@ class KVCacheManager:
         # Prefix-cache statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Agent sessions: blocks kept between turns, and the prefix-cache counts of session requests.
+        self.session_ttl = session_ttl if enable_caching else 0.0
+        self.clock = clock
+        self.sessions: OrderedDict[str, SessionCounts] = OrderedDict()
+        self.session_queries = 0
+        self.session_hits = 0
 
     def cached_blocks(self) -> list[tuple[int, int]]:
         """(block_id, block_hash) of every cached block, least recently used first (free ones, then those in use);
         between steps all of them hold valid data (what a closing engine writes to its disk tier)."""
         pool = self.block_pool
-        free = [(b.block_id, b.block_hash) for b in pool.free_block_queue if b.block_hash is not None]
+        free = [(b.block_id, b.block_hash) for b in pool.iter_free() if b.block_hash is not None]
         used = [(b.block_id, b.block_hash) for b in pool.blocks if b.ref_cnt > 0 and b.block_hash is not None]
         return free + used
 
@@ -123,7 +150,35 @@ class KVCacheManager:
             hits = hits[: self.state_slots.resumable_blocks(request.request_id, request.block_hashes, len(hits))]
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
+        if request.session_id is not None:
+            self._count_session(request.session_id, request.num_tokens, len(hits) * self.block_size)
         return hits, len(hits) * self.block_size
+
+    def _count_session(self, session_id: str, queries: int, hits: int) -> None:
+        counts = self.sessions.pop(session_id, None) or SessionCounts()
+        counts.queries += queries
+        counts.hits += hits
+        counts.requests += 1
+        counts.last_seen = self.clock()
+        self.sessions[session_id] = counts  # most recently seen last
+        if len(self.sessions) > MAX_TRACKED_SESSIONS:
+            self.sessions.popitem(last=False)
+        self.session_queries += queries
+        self.session_hits += hits
+
+    def session_snapshot(self, top: int = 20) -> dict:
+        """Agent sessions for /debug/kv_cache: the TTL, blocks kept between turns (all sessions), sessions
+        keeping some, their session requests' prefix-cache hit rate, and the ``top`` sessions by blocks kept."""
+        pool = self.block_pool
+        kept = pool.session_blocks
+        rows = []
+        for session_id, blocks in kept.most_common(top):
+            counts = self.sessions.get(session_id, SessionCounts())
+            rows.append({"session": session_id, "blocks_kept": blocks, "requests": counts.requests,
+                         "hit_rate": counts.hits / counts.queries if counts.queries else None})
+        return {"session_kv_ttl": self.session_ttl, "num_sessions_keeping_blocks": len(kept),
+                "num_session_blocks": pool.num_session_blocks, "session_prefix_cache_queries": self.session_queries,
+                "session_prefix_cache_hits": self.session_hits, "sessions": rows}
 
     def is_loading(self, request: Request) -> bool:
         """Whether the request waits for prefix blocks being read back from disk."""
@@ -145,6 +200,8 @@ class KVCacheManager:
         ``delay_cache_blocks`` (their K/V arrives later, e.g. from a KV transfer: :meth:`cache_blocks`).
         """
         new_computed_blocks = new_computed_blocks or []
+        if self.session_ttl:
+            self.block_pool.expire_sessions(self.clock())
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
@@ -232,14 +289,30 @@ class KVCacheManager:
                                             lora_id, lora_name)
         return [b.block_id for b in blocks], fresh
 
+    def discard_unwritten(self, request: Request) -> None:
+        """Unindex ``request``'s blocks past its computed tokens: the step that was to write them failed, but
+        ``allocate_slots`` had already made the full ones prefix-cache entries. Its blocks stay allocated (free
+        the request as usual); no later request can hit their K/V."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        first = request.num_computed_tokens // self.block_size
+        self.block_pool.discard_cached(blocks[first:])
+        if request.request_id in self.num_cached_blocks:
+            self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], first)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
     def free(self, request: Request) -> None:
-        """Release a request's blocks; its tail blocks become evictable before its head blocks."""
+        """Release a request's blocks; its tail blocks become evictable before its head blocks. A request with a
+        ``session_id`` (``session_ttl`` > 0) leaves its cached blocks kept for ``session_ttl`` seconds."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(list(reversed(blocks)))
+        if self.session_ttl and request.session_id is not None:
+            self.block_pool.free_blocks(list(reversed(blocks)), self.clock() + self.session_ttl, request.session_id)
+        else:
+            self.block_pool.free_blocks(list(reversed(blocks)))
         if self.state_slots is not None:
             self.state_slots.free(request.request_id)
         if self.offload is not None:

@@ -15,7 +15,8 @@ from tokenmill.kv_events.events import (
     KVEventBatch,
     decode_batch,
     encode_batch,
+    encode_vllm_batch,
 )
 
 __all__ = ["MEDIUM_DISK", "MEDIUM_POOL", "MEDIUM_RAM", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent",
-           "KVEventBatch", "KVEventCollector", "decode_batch", "encode_batch"]
+           "KVEventBatch", "KVEventCollector", "decode_batch", "encode_batch", "encode_vllm_batch"]

@@ -10,6 +10,9 @@ Why msgpack rather than JSON: block hashes are unsigned 64-bit integers, which m
 writes token ids in 1-5 bytes instead of up to 6 characters plus a separator, and is what vLLM and
 Dynamo speak, so their consumers have a decoder at hand. Events are msgpack maps (self-describing;
 a reader skips fields and event types it does not know).
+
+``encode_vllm_batch`` writes vLLM's own ``KVEventBatch`` instead (``"format": "vllm"``), for consumers that
+decode vLLM's events; ``decode_batch`` reads both, and vLLM's newer map-shaped events too.
 """
 from __future__ import annotations
 
@@ -26,6 +29,11 @@ MEDIUM_POOL = "pool"
 MEDIUM_RAM = "ram"
 MEDIUM_DISK = "disk"
 MEDIUMS = (MEDIUM_POOL, MEDIUM_RAM, MEDIUM_DISK)
+
+# vLLM's ``medium`` for each tier: "GPU" is vLLM's primary pool (also on a CPU engine: the pool where
+# attention reads), "CPU" its CPU offloading tier; vLLM names no disk tier, so "DISK".
+VLLM_MEDIUMS = {MEDIUM_POOL: "GPU", MEDIUM_RAM: "CPU", MEDIUM_DISK: "DISK"}
+_MEDIUM_FROM_VLLM = {name: medium for medium, name in VLLM_MEDIUMS.items()}
 
 # The replay reply ends with this sequence number (-1 as a signed 8-byte integer) and an empty payload.
 END_OF_REPLAY = b"\xff" * 8
@@ -120,11 +128,13 @@ def _event_from_wire(item: dict) -> KVEvent | None:
 class KVEventBatch:
     """One engine step's events. ``instance`` is a random id drawn when the publisher starts: a
     subscriber that sees it change knows the engine restarted (its sequence numbers start again at 0
-    and its pool and RAM tier are empty)."""
+    and its pool and RAM tier are empty); None in vLLM's format, which has no such id.
+    ``data_parallel_rank``: vLLM's field (None in tokenmill's format)."""
 
     ts: float
     events: list[KVEvent]
-    instance: int
+    instance: int | None
+    data_parallel_rank: int | None = None
 
 
 def encode_batch(ts: float, events: list[KVEvent], instance: int = 0) -> bytes:
@@ -132,17 +142,79 @@ def encode_batch(ts: float, events: list[KVEvent], instance: int = 0) -> bytes:
     return msgpack.packb({"ts": ts, "instance": instance, "events": [_event_to_wire(e) for e in events]})
 
 
+def encode_vllm_batch(ts: float, events: list[KVEvent], data_parallel_rank: int = 0) -> bytes:
+    """One engine step's events exactly as vLLM's publisher encodes its ``KVEventBatch`` (msgspec structs with
+    ``array_like=True, omit_defaults=True``, the events a ``tag=True`` union; vllm/distributed/kv_events.py
+    up to v0.23, which every vLLM event consumer reads):
+
+    - batch: ``[ts, [event, ...], data_parallel_rank]``
+    - ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]``
+      (vLLM's trailing ``extra_keys`` and group fields keep their defaults, so msgspec leaves them out)
+    - ``["BlockRemoved", block_hashes, medium]``
+    - ``["AllBlocksCleared"]``
+
+    ``medium`` is vLLM's name of the tier (``VLLM_MEDIUMS``). A lower tier's store has ``token_ids`` ``[]``
+    (vLLM's field is a list, never null). vLLM's ``AllBlocksCleared`` names no tier, so clearing any tier
+    is sent as one: a consumer forgets more than it must, never keeps a block that is gone. The events
+    should already be ``redact``ed: ``lora_name`` is then the adapter's keyed tag, never its name."""
+    return msgpack.packb([ts, [_event_to_vllm(e) for e in events], data_parallel_rank])
+
+
+def _event_to_vllm(event: KVEvent) -> list:
+    if isinstance(event, BlockStored):
+        return ["BlockStored", event.block_hashes, event.parent_block_hash,
+                () if event.token_ids is None else event.token_ids, event.block_size, event.lora_id,
+                VLLM_MEDIUMS.get(event.medium, event.medium), event.lora_name]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", event.block_hashes, VLLM_MEDIUMS.get(event.medium, event.medium)]
+    return ["AllBlocksCleared"]
+
+
+# Field order of vLLM's array-like events after the tag (later fields, if any, are ignored).
+_VLLM_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                                "lora_name"),
+                "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}
+
+
+def _event_from_vllm(item: list | dict) -> KVEvent | None:
+    """One vLLM event: a tagged array (vLLM up to v0.23, ``encode_vllm_batch``) or a map with its tag under
+    ``type`` (later vLLM). A missing ``medium`` (vLLM before it had one) is the primary pool."""
+    if isinstance(item, dict):
+        kind, fields = item.get("type"), item
+    else:
+        kind = item[0] if item else None
+        fields = dict(zip(_VLLM_FIELDS.get(kind, ()), item[1:]))
+    if kind not in _VLLM_FIELDS:
+        return None  # an event type this reader does not know: skipped
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared(None)
+    medium = fields.get("medium")
+    medium = MEDIUM_POOL if medium is None else _MEDIUM_FROM_VLLM.get(str(medium).upper(), str(medium))
+    if kind == "BlockRemoved":
+        return BlockRemoved(tuple(fields["block_hashes"]), medium)
+    token_ids = fields.get("token_ids")
+    return BlockStored(tuple(fields["block_hashes"]), fields.get("parent_block_hash"),
+                       tuple(token_ids) if token_ids else None, int(fields["block_size"]), medium,
+                       fields.get("lora_id"), fields.get("lora_name"))
+
+
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """The batch of an ``encode_batch`` payload (unknown event types are dropped).
+    """The batch of an ``encode_batch`` payload (a map), or of a vLLM ``KVEventBatch`` (an array:
+    ``encode_vllm_batch``, or a vLLM engine's, with array- or map-shaped events). Unknown event types are
+    dropped.
 
     Raises:
         ValueError: not a batch.
     """
     try:
         batch = msgpack.unpackb(payload)
+        if isinstance(batch, list):
+            events = [e for e in map(_event_from_vllm, batch[1]) if e is not None]
+            rank = batch[2] if len(batch) > 2 else None
+            return KVEventBatch(float(batch[0]), events, None, rank)
         events = [e for e in map(_event_from_wire, batch["events"]) if e is not None]
         return KVEventBatch(float(batch["ts"]), events, int(batch.get("instance", 0)))
-    except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, msgpack.UnpackException) as exc:
         raise ValueError(f"not a KV event batch: {exc}") from None
 
 

@@ -4,9 +4,11 @@ ZeroMQ PUB socket, with a replay socket for subscribers that missed some.
 The engine thread only encodes the batch and hands it to the publisher thread through an in-process
 PUSH/PULL pair, without waiting (a full queue drops the batch and counts it). The publisher thread
 numbers batches (0, 1, 2, ...), keeps the last ``buffer_steps`` of them and sends each as three
-frames ``[topic, seq (8 bytes, big-endian), payload (msgpack)]``. A subscriber that sees a gap (or
-joins late) sends one frame, the first sequence number it wants (8 bytes, big-endian), to the
-replay ROUTER socket; the reply is one ``[seq, payload]`` message per buffered batch from there on,
+frames ``[topic, seq (8 bytes, big-endian), payload (msgpack)]``; the payload is tokenmill's batch or,
+with ``"format": "vllm"``, vLLM's ``KVEventBatch`` (``events.encode_vllm_batch``). A subscriber that sees a
+gap (or joins late) sends one frame, the first sequence number it wants (8 bytes, big-endian), to the
+replay ROUTER socket (from a DEALER; a REQ socket's empty delimiter frame is echoed back, as vLLM's
+consumers expect); the reply is one ``[seq, payload]`` message per buffered batch from there on,
 then ``[END_OF_REPLAY, b""]``.
 
 Events carry prompt token ids, so the sockets are private (docs/kv_events.md): loopback or a 0600
@@ -27,7 +29,8 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from tokenmill.config import ConfigError, KVEventsConfig
 from tokenmill.kv_events.collector import KVEventCollector
-from tokenmill.kv_events.events import END_OF_REPLAY, decode_seq, encode_batch, encode_seq, redact
+from tokenmill.kv_events.events import (END_OF_REPLAY, decode_seq, encode_batch, encode_seq, encode_vllm_batch,
+                                        redact)
 from tokenmill.kv_events.transport import (TransportKeyError, apply_server_keys, check_client_keys_dir,
                                            load_secret_certificate, prepare_ipc, restrict_ipc)
 from tokenmill.security import SecretError, load_cluster_secret
@@ -61,7 +64,7 @@ class NullEventPublisher:
 
     def status(self) -> dict:
         return {"enabled": True, "publisher": "null", "endpoint": None, "replay_endpoint": None,
-                "topic": self.config.topic, "block_size": self.collector.block_size, "num_batches": self.num_batches,
+                "format": self.config.format, "topic": self.config.topic, "block_size": self.collector.block_size, "num_batches": self.num_batches,
                 "dropped_batches": 0}
 
 
@@ -143,7 +146,9 @@ class ZmqEventPublisher:
             return
         try:
             events = [redact(e, self._secret) for e in events]
-            self._push.send(encode_batch(time.time(), events, self.instance), zmq.NOBLOCK)
+            payload = (encode_vllm_batch(time.time(), events) if self.config.format == "vllm"
+                       else encode_batch(time.time(), events, self.instance))
+            self._push.send(payload, zmq.NOBLOCK)
             self.num_batches += 1
         except zmq.Again:
             self.dropped_batches += 1
@@ -171,7 +176,7 @@ class ZmqEventPublisher:
 
     def status(self) -> dict:
         return {"enabled": True, "publisher": "zmq", "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
-                "curve": self._auth is not None, "topic": self.config.topic, "block_size": self.collector.block_size, "next_seq": self.next_seq,
+                "curve": self._auth is not None, "format": self.config.format, "topic": self.config.topic, "block_size": self.collector.block_size, "next_seq": self.next_seq,
                 "num_batches": self.num_batches, "dropped_batches": self.dropped_batches,
                 "num_replays": self.num_replays}
 
@@ -213,12 +218,13 @@ class ZmqEventPublisher:
                 frames = self._replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            identity, start = frames[0], decode_seq(frames[-1]) if len(frames[-1]) == 8 else 0
+            # The envelope: the peer's identity, then the empty delimiter a REQ socket adds (none from a DEALER).
+            envelope, start = frames[:-1], decode_seq(frames[-1]) if len(frames[-1]) == 8 else 0
             self.num_replays += 1
             first = self._buffer[0][0] if self._buffer else self.next_seq
             for seq, payload in itertools.islice(self._buffer, max(0, start - first), None):
-                self._replay.send_multipart([identity, encode_seq(seq), payload])
-            self._replay.send_multipart([identity, END_OF_REPLAY, b""])
+                self._replay.send_multipart([*envelope, encode_seq(seq), payload])
+            self._replay.send_multipart([*envelope, END_OF_REPLAY, b""])
 
     def _close_sockets(self) -> None:
         for sock in (self._push, self._pull, self._pub, self._replay):

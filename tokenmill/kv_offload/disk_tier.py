@@ -3,16 +3,21 @@
 - Writes are buffered in memory and written by one writer thread in large sequential batches
   (records appended to the current segment, a new segment once it is full); ``put`` never
   blocks on I/O. A block still in the buffer is served from it.
-- Reads run on one loader thread; every read verifies the record's checksum, fingerprint and
-  hash. A hybrid model's block may carry its linear-attention state checkpoint after the KV bytes
-  (``state_bytes``; a version 2 record, ``disk_format``); the payload handed back then includes it. A bad record is dropped from the index with a warning and reported as a miss.
+- Reads run on one loader thread; every read (after a restart too: the index rebuilt from the headers
+  only points at records, and their bytes are checked when read) verifies the record's checksum,
+  fingerprint and hash. A hybrid model's block may carry its linear-attention state checkpoint after the KV bytes
+  (``state_bytes``; a version 2 record, ``disk_format``); the payload handed back then includes it. A bad record is dropped from the index and reported as a miss (recomputed).
 - The index (block_hash -> segment, offset) lives in memory and is rebuilt at startup from the
-  segment headers; a torn or truncated tail is detected there and ignored.
+  segment headers; a torn or truncated tail is detected there, ignored and cut off the file.
 - Capacity is enforced by deleting whole segments, least recently used first; a segment's
   recency is that of its most recently read or written record.
 - A lock file (flock) keeps two processes out of one directory. Any OSError while creating,
-  locking or writing (unwritable path, ENOSPC, EFBIG) disables the tier with one logged error;
-  the engine keeps serving without it.
+  locking or writing (unwritable path, ENOSPC, EFBIG, EROFS) disables the tier with one logged error;
+  the engine keeps serving without it (the records already written stay for the next start).
+- Faults are counted by kind in ``stats.errors`` (``stats.FAULT_KINDS``); only the first of each kind is
+  logged as a warning, the rest at debug level, so a damaged directory never floods the log.
+- ``TOKENMILL_KV_OFFLOAD_DISK_FAULT`` (tests only, ``envs.kv_offload_disk_fault``) makes the writes fail with
+  a given errno at the OS-call boundary, where no real full or read-only filesystem can be made.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from tokenmill import envs
 from tokenmill.kv_offload.disk_format import HEADER_SIZE, check_record, encode_record, scan_segment
 from tokenmill.kv_offload.stats import TierStats
 
@@ -95,6 +101,8 @@ class DiskTier:
         self.kv_events = None  # a KVEventCollector when KV events are on (reported from every thread)
         self.enabled = False
         self.error: str | None = None
+        self._warned: set[str] = set()  # fault kinds already logged as a warning
+        self._fault_injection = envs.kv_offload_disk_fault()  # (errno, bytes first written), tests only
         self._cond = threading.Condition()  # guards everything below
         self._index: dict[int, tuple[_Segment, int, int]] = {}  # block_hash -> (segment, record offset, state length)
         self._segments: dict[int, _Segment] = {}
@@ -118,7 +126,7 @@ class DiskTier:
         try:
             self._open()
         except OSError as exc:
-            self._disable(f"cannot use {self.directory}: {exc}")
+            self._disable(f"cannot use {self.directory}: {exc}", fault_kind(exc))
             return
         self.enabled = True
         for target, name in ((self._write_loop, "tokenmill-kv-disk-writer"),
@@ -146,9 +154,11 @@ class DiskTier:
             seg_id = _segment_id(path)
             if seg_id is None:
                 continue
-            records, _, problem = scan_segment(path, self.fingerprint, self.block_bytes, self.state_bytes)
+            records, valid_bytes, problem = scan_segment(path, self.fingerprint, self.block_bytes, self.state_bytes)
             if problem is not None:
-                logger.warning("KV offload disk tier: %s: %s; ignoring the rest of the segment", path, problem)
+                self._fault("corrupt", f"{path}: {problem}; the rest of the segment is ignored")
+                if problem.startswith("truncated record") or path.stat().st_size - valid_bytes < HEADER_SIZE:
+                    _truncate(path, valid_bytes)  # a torn write: cut it off (a segment is never appended to again)
             self._clock += 1
             seg = _Segment(seg_id, path, size=path.stat().st_size, recency=self._clock)
             for record in records:
@@ -283,7 +293,7 @@ class DiskTier:
             try:
                 self._write_batch(batch)
             except OSError as exc:
-                self._disable(f"writing to {self.directory} failed: {exc}")
+                self._disable(f"writing to {self.directory} failed: {exc}", fault_kind(exc))
             except Exception as exc:  # noqa: BLE001 - the tier must switch off, not kill serving
                 logger.exception("KV offload disk writer crashed")
                 self._disable(f"the disk writer crashed: {exc!r}")
@@ -325,7 +335,9 @@ class DiskTier:
             if self._current is None:
                 self._new_segment()
             seg = self._current
-            _write_all(self._file, b"".join(record for _, record in records[i:j]))
+            data = b"".join(record for _, record in records[i:j])
+            self._inject_fault(len(data), seg.path)
+            _write_all(self._file, data)
             with self._cond:
                 offset = seg.size
                 for h, record in records[i:j]:
@@ -346,6 +358,7 @@ class DiskTier:
         with self._cond:
             seg_id = max(self._segments, default=0) + 1
             seg = _Segment(seg_id, self.directory / f"segment-{seg_id:08d}.kvseg")
+            self._inject_fault(0, seg.path)
             self._file = open(seg.path, "xb", buffering=0)
             self._segments[seg_id] = seg
             self._current = seg
@@ -357,8 +370,7 @@ class DiskTier:
                     os.fsync(self._file.fileno())
                 self._file.close()
             except OSError as exc:
-                logger.warning("KV offload disk tier: closing %s: %s", self._current.path if self._current else "?",
-                               exc)
+                self._fault(fault_kind(exc), f"closing {self._current.path if self._current else '?'}: {exc}")
         self._file = None
         self._current = None
 
@@ -383,7 +395,7 @@ class DiskTier:
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                logger.warning("KV offload disk tier: cannot delete %s: %s", seg.path, exc)
+                self._fault(fault_kind(exc), f"cannot delete {seg.path}: {exc}")
         dropped = []
         for h in seg.hashes:
             entry = self._index.get(h)
@@ -426,6 +438,7 @@ class DiskTier:
                 return None
             seg, offset, state_len = entry
         record = bytearray(self.record_bytes + state_len)
+        kind = "corrupt"
         try:
             with open(seg.path, "rb") as f:
                 f.seek(offset)
@@ -433,7 +446,7 @@ class DiskTier:
             problem = check_record(memoryview(record)[:num_read], self.fingerprint, block_hash,
                                    self.block_bytes + state_len, state_len)
         except OSError as exc:
-            problem = f"cannot read the segment: {exc}"
+            problem, kind = f"cannot read the segment: {exc}", "io"
         if problem is None:
             with self._cond:
                 self._clock += 1
@@ -450,16 +463,42 @@ class DiskTier:
                 self.stats.blocks_stored = len(self._index)
                 if self.kv_events is not None and block_hash not in self._pending:
                     self.kv_events.block_removed((block_hash,), self.name)
-        logger.warning("KV offload disk tier: block %016x in %s is unusable (%s); dropped, it will be recomputed",
-                       block_hash, seg.path, problem)
+        self._fault(kind, f"block {block_hash:016x} in {seg.path} is unusable ({problem}); dropped, it will be "
+                          "recomputed")
         return None
 
     # ---- failure --------------------------------------------------------------------------
-    def _disable(self, message: str) -> None:
+    def _fault(self, kind: str, message: str) -> None:
+        """Count one fault of ``kind`` (``stats.FAULT_KINDS``); the first of each kind is logged as a warning,
+        later ones at debug level. Any thread."""
+        with self._cond:
+            self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
+            first = kind not in self._warned
+            self._warned.add(kind)
+        if first:
+            logger.warning("KV offload disk tier: %s (later %s faults are counted in "
+                           "tokenmill:kv_offload_errors_total, not logged)", message, kind)
+        else:
+            logger.debug("KV offload disk tier: %s", message)
+
+    def _inject_fault(self, num_bytes: int, path: Path) -> None:
+        """Raise the test-only injected OSError (``TOKENMILL_KV_OFFLOAD_DISK_FAULT``) if writing ``num_bytes`` more
+        to ``path`` would pass the bytes allowed before it. Writer thread."""
+        if self._fault_injection is not None:
+            code, after_bytes = self._fault_injection
+            if self.stats.bytes_written + num_bytes > after_bytes or (num_bytes == 0 and after_bytes == 0):
+                raise OSError(code, os.strerror(code), str(path))
+
+    def _disable(self, message: str, kind: str | None = None) -> None:
+        """Switch the tier off for good (one logged error), counting a fault of ``kind`` when one caused it."""
         with self._cond:
             if self.error is not None:
                 return
             self.enabled = False
+            self.stats.enabled = 0
+            if kind is not None:
+                self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
+                self._warned.add(kind)
             self.error = message
             self._index.clear()
             self._pending.clear()
@@ -469,6 +508,23 @@ class DiskTier:
                 self.kv_events.all_cleared(self.name)
             self._cond.notify_all()
         logger.error("KV offload disk tier disabled: %s; serving continues without it", message)
+
+
+def fault_kind(exc: OSError) -> str:
+    """The ``stats.FAULT_KINDS`` kind of an OSError: enospc (no room), readonly (refused), else io."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return "enospc"
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "readonly"
+    return "io"
+
+
+def _truncate(path: Path, size: int) -> None:
+    """Cut a segment's torn tail off at ``size`` bytes (best effort: a read-only file keeps it, unused)."""
+    try:
+        os.truncate(path, size)
+    except OSError as exc:
+        logger.debug("KV offload disk tier: cannot truncate %s: %s", path, exc)
 
 
 def _segment_id(path: Path) -> int | None:

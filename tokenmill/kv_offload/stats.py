@@ -1,12 +1,18 @@
 """Per-tier counters of the lower KV tiers and the disk endurance estimate. Pure Python."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 SECONDS_PER_DAY = 86400.0
 # The rate is averaged over at least this long, so the burst of writes that fills an empty tier in
 # the first minutes after a start is not projected over a whole day.
 MIN_RATE_WINDOW_S = 3600.0
+
+# Faults a lower tier survives (label ``kind`` of tokenmill:kv_offload_errors_total):
+# enospc: a write found no room (ENOSPC, EDQUOT, EFBIG); readonly: the directory refused a write (EROFS, EACCES,
+# EPERM); corrupt: a record failed its checks (checksum, header, length) at startup or on read; io: any other
+# I/O error; alloc: the RAM tier's slab could not be allocated.
+FAULT_KINDS = ("enospc", "readonly", "corrupt", "io", "alloc")
 
 
 @dataclass
@@ -15,7 +21,8 @@ class TierStats:
     threads see whole values).
 
     ``hits`` counts blocks this tier served back to the primary pool; ``evictions`` counts blocks
-    it dropped or handed down for lack of room.
+    it dropped or handed down for lack of room. ``enabled`` is 1 while the tier takes new blocks and 0 once a
+    fault switched it off; ``errors`` counts faults by kind (``FAULT_KINDS``).
     """
 
     capacity_blocks: int = 0
@@ -24,8 +31,11 @@ class TierStats:
     bytes_read: int = 0
     hits: int = 0
     evictions: int = 0
+    enabled: int = 1
+    errors: dict[str, int] = field(default_factory=dict)  # fault kind -> occurrences
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict:
+        """Every counter; ``errors`` as its own dict (a copy)."""
         return asdict(self)
 
 

@@ -29,7 +29,7 @@ from tokenmill.kv_cache.offload_planner import DISK_TIER, RAM_TIER
 from tokenmill.kv_offload.disk_format import HEADER_SIZE
 from tokenmill.kv_offload.disk_tier import DiskTier
 from tokenmill.kv_offload.ram_tier import RamTier
-from tokenmill.kv_offload.stats import drive_writes_per_day
+from tokenmill.kv_offload.stats import TierStats, drive_writes_per_day
 
 if TYPE_CHECKING:
     from tokenmill.runner.kv_pool import KVPool
@@ -70,8 +70,15 @@ class TieredKVStore:
         self.pool = pool
         self.block_bytes = pool.block_bytes
         self.ram: RamTier | None = None
+        self.ram_off: TierStats | None = None  # the RAM tier's counters when its slab could not be allocated
         if ram_blocks:
-            self.ram = RamTier(ram_blocks, self.block_bytes, pin_memory=pool.device.type == "cuda")
+            try:
+                self.ram = RamTier(ram_blocks, self.block_bytes, pin_memory=pool.device.type == "cuda")
+            except (RuntimeError, MemoryError) as exc:  # torch's allocators raise RuntimeError subclasses
+                self.ram_off = TierStats(capacity_blocks=ram_blocks, enabled=0, errors={"alloc": 1})
+                logger.warning("KV offload RAM tier disabled: cannot allocate %d blocks (%.2f GiB): %s; serving "
+                               "continues without it", ram_blocks, ram_blocks * self.block_bytes / GIB,
+                               str(exc).splitlines()[0] if str(exc) else repr(exc))
         self.disk = disk
         self.max_staged_blocks = max(1, max_staged_blocks)
         self.drive_bytes = drive_bytes
@@ -279,6 +286,8 @@ class TieredKVStore:
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Counters per enabled tier ("ram", "disk"): bytes_written, bytes_read, hits (blocks), ..."""
         out = {}
+        if self.ram_off is not None:
+            out[RamTier.name] = self.ram_off.as_dict()
         for tier in (self.ram, self.disk):
             if tier is not None:
                 out[tier.name] = tier.stats.as_dict()
@@ -287,7 +296,8 @@ class TieredKVStore:
     def snapshot(self) -> dict:
         """Everything for /debug/kv_cache."""
         return {
-            "ram": self.ram.stats.as_dict() if self.ram is not None else None,
+            "ram": self.ram.stats.as_dict() if self.ram is not None else
+            self.ram_off.as_dict() if self.ram_off is not None else None,
             "disk": {**self.disk.snapshot(), "dwpd": self.dwpd()} if self.disk is not None else None,
             "staged_blocks": len(self._staged),
             "loading_blocks": len(self._loading),

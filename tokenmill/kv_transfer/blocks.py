@@ -95,15 +95,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def engine_fingerprints(loaded, block_size: int, kv_dtype: torch.dtype, tokenizer) -> tuple[str, str]:
-    """(model fingerprint, tokenizer fingerprint): ``kv_offload.fingerprint.model_fingerprint`` of ``loaded`` (a
-    ``LoadedModel``) with this block size and KV dtype, and ``tokenizer_fingerprint``. One pass over the weights."""
-    from tokenmill.kv_offload.fingerprint import model_fingerprint
-
-    model = model_fingerprint(loaded.model, loaded.hf_config, loaded.dtype, block_size, kv_dtype)
-    return model, tokenizer_fingerprint(tokenizer)
-
-
 def blocks_sha256(blocks: torch.Tensor) -> str:
     """sha256 of a contiguous CPU tensor's bytes (for blocks: their ``KVPool`` byte rows, K/V then scales)."""
     return hashlib.sha256(memoryview(blocks.reshape(-1).view(torch.uint8).numpy())).hexdigest()

@@ -152,6 +152,9 @@ def load_adapter(lora_request: LoRARequest, shapes: BaseModelShapes, max_lora_ra
     use_rslora = bool(config.get("use_rslora", False))
     weights: dict[tuple[int, str, int], LoRASliceWeights] = {}
     for module, pair in sorted(by_module.items()):
+        if ".experts." in module or ".shared_expert" in module or module.endswith(".gate"):
+            raise refuse(f"it targets {module!r}, a mixture-of-experts router or expert projection; adapters on "
+                         "MoE layers are not supported (attention projections q/k/v/o_proj only)")
         match = _LAYER_MODULE.fullmatch(module)
         proj = match["proj"] if match else module.rpartition(".")[2]
         if match is None or proj not in PEFT_TARGETS or f"{match['parent']}.{proj}" != _peft_path(proj):
@@ -164,6 +167,10 @@ def load_adapter(lora_request: LoRARequest, shapes: BaseModelShapes, max_lora_ra
         if set(pair) != {"A", "B"}:
             raise refuse(f"{module} has lora_{''.join(pair)} but not both lora_A and lora_B")
         fused, shard = PEFT_TARGETS[proj]
+        if fused not in shapes.modules:  # e.g. mlp.gate_up_proj of a mixture-of-experts model
+            raise refuse(f"it targets {module!r}, but the base model's {fused.partition('.')[0]} is not a dense "
+                         f"projection in every layer (mixture of experts): only "
+                         f"{', '.join(p for p, (f, _) in PEFT_TARGETS.items() if f in shapes.modules)} can be adapted")
         shape = shapes.modules[fused]
         lora_a, lora_b = pair["A"], pair["B"]
         rank = int(lora_a.shape[0]) if lora_a.dim() == 2 else -1

@@ -23,8 +23,17 @@ from tokenmill.lora.slots import LoRASlots
 logger = logging.getLogger(__name__)
 
 
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def base_model_shapes(model: nn.Module) -> BaseModelShapes:
-    """The fused projection shapes of a Llama-like model (``model.model.layers[i].self_attn.qkv_proj`` ...).
+    """The fused projection shapes of a Llama-like model (``model.model.layers[i].self_attn.qkv_proj`` ...);
+    a projection that not every layer has (the MLP of a mixture-of-experts model) is left out.
 
     Raises:
         ValueError: a model without that structure (LoRA cannot be enabled on it).
@@ -34,6 +43,9 @@ def base_model_shapes(model: nn.Module) -> BaseModelShapes:
         raise ValueError(f"LoRA needs a Llama-like decoder (model.layers); {type(model).__name__} has none")
     modules = {}
     for name in FUSED_MODULES:
+        # a mixture-of-experts model's MLP is a router and experts: adapters reach its attention projections only
+        if not all(_has_submodule(layer, name) for layer in layers):
+            continue
         module = layers[0].get_submodule(name)
         sizes = getattr(module, "output_sizes", [module.out_features])
         offsets = getattr(module, "offsets", [0])
@@ -62,7 +74,7 @@ class LoRAManager:
         self.slots = LoRASlots(self.shapes, config.max_loras, config.max_lora_rank, dtype, device)
         layers = model.model.layers
         for i in range(self.shapes.num_layers):
-            for name in FUSED_MODULES:
+            for name in self.shapes.modules:
                 layers[i].get_submodule(name).lora = self.slots.hook(i, name)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, least recent first
         self._slot_lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(config.max_loras))

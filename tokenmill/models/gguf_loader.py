@@ -9,8 +9,12 @@ for the ``llama`` architecture (whole rows, so blocks are moved as they are; a c
 architectures: llama (incl. Mistral exported as llama, and Llama 3.x's ``rope_freqs`` RoPE factors),
 qwen2, qwen3, phi3 (fused ``attn_qkv`` and ``ffn_up`` = gate | up, loaded into the fused projections as
 they are), gemma2 and gemma3 (llama.cpp stores Gemma's RMSNorm weights as ``1 + weight``; 1 is subtracted
-here so the model sees transformers' convention). What the engine cannot run (architecture, tensor type
-or name, RoPE variant, tokenizer) raises ``UnsupportedModelError`` naming the file and the metadata key or tensor.
+here so the model sees transformers' convention). Mixture of experts (docs/moe.md): llama with
+``llama.expert_count`` (Mixtral), qwen2moe, qwen3moe and olmoe; the experts' stacked 3-D tensors
+(``blk.N.ffn_{gate,up,down}_exps``, or ``ffn_gate_up_exps``) come out as one [out, in] tensor per expert (a
+view of the stack's rows, so quantized experts stay in their blocks), shared experts from ``ffn_*_shexp`` and
+``ffn_gate_inp_shexp``. What the engine cannot run (architecture, tensor type or name, RoPE variant,
+tokenizer) raises ``UnsupportedModelError`` naming the file and the metadata key or tensor.
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config, PretrainedConfig,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
+from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, OlmoeConfig, Phi3Config,
+                          PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                          Qwen3MoeConfig)
 
 from tokenmill.models.errors import UnsupportedModelError
 from tokenmill.models.gguf_metadata import GGUFMetadata, GGUFTensorInfo, read_gguf_metadata
@@ -41,7 +46,13 @@ _ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "phi3": (Phi3Config, "Phi3ForCausalLM"),
     "gemma2": (Gemma2Config, "Gemma2ForCausalLM"),
     "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
+    "qwen2moe": (Qwen2MoeConfig, "Qwen2MoeForCausalLM"),
+    "qwen3moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
+    "olmoe": (OlmoeConfig, "OlmoeForCausalLM"),
 }
+# llama.cpp's router weight rule per MoE architecture where the file has no ``{arch}.expert_weights_norm``
+# (its llm_build_* functions): Mixtral (llama) and qwen3moe renormalize the top-k weights, qwen2moe and olmoe not.
+_MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 # HF model_type of a config built from GGUF -> its GGUF architecture, where the tensor names or values differ
 _GGUF_ARCH_OF_MODEL_TYPE = {"phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 
@@ -63,7 +74,16 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_qkv": "self_attn.qkv_proj",  # phi3: q | k | v in one tensor
+    # mixture of experts: router, shared expert and its sigmoid gate (the routed experts: _EXPERT_STACKS)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# stacked expert tensors [num_experts, out, in] -> the projection(s) each expert's rows hold (gate_up: gate | up)
+_EXPERT_STACKS = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",), "ffn_down_exps": ("down_proj",),
+                  "ffn_gate_up_exps": ("gate_proj", "up_proj")}
 # Architectures whose block tensors name something else (gguf-py's constants): phi3's ffn_up is the fused
 # gate | up projection; Gemma's ffn_norm is the norm before the MLP, its attention-output and MLP-output
 # norms are post_attention_norm and post_ffw_norm.
@@ -236,6 +256,19 @@ def gguf_to_hf_config(reader: GGUFReader | GGUFMetadata) -> PretrainedConfig:
     )
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch == "qwen2moe":
+        kwargs["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if int(_field(reader, f"{arch}.expert_count", 0) or 0) > 0:
+        if arch == "llama":
+            config_cls, kwargs["architectures"] = MixtralConfig, ["MixtralForCausalLM"]
+            kwargs.pop("attention_bias")
+            kwargs["sliding_window"] = None
+        elif arch not in _MOE_NORM_TOPK:
+            raise UnsupportedModelError(f"{source}: {arch}.expert_count is set, but tokenmill runs experts only for "
+                                        f"{', '.join(sorted(_MOE_NORM_TOPK))}")
+        _moe_fields(reader, arch, kwargs, tensor_names)
+    elif arch in ("qwen2moe", "qwen3moe", "olmoe"):
+        raise UnsupportedModelError(f"{source}: metadata key {arch}.expert_count is missing")
     if rope_freq_factors is not None:
         kwargs["rope_freq_factors"] = rope_freq_factors
     if arch == "phi3":
@@ -243,6 +276,43 @@ def gguf_to_hf_config(reader: GGUFReader | GGUFMetadata) -> PretrainedConfig:
     elif arch in ("gemma2", "gemma3"):
         _gemma_fields(reader, arch, kwargs)
     return config_cls(**kwargs)
+
+
+def _moe_fields(reader: GGUFReader | GGUFMetadata, arch: str, kwargs: dict[str, Any], tensor_names: set[str]) -> None:
+    """The MoE config fields from ``{arch}.expert_count``, ``expert_used_count``, ``expert_feed_forward_length``
+    (else ``feed_forward_length``), ``expert_shared_feed_forward_length`` and ``expert_weights_norm`` (else
+    llama.cpp's rule for the architecture, ``_MOE_NORM_TOPK``). Layers without a ``ffn_gate_inp`` tensor keep a
+    dense MLP (Qwen's ``mlp_only_layers``).
+
+    Raises:
+        UnsupportedModelError: ``expert_used_count`` missing, or a gating function other than softmax.
+    """
+    source = _source(reader)
+    num_experts = int(_field(reader, f"{arch}.expert_count"))
+    top_k = _field(reader, f"{arch}.expert_used_count")
+    if top_k is None:
+        raise UnsupportedModelError(f"{source}: metadata key {arch}.expert_used_count is missing")
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # gguf.ExpertGatingFuncType.SOFTMAX
+        raise UnsupportedModelError(f"{source}: {arch}.expert_gating_func {gating} is not supported (softmax only)")
+    expert_ff = int(_field(reader, f"{arch}.expert_feed_forward_length", kwargs["intermediate_size"]))
+    norm = _field(reader, f"{arch}.expert_weights_norm")
+    norm_topk_prob = _MOE_NORM_TOPK[arch] if norm is None else bool(norm)
+    if arch == "llama":
+        kwargs.update(num_local_experts=num_experts, num_experts_per_tok=int(top_k), intermediate_size=expert_ff)
+        if not norm_topk_prob:
+            raise UnsupportedModelError(f"{source}: llama.expert_weights_norm false is not supported for Mixtral")
+        return
+    kwargs.update(num_experts=num_experts, num_experts_per_tok=int(top_k), norm_topk_prob=norm_topk_prob)
+    if arch == "olmoe":
+        kwargs["intermediate_size"] = expert_ff
+        return
+    kwargs["moe_intermediate_size"] = expert_ff
+    kwargs["mlp_only_layers"] = [i for i in range(kwargs["num_hidden_layers"])
+                                 if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    kwargs["decoder_sparse_step"] = 1
+    if arch == "qwen2moe":
+        kwargs["shared_expert_intermediate_size"] = int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0))
 
 
 def _phi3_fields(reader: GGUFReader | GGUFMetadata, kwargs: dict[str, Any], tensor_names: set[str]) -> None:
@@ -307,6 +377,8 @@ def _hf_name(gguf_name: str, arch: str = "llama") -> str:
         names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
         if part in names:
             return f"model.layers.{layer}.{names[part]}.{kind}"
+        if part in _EXPERT_STACKS and kind == "weight":  # one name per expert: _expert_names
+            return f"model.layers.{layer}.mlp.experts.{{expert}}.{_EXPERT_STACKS[part][0]}.{kind}"
     else:
         base, _, kind = gguf_name.rpartition(".")
         if base in _GLOBAL_NAMES and kind in ("weight", "bias"):
@@ -327,7 +399,31 @@ def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 # Tensors that tokenmill fuses into one projection: all kept quantized or all dequantized.
-_FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+_FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_exps", "ffn_up_exps"),
+                 ("ffn_gate_shexp", "ffn_up_shexp"))
+
+
+def _expert_stack(gguf_name: str) -> tuple[str, tuple[str, ...]] | None:
+    """(layer, projections) for a stacked expert tensor (``blk.3.ffn_up_exps.weight``), else None."""
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if match is None or match[2] not in _EXPERT_STACKS or match[3] != "weight":
+        return None
+    return match[1], _EXPERT_STACKS[match[2]]
+
+
+def _is_matrix(info: GGUFTensorInfo) -> bool:
+    """A 2-D weight, or a stack of expert matrices (3-D, split per expert at load)."""
+    return len(info.shape) == 2 or (len(info.shape) == 3 and _expert_stack(info.name) is not None)
+
+
+def _per_expert(info: GGUFTensorInfo, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, expert's rows) for each expert of a stack: ``tensor`` [E, N, ...] (floats or block bytes);
+    ``ffn_gate_up_exps`` rows split into their gate and up halves. Views, no copy."""
+    layer, projections = _expert_stack(info.name)
+    rows = tensor.shape[1] // len(projections)
+    for expert in range(tensor.shape[0]):
+        for i, proj in enumerate(projections):
+            yield f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight", tensor[expert, i * rows:(i + 1) * rows]
 
 
 @functools.cache
@@ -362,7 +458,7 @@ def read_tensor_index(reader: GGUFReader | GGUFMetadata) -> list[GGUFTensorInfo]
         except ValueError:
             raise UnsupportedModelError(f"{source}: tensor {t.name!r} is not part of a {arch} model tokenmill "
                                         "runs") from None
-        native = t.qtype in GGUF_QUANT_TYPES and len(t.shape) == 2
+        native = t.qtype in GGUF_QUANT_TYPES and _is_matrix(t)
         if not native and not _dequantizable(t.qtype):
             raise UnsupportedModelError(f"{source}: tensor {t.name!r} has type {GGMLQuantizationType(t.qtype).name}, "
                                         "which tokenmill cannot run or dequantize")
@@ -374,7 +470,7 @@ def kept_quantized_names(index: list[GGUFTensorInfo]) -> set[str]:
     """Names of the matrices whose blocks tokenmill runs as stored (a fused group only when all its members can)."""
     from tokenmill.quantization.formats import GGUF_QUANT_TYPES
 
-    names = {t.name for t in index if t.qtype in GGUF_QUANT_TYPES and len(t.shape) == 2 and t.name.endswith(".weight")}
+    names = {t.name for t in index if t.qtype in GGUF_QUANT_TYPES and _is_matrix(t) and t.name.endswith(".weight")}
     present = {t.name for t in index}
     for name in list(names):
         match = _BLOCK_RE.fullmatch(name)
@@ -425,7 +521,8 @@ def iter_mapped_weights(path: Path, index: list[GGUFTensorInfo], config: Pretrai
     """
     from tokenmill.quantization.formats import QuantizedTensor
 
-    permute = config.model_type == "llama"  # the GGUF llama architecture (Mistral included) becomes a LlamaConfig
+    # the GGUF llama architecture becomes a LlamaConfig (Mistral included) or, with experts, a MixtralConfig
+    permute = config.model_type in ("llama", "mixtral")
     arch = _GGUF_ARCH_OF_MODEL_TYPE.get(config.model_type, "llama")  # for the names some architectures use
     norm_offset = arch in ("gemma2", "gemma3")  # llama.cpp stored 1 + weight
     keep = kept_quantized_names(index) if kept is None else kept
@@ -435,7 +532,12 @@ def iter_mapped_weights(path: Path, index: list[GGUFTensorInfo], config: Pretrai
         if info.name in keep:
             if not quantized:
                 continue
-            n, k = info.shape
+            n, k = info.shape[-2:]
+            if len(info.shape) == 3:  # (E, N, row bytes): each expert's rows, in place
+                stack = torch.from_numpy(_map(path, info).reshape(info.shape[0], n, -1))
+                for expert_name, data in _per_expert(info, stack):
+                    yield expert_name, QuantizedTensor(info.qtype, (data.shape[0], k), data)
+                continue
             data = torch.from_numpy(_map(path, info).reshape(n, -1))  # (N, row bytes), in place
             if heads is not None:
                 data = _unpermute_rows(data, heads).contiguous()
@@ -451,6 +553,11 @@ def iter_mapped_weights(path: Path, index: list[GGUFTensorInfo], config: Pretrai
             block, type_size = GGML_QUANT_SIZES[qtype]
             array = dequantize(raw.reshape(-1, info.shape[-1] // block * type_size), qtype)
         weight = torch.from_numpy(array).reshape(info.shape)
+        if len(info.shape) == 3:  # (E, N, K) expert stack
+            yield from _per_expert(info, weight)
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            weight = weight.reshape(1, -1)  # llama.cpp keeps the gate's one row as a vector [hidden]
         if heads is not None:
             weight = _unpermute_rows(weight, heads)
         if norm_offset and name.endswith("norm.weight"):
@@ -474,6 +581,18 @@ def iter_gguf_weights(reader: GGUFReader | GGUFMetadata, config: PretrainedConfi
     yield from iter_mapped_weights(_source(reader), index, config, kept=None if quantized else set())
 
 
+def _admit_tokenizer_architectures() -> None:
+    """Let transformers' GGUF reader read the tokenizer of a file whose architecture it has no config mapping for
+    (olmoe): it refuses such files before reading any key, though its tokenizer fields (``tokenizer.ggml.*``) do
+    not depend on the architecture. Adds tokenmill's architectures to its list of supported ones (idempotent)."""
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    supported = hf_gguf.GGUF_SUPPORTED_ARCHITECTURES
+    for arch in _ARCHITECTURES:
+        if arch not in supported and arch.replace("moe", "_moe") not in supported:
+            supported.append(arch)
+
+
 def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     """The tokenizer (with chat template) that transformers reconstructs from the GGUF metadata.
 
@@ -483,6 +602,7 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     """
     from transformers import AutoTokenizer
 
+    _admit_tokenizer_architectures()
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # noqa: BLE001 - transformers raises KeyError/ValueError/... for what it cannot convert

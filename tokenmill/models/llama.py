@@ -7,7 +7,7 @@ No padding, no per-token Python; the paged KV cache is written and read by ``Att
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -34,13 +34,15 @@ class DecoderVariant:
     """What distinguishes the Llama-like families.
 
     qkv_bias/o_bias/mlp_bias: which projections carry a bias; qk_norm: RMSNorm over head_dim on
-    q and k before RoPE (Qwen3).
+    q and k before RoPE (Qwen3); qk_norm_whole: instead, one RMSNorm over the whole q projection and one over
+    the whole k projection (OLMoE's ``q_norm`` [heads * head_dim], ``k_norm`` [kv_heads * head_dim]).
     """
 
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -78,7 +80,11 @@ class LlamaAttention(nn.Module):
             config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=variant.qkv_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=variant.o_bias)
-        if variant.qk_norm:
+        self.qk_norm_whole = variant.qk_norm_whole
+        if variant.qk_norm_whole:
+            self.q_norm = RMSNorm(self.q_size, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, eps=config.rms_norm_eps)
+        elif variant.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         else:
@@ -97,7 +103,12 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # (T, (H + 2 * KVH) * D)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # views
-        if self.q_norm is not None:
+        if self.qk_norm_whole:
+            q = self.q_norm(q).view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+            k = self.k_norm(k).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
+            q = apply_rotary_emb(q, cos, sin, self.head_dim, self.use_triton)  # (T, H, D)
+            k = apply_rotary_emb(k, cos, sin, self.head_dim, self.use_triton)  # (T, KVH, D)
+        elif self.q_norm is not None:
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # (T, H, D)
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # (T, KVH, D)
             q = apply_rotary_emb(q, cos, sin, self.head_dim, self.use_triton)  # (T, H, D)
@@ -129,12 +140,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). Shapes stay [T, hidden]."""
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). Shapes stay [T, hidden].
 
-    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, sliding_window: int | None = None) -> None:
+    ``mlp``: the feed-forward module (default a ``LlamaMLP``; MoE models pass a ``tokenmill.moe.SparseMoeBlock``).
+    """
+
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, sliding_window: int | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, variant, sliding_window)
-        self.mlp = LlamaMLP(config, variant)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, variant)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -160,18 +175,22 @@ class LlamaModel(nn.Module):
 
     ``lean_decode`` (set by the CPU runner, ``tokenmill.runner.lean_decode``): runs a decode or mixed step's
     layers in one C call, or returns None and the layers below run; None (the default) costs nothing.
-    ``sliding_windows``: each layer's window (``models.sliding_window``; empty: none anywhere).
+    ``sliding_windows``: each layer's window (``models.sliding_window``; empty: none anywhere). ``mlp_factory``:
+    layer index -> that layer's feed-forward module, or None for the default ``LlamaMLP`` (MoE models).
     """
 
     lean_decode = None
 
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant,
-                 sliding_windows: tuple[int | None, ...] = ()) -> None:
+                 sliding_windows: tuple[int | None, ...] = (),
+                 mlp_factory: Callable[[int], nn.Module | None] | None = None) -> None:
         super().__init__()
         windows = sliding_windows or (None,) * config.num_hidden_layers
         assert len(windows) == config.num_hidden_layers
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant, window) for window in windows)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, variant, window, mlp_factory(i) if mlp_factory is not None else None)
+            for i, window in enumerate(windows))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 

@@ -6,9 +6,12 @@ from transformers import PretrainedConfig
 
 from tokenmill.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM, MistralForCausalLM
+from tokenmill.models.mixtral import MixtralForCausalLM
+from tokenmill.models.olmoe import OlmoeForCausalLM
 from tokenmill.models.phi3 import Phi3ForCausalLM
 from tokenmill.models.qwen2 import Qwen2ForCausalLM
 from tokenmill.models.qwen3 import Qwen3ForCausalLM
+from tokenmill.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from tokenmill.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -21,6 +24,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # hybrid Gated DeltaNet (docs/hybrid_models.md)
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    # mixture of experts (docs/moe.md)
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 

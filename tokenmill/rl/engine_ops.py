@@ -117,12 +117,24 @@ class RLEngineOps:
             raise RuntimeError(f"{what} needs an idle engine; {self.scheduler.num_running} running and "
                                f"{self.scheduler.num_waiting} waiting requests remain")
 
-    def _weights_fingerprint(self) -> str:
-        from tokenmill.kv_offload.fingerprint import model_fingerprint
+    def model_fingerprint(self) -> str:
+        """``kv_offload.fingerprint.model_fingerprint`` of the weights served now: the one key that saved
+        sessions, transferred blocks and disk-tier records are checked against. Computed once per weight
+        version (one pass over the weights) and kept in ``rl_state.fingerprint``; a weight update clears it.
 
-        loaded = self.loaded
-        return model_fingerprint(loaded.model, loaded.hf_config, loaded.dtype, self.config.cache.block_size,
-                                 self.runner.kv_dtype)
+        Raises:
+            RuntimeError: the weights are freed (sleep level 2) and were never fingerprinted.
+        """
+        state = self.rl_state
+        if state.fingerprint is None:
+            if state.weights_freed:
+                raise RuntimeError("the weights are freed (sleep level 2): wake the engine up first")
+            from tokenmill.kv_offload.fingerprint import model_fingerprint
+
+            loaded = self.loaded
+            state.fingerprint = model_fingerprint(loaded.model, loaded.hf_config, loaded.dtype,
+                                                  self.config.cache.block_size, self.runner.kv_pool.dtype)
+        return state.fingerprint
 
     # ---- the prefix cache ----------------------------------------------------------------------------
     def flush_prefix_cache(self, clear_disk: bool = True) -> None:
@@ -183,8 +195,7 @@ class RLEngineOps:
             self._fence_old_blocks()
         store = self.kv_store
         if store is not None and store.disk is not None:
-            state.fingerprint = self._weights_fingerprint()
-            store.replace_disk(state.fingerprint)
+            store.replace_disk(self.model_fingerprint())
         self._publish_kv_events()
         state.loaded_at = time.time()
         state.load_seconds = time.perf_counter() - started if started is not None else 0.0
@@ -240,7 +251,7 @@ class RLEngineOps:
         the weights; None while they are freed), load time and counters of the served weights."""
         state = self.rl_state
         if compute_fingerprint and state.fingerprint is None and not state.weights_freed:
-            state.fingerprint = self._weights_fingerprint()
+            self.model_fingerprint()
         return {
             "weight_version": state.weight_version,
             "fingerprint": state.fingerprint,

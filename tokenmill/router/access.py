@@ -11,6 +11,9 @@ serve`` uses them. Refusals are OpenAI error bodies. No routing, no worker state
 from __future__ import annotations
 
 import hmac
+from typing import Sequence
+
+from starlette.routing import BaseRoute
 
 from tokenmill.security.http import (AllowedHostsMiddleware, APIKeyMiddleware, ASGIApp, BodySizeLimitMiddleware,
                                      JSONContentTypeMiddleware, send_error)
@@ -53,15 +56,17 @@ class AdminKeyMiddleware:
 
 
 def guarded(app: ASGIApp, api_key: str | None, admin_api_key: str | None, allowed_hosts: tuple[str, ...] | None,
-            max_body_bytes: int, metrics_without_auth: bool = False) -> ASGIApp:
+            max_body_bytes: int, metrics_without_auth: bool = False, routes: Sequence[BaseRoute] | None = None
+            ) -> ASGIApp:
     """``app`` behind the router's checks, outermost first: Host (``allowed_hosts`` from
     ``allowed_hosts_for``; None: any), the admin key on ``/workers``, the clients' key elsewhere (but
     ``/health``, and ``/metrics`` when ``metrics_without_auth``), a JSON content type on state-changing
     methods (415), and the body cap in bytes (413). A key that is None is not required. Without
     ``admin_api_key``, ``api_key`` also guards ``/workers`` (a loopback router with only a client key is
-    not open to administration by anyone on the host)."""
+    not open to administration by anyone on the host). ``routes``: the app's routes, so that a method no
+    route takes gets the app's 405 (or 404) rather than a 415 (``JSONContentTypeMiddleware``)."""
     app = BodySizeLimitMiddleware(app, max_body_bytes)
-    app = JSONContentTypeMiddleware(app)
+    app = JSONContentTypeMiddleware(app, routes)
     if api_key:
         public = PUBLIC_PATHS + ((METRICS_PATH,) if metrics_without_auth else ())
         admin = ((ADMIN_PATH,), (ADMIN_PATH + "/",)) if admin_api_key else ((), ())  # the admin key's alone

@@ -2,6 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``
 (the union of the healthy workers' models), ``GET/POST /workers``, ``DELETE /workers/{id}``,
+``POST /workers/{id}/drain`` and ``/undrain``,
 ``GET /health`` (200 while a worker is healthy) and ``GET /metrics``. Every request first passes
 the guard of router/access.py: Host check, ``--api-key`` on every route but ``/health``,
 ``--admin-api-key`` on ``/workers``, JSON bodies only, a body cap. Workers get the router's own
@@ -25,20 +26,23 @@ from dataclasses import dataclass, field
 import httpx2 as httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.openapi_errors import document_error_responses
 from tokenmill.router.access import guarded
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import PolicyConfig, make_policy
 from tokenmill.router.policy import RouteRequest
-from tokenmill.router.proxy import PromptIds, Proxy, openai_error
+from tokenmill.router.proxy import WORKER_HEADER, PromptIds, Proxy, openai_error
 from tokenmill.router.upstream import upstream_session
 from tokenmill.router.tokenize import RequestTokenizer
-from tokenmill.router.workers import (HEALTH_TIMEOUT_S, DuplicateWorker, WorkerRegistry, WorkerURLPolicy,
-                                      normalize_url)
-from tokenmill.security.http import DEFAULT_MAX_REQUEST_BODY_BYTES, allowed_hosts_for, is_loopback
+from tokenmill.router.workers import (HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_TIMEOUT_S, HEALTH_TIMEOUT_S,
+                                      DuplicateWorker, WorkerRegistry, WorkerURLPolicy, normalize_url)
+from tokenmill.security.http import (DEFAULT_MAX_REQUEST_BODY_BYTES, allowed_hosts_for, allowed_methods,
+                                     is_loopback)
+from tokenmill.tracing import ROUTER_REQUEST_SPAN, TRACE_SCOPE_KEY, SpanAttributes, Tracing, trace_headers
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,10 @@ class RouterConfig:
     ``allowed_worker_urls`` vouches for it: ``runtime_workers_trusted``); ``allowed_worker_urls`` limits what ``POST /workers`` may register
     (None: any); ``allowed_hosts`` is the Host allow-list as given (None: the default for ``host``);
     ``max_request_body_bytes`` caps request bodies (413).
+
+    Tracing (docs/tracing.md): with ``otlp_traces_endpoint``, each generation request makes a ``router_request``
+    span, child of the client's ``traceparent``, whose own ``traceparent`` the workers get; without it the
+    client's ``traceparent`` and ``tracestate`` are passed on to the workers as they came.
     """
 
     @property
@@ -82,8 +90,10 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
-    health_check_interval: float = 10.0
+    health_check_interval: float = HEALTH_CHECK_INTERVAL_S
+    health_check_timeout: float = HEALTH_CHECK_TIMEOUT_S
     request_timeout: float = 1800.0
+    stream_stall_timeout: float | None = 15.0  # seconds without a stream event after the first token; None: off
     tokenizer: str | None = None
     prefill_urls: tuple[str, ...] = ()
     prefill_policy: PolicyConfig | None = None
@@ -96,6 +106,7 @@ class RouterConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     metrics_without_auth: bool = False
     worker_admin: bool = True
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP receiver of the router_request spans (None: no tracing)
 
     @property
     def runtime_workers_trusted(self) -> bool:
@@ -117,6 +128,10 @@ class RouterConfig:
             raise ValueError(f"health_check_interval must be > 0, got {self.health_check_interval}")
         if not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        if not self.health_check_timeout > 0:
+            raise ValueError(f"health_check_timeout must be > 0, got {self.health_check_timeout}")
+        if self.stream_stall_timeout is not None and not self.stream_stall_timeout > 0:
+            raise ValueError(f"stream_stall_timeout must be > 0 or None, got {self.stream_stall_timeout}")
 
 
 class RouterError(Exception):
@@ -221,6 +236,27 @@ def route_request(kind: str, body: dict, session_header: str | None) -> RouteReq
                         session_id=session_header or user)
 
 
+def end_router_span(tracing: Tracing, span, response: Response | None) -> None:
+    """End a ``router_request`` span with the response's status and worker; status error for a 5xx, a client
+    that left (499, or mid-stream), or no response at all (the handler was cancelled or failed)."""
+    status = getattr(response, "status_code", None)
+    if status is None and isinstance(getattr(response, "response", None), Response):  # a stream whose every
+        status = response.response.status_code  # worker failed after its head went out (proxy._ErrorAfterHead)
+    if status is not None:
+        span.set_attribute(SpanAttributes.HTTP_STATUS_CODE, status)
+    worker_id = response.headers.get(WORKER_HEADER) if isinstance(response, Response) else None
+    if worker_id:
+        span.set_attribute(SpanAttributes.ROUTER_WORKER_ID, worker_id)
+    error = None
+    if response is None:
+        error = "the request ended without a response"
+    elif getattr(response, "client_gone", False) or status == 499:
+        error = "the client disconnected"
+    elif status is not None and status >= 500:
+        error = f"answered {status}"
+    tracing.end_span(span, error)
+
+
 # ---- the app --------------------------------------------------------------------------------------
 _GENERATE_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -258,11 +294,13 @@ def build_app(config: RouterConfig) -> FastAPI:
     """
     policy = make_policy(config.policy)
     metrics = RouterMetrics()
+    tracing = Tracing(config.otlp_traces_endpoint, "tokenmill-router") if config.otlp_traces_endpoint else None
     client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=10.0),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
                                trust_env=False)
-    registry = WorkerRegistry(client, policy, config.worker_api_key)
-    proxy = Proxy(client, registry, policy, metrics, config.worker_api_key)
+    registry = WorkerRegistry(client, policy, config.worker_api_key, config.health_check_timeout)
+    proxy = Proxy(client, registry, policy, metrics, config.worker_api_key,
+                  stream_stall_timeout=config.stream_stall_timeout)
     url_policy = WorkerURLPolicy(config.allowed_worker_urls, config.worker_urls + config.prefill_urls)
     for url in config.worker_urls:
         registry.add(url)
@@ -271,7 +309,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         from tokenmill.router.pd import PDRouter
 
         prefill_policy = make_policy(config.prefill_policy or config.policy)
-        prefill_registry = WorkerRegistry(client, prefill_policy, config.worker_api_key)
+        prefill_registry = WorkerRegistry(client, prefill_policy, config.worker_api_key, config.health_check_timeout)
         for url in config.prefill_urls:
             prefill_registry.add(url)
         from tokenmill.security import load_cluster_secret
@@ -331,12 +369,15 @@ def build_app(config: RouterConfig) -> FastAPI:
                 pd.prefill_policy.close()
             await client.aclose()
             await proxy.session.close()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)
 
     app = _RouterApp(title="tokenmill router", lifespan=lifespan)
     app.state.registry, app.state.policy, app.state.metrics = registry, policy, metrics
+    document_error_responses(app)  # /openapi.json: the OpenAI error body under 4XX and 503, not 422
     app.guard = guarded(app.dispatch, config.api_key, config.admin_api_key,
                         allowed_hosts_for(config.host, config.allowed_hosts), config.max_request_body_bytes,
-                        config.metrics_without_auth)
+                        config.metrics_without_auth, routes=app.router.routes)
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
@@ -345,7 +386,11 @@ def build_app(config: RouterConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return openai_error(str(exc.detail), exc.status_code, kind)
+        response = openai_error(str(exc.detail), exc.status_code, kind)
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # RFC 9110: a 405 names the methods the path takes
+            response.headers["Allow"] = allowed_methods(app.router.routes, request.url.path)
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
@@ -385,15 +430,28 @@ def build_app(config: RouterConfig) -> FastAPI:
         """``/v1/completions`` and ``/v1/chat/completions`` without FastAPI's routing and middleware
         (what the routes below do, with the same errors, in about half the time)."""
         request = Request(scope, receive)
+        span = None
+        if tracing is not None:  # the workers' spans become children of this request's router_request span
+            span = tracing.start_span(ROUTER_REQUEST_SPAN, trace_headers(request.headers),
+                                      attributes={SpanAttributes.HTTP_METHOD: "POST", SpanAttributes.URL_PATH:
+                                                  scope["path"]})
+            scope[TRACE_SCOPE_KEY] = tracing.headers_of(span)
+        else:  # passed on as they came, so the workers' spans still join the client's trace
+            scope[TRACE_SCOPE_KEY] = trace_headers(request.headers)
+        response = None
         try:
-            response = await forward(_GENERATE_PATHS[scope["path"]], scope["path"], request, send)
-        except RouterError as exc:
-            response = openai_error(exc.message, exc.status_code, exc.type, exc.param)
-        except StarletteHTTPException as exc:  # the body cap's 413, raised while the body is read
-            response = await _http_error(request, exc)
-        except Exception as exc:
-            response = await _unexpected_error(request, exc)
-        await response(scope, receive, send)
+            try:
+                response = await forward(_GENERATE_PATHS[scope["path"]], scope["path"], request, send)
+            except RouterError as exc:
+                response = openai_error(exc.message, exc.status_code, exc.type, exc.param)
+            except StarletteHTTPException as exc:  # the body cap's 413, raised while the body is read
+                response = await _http_error(request, exc)
+            except Exception as exc:
+                response = await _unexpected_error(request, exc)
+            await response(scope, receive, send)
+        finally:
+            if span is not None:  # after the last byte of the response (a stream's too), or its failure
+                end_router_span(tracing, span, response)
 
     app.generate = generate
 
@@ -430,7 +488,7 @@ def build_app(config: RouterConfig) -> FastAPI:
             return JSONResponse({"status": "ok", "healthy_workers": len(registry.routable())})
         return openai_error("no healthy worker", 503, "service_unavailable_error")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # documented as text/plain in /openapi.json
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(registry.workers.values()), media_type=CONTENT_TYPE_LATEST)
 
@@ -471,6 +529,22 @@ def build_app(config: RouterConfig) -> FastAPI:
         except KeyError:
             raise RouterError(f"no worker with id {worker_id!r}", 404, "not_found_error", "worker_id") from None
         return {"id": worker.worker_id, "url": worker.url, "deleted": True}
+
+    @app.post("/workers/{worker_id}/drain")
+    async def drain_worker(worker_id: str) -> dict:
+        """Send the worker no new request (state ``draining``) while its requests in flight finish; until undrain."""
+        try:
+            return registry.drain(worker_id).as_json()
+        except KeyError:
+            raise RouterError(f"no worker with id {worker_id!r}", 404, "not_found_error", "worker_id") from None
+
+    @app.post("/workers/{worker_id}/undrain")
+    async def undrain_worker(worker_id: str) -> dict:
+        """Route to a drained worker again; answers once its health check (run now) decided its state."""
+        try:
+            return (await registry.undrain(worker_id)).as_json()
+        except KeyError:
+            raise RouterError(f"no worker with id {worker_id!r}", 404, "not_found_error", "worker_id") from None
 
     return app
 

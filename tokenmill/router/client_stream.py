@@ -118,16 +118,20 @@ class ClientStream(Response):
 
     async def _copy(self, send: Send) -> None:
         state = self.state
+        watch = self.lease.worker.watch(self.proxy.stream_stall_timeout)  # a hung or stalled worker ends the copy
         try:
-            while True:
-                event = await self.reader.next()
-                if event is None:
-                    break
-                await self._body(send, state.observe(event) if state else event.raw)
+            async with watch:
+                watch.touch()  # the first token is in: from here a stall counts
+                while True:
+                    event = await self.reader.next()
+                    if event is None:
+                        break
+                    watch.touch()
+                    await self._body(send, state.observe(event) if state else event.raw)
             if state is not None and not state.done:
                 raise _Broken("stream ended without [DONE]")
         except (*UPSTREAM_ERRORS, _Broken) as exc:
-            await self._on_upstream_broken(send, exc)
+            await self._on_upstream_broken(send, _Broken(watch.reason) if watch.expired else exc)
         self.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -169,34 +173,38 @@ class ClientStream(Response):
                                                  "tokenmill worker is left to resume it"))
                 return False
             self.lease = Lease(worker, route, request_tokens(route), proxy.policy)
+            watch = worker.watch(proxy.stream_stall_timeout)  # hung or stalled: resume on the next worker
             try:
-                cut, skip = await self._cut(send, worker, choice, prompt)
-                body = state.resume_body(choice, prompt, cut)
-                headers = {**self.upstream_headers, "x-request-id": route.request_id}
-                proxy.metrics.resumptions.inc()
-                logger.warning("request %s: resuming choice %d on %s after %d tokens (cut at %d)",
-                               self.route.request_id, choice.index, worker.worker_id, len(choice.token_ids), cut)
-                self.upstream = await proxy.open(worker, "/v1/completions", json.dumps(body).encode(), headers)
-                if self.upstream.status != 200:
-                    detail = (await proxy.read_or_fail(worker, self.upstream))[:500].decode(errors="replace")
-                    await self._body(send, sse_error(f"resuming on {worker.worker_id} failed: "
-                                                     f"{self.upstream.status} {detail}"))
-                    return False
-                reader = SSEReader(self.upstream)
-                ended = False
-                while (event := await reader.next()) is not None:
-                    if event.done:
-                        ended = True
-                    elif event.obj is not None and event.obj.get("choices"):
-                        data = state.translate(event.obj, choice, skip)
-                        if data is not None:
-                            await self._body(send, data)
+                async with watch:
+                    cut, skip = await self._cut(send, worker, choice, prompt)
+                    body = state.resume_body(choice, prompt, cut)
+                    headers = {**self.upstream_headers, "x-request-id": route.request_id}
+                    proxy.metrics.resumptions.inc()
+                    logger.warning("request %s: resuming choice %d on %s after %d tokens (cut at %d)",
+                                   self.route.request_id, choice.index, worker.worker_id, len(choice.token_ids), cut)
+                    self.upstream = await proxy.open(worker, "/v1/completions", json.dumps(body).encode(), headers)
+                    if self.upstream.status != 200:
+                        detail = (await proxy.read_or_fail(worker, self.upstream))[:500].decode(errors="replace")
+                        await self._body(send, sse_error(f"resuming on {worker.worker_id} failed: "
+                                                         f"{self.upstream.status} {detail}"))
+                        return False
+                    reader = SSEReader(self.upstream)
+                    ended = False
+                    while (event := await reader.next()) is not None:
+                        watch.touch()
+                        if event.done:
+                            ended = True
+                        elif event.obj is not None and event.obj.get("choices"):
+                            data = state.translate(event.obj, choice, skip)
+                            if data is not None:
+                                await self._body(send, data)
                 if not ended and not choice.finished:
                     raise _Broken("resumed stream ended without [DONE]")
             except (RetryElsewhere, UpstreamTimeout) as exc:
                 proxy.metrics.retries.labels(getattr(exc, "reason", "timeout")).inc()
             except (*UPSTREAM_ERRORS, httpx.HTTPError, _Broken, ValueError, KeyError) as exc:
-                proxy.registry.mark_unhealthy(worker, f"resumed stream broke: {type(exc).__name__}: {exc}")
+                why = watch.reason if watch.expired else f"{type(exc).__name__}: {exc}"
+                proxy.registry.mark_unhealthy(worker, f"resumed stream broke: {why}")
             finally:
                 self.abandon()
         return True

@@ -4,7 +4,8 @@ the workers' KV events (tokenmill.kv_events).
 One background thread owns the ZeroMQ sockets: a SUB socket per worker, and a short-lived DEALER
 per replay request. Each worker's batches are numbered; a gap (or a late join) is filled from the
 worker's replay socket, a changed publisher ``instance`` (the engine restarted) clears the worker's
-entries first. With CURVE keys (``transport.ClientKeys``) every socket authenticates to the publishers
+entries first. Workers may publish tokenmill's batches or vLLM's (``"format": "vllm"``, or a vLLM engine):
+``decode_batch`` reads both. With CURVE keys (``transport.ClientKeys``) every socket authenticates to the publishers
 and the stream is encrypted (docs/kv_events.md). Lookups (``overlap``, ``overlaps``) take a lock and run on any thread; never imports
 torch.
 """
@@ -340,7 +341,11 @@ class _Subscriber:
         except ValueError as exc:
             logger.warning("KV index: worker %s sent a bad batch %d (%s); ignored", worker_id, seq, exc)
             return True
-        if feed.instance is not None and batch.instance != feed.instance:
+        if batch.instance is not None:
+            restarted = feed.instance is not None and batch.instance != feed.instance
+        else:  # vLLM's format names no publisher instance: a live stream that starts again at 0 restarted
+            restarted = live and seq == 0 and feed.last_seq is not None and feed.last_seq > 0
+        if restarted:
             logger.info("KV index: worker %s restarted its publisher; resynchronising", worker_id)
             feed.restarts += 1
             self.index.forget_worker(worker_id)

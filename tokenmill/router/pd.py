@@ -79,6 +79,7 @@ class PDRouter:
         self.sessions: OrderedDict[bytes, int] = OrderedDict()  # session_key -> previous round's prompt tokens
         self.pd_requests = Counter("tokenmill_router:pd_requests", "Requests by how their prompt was prefilled: "
                                    "remote (a prefill worker), local (the decode worker, by threshold), "
+                                   "local_n (the decode worker: n > 1, whose sequences share one prompt), "
                                    "prefill_failed (the decode worker, after a failed prefill step).",
                                    ["path"], registry=metrics.registry)
         self.metrics = metrics
@@ -98,7 +99,11 @@ class PDRouter:
                       send=None) -> Response:
         """Prefill step (unless the round stays local), then the decode request through the decode proxy."""
         prefilled = None
-        if self._local_round(route):
+        n = body.get("n", 1)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            # a transfer fills one sequence; the decode worker computes the shared prompt once for all n
+            self.pd_requests.labels("local_n").inc()
+        elif self._local_round(route):
             self.pd_requests.labels("local").inc()
         else:
             prefilled = await self._prefill(path, body, route, request)
@@ -170,9 +175,10 @@ class PDRouter:
             self.prefill_policy.on_dispatched(route, decision)
             lease = Lease(worker, route, request_tokens(route), self.prefill_policy)
             try:
-                async with self.decode.session.post(worker.url + path, data=json.dumps(prefill_body).encode(),
-                                                    headers=worker.headers(headers)) as response:
-                    status, content = response.status, await response.read()
+                async with worker.watch():  # a hung prefill worker (mark_hung) is given up on: the next one
+                    async with self.decode.session.post(worker.url + path, data=json.dumps(prefill_body).encode(),
+                                                        headers=worker.headers(headers)) as response:
+                        status, content = response.status, await response.read()
             except UPSTREAM_ERRORS as exc:
                 self.prefill.mark_unhealthy(worker, f"prefill request failed: {type(exc).__name__}: {exc}")
                 self.metrics.retries.labels("prefill_connect").inc()

@@ -42,6 +42,7 @@ from tokenmill.router.upstream import (
     wait_disconnect,
 )
 from tokenmill.router.workers import HEALTH_TIMEOUT_S, Lease, Worker, WorkerRegistry
+from tokenmill.tracing import TRACE_SCOPE_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -116,22 +117,30 @@ class Proxy:
     """Sends requests to workers chosen by ``policy`` and turns their answers into client responses."""
 
     def __init__(self, client: httpx.AsyncClient, registry: WorkerRegistry, policy: Policy, metrics: RouterMetrics,
-                 api_key: str | None = None, session: aiohttp.ClientSession | None = None) -> None:
+                 api_key: str | None = None, session: aiohttp.ClientSession | None = None,
+                 stream_stall_timeout: float | None = None) -> None:
         """``client``: control calls (``/detokenize``); ``session``: the data plane (``upstream_session``),
         which may be set later, once the event loop runs (the app's lifespan does). ``api_key``: the
-        router's credential for the workers (``--worker-api-key``), sent as their Bearer token."""
+        router's credential for the workers (``--worker-api-key``), sent as their Bearer token.
+        ``stream_stall_timeout``: seconds a stream may go without an event after its first token before
+        the worker is taken as failed and the stream resumed elsewhere (None: no bound)."""
         self.client, self.registry, self.policy, self.metrics = client, registry, policy, metrics
         self.api_key = api_key
         self.session = session
+        self.stream_stall_timeout = stream_stall_timeout
 
     def upstream_headers(self, request: Request, route: RouteRequest) -> dict[str, str]:
         """Content type, the request id, and the router's own credential for the workers
         (``--worker-api-key``) when it has one (``Worker.headers`` removes it for an untrusted worker). The
         client's Authorization header is never sent on: a worker registered by mistake or by an attacker
-        must not learn the clients' key."""
+        must not learn the clients' key. The W3C trace headers the app put in the scope (``TRACE_SCOPE_KEY``: its
+        ``router_request`` span's, or the client's) go too, so the workers' spans join the trace."""
         headers = {"content-type": "application/json", "x-request-id": route.request_id}
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
+        trace = request.scope.get(TRACE_SCOPE_KEY)
+        if trace:
+            headers.update(trace)
         return headers
 
     async def forward(self, path: str, content: bytes, route: RouteRequest, stream: bool, request: Request,
@@ -272,23 +281,25 @@ class Proxy:
         sent it) and its first token before it is returned."""
         response: aiohttp.ClientResponse | None = None
         handed_off = False
+        watch = worker.watch()  # a hung worker (registry.mark_hung) interrupts the wait: retried elsewhere
         try:
-            try:
-                response = await self.open(worker, path, content, headers, arrival)
-            except UpstreamTimeout:
-                return openai_error(f"worker {worker.worker_id} did not answer within the request timeout", 504,
-                                    "timeout_error")
-            reply_headers = {WORKER_HEADER: worker.worker_id}
-            if not stream or response.status != 200:
-                body = await self.read_or_fail(worker, response)
-                return Response(body, response.status, reply_headers,
-                                media_type=response.headers.get("content-type"))
-            for name in ("content-type", "content-encoding", "cache-control"):
-                if name in response.headers:
-                    reply_headers[name] = response.headers[name]
-            if reply is not None and not reply.head_sent:
-                await reply.send_head(reply_headers)
-            reader, held = await self.first_token(worker, response)
+            async with watch:
+                try:
+                    response = await self.open(worker, path, content, headers, arrival)
+                except UpstreamTimeout:
+                    return openai_error(f"worker {worker.worker_id} did not answer within the request timeout", 504,
+                                        "timeout_error")
+                reply_headers = {WORKER_HEADER: worker.worker_id}
+                if not stream or response.status != 200:
+                    body = await self.read_or_fail(worker, response)
+                    return Response(body, response.status, reply_headers,
+                                    media_type=response.headers.get("content-type"))
+                for name in ("content-type", "content-encoding", "cache-control"):
+                    if name in response.headers:
+                        reply_headers[name] = response.headers[name]
+                if reply is not None and not reply.head_sent:
+                    await reply.send_head(reply_headers)
+                reader, held = await self.first_token(worker, response)
             first_token_at = time.perf_counter()
             client_stream = ClientStream(response, reader, held, lease, reply_headers, self, route, headers, state,
                                          first_token_at)
@@ -301,6 +312,10 @@ class Proxy:
                     client_stream.abandon()
                     raise
             return client_stream
+        except TimeoutError:
+            if not watch.expired:
+                raise
+            raise RetryElsewhere("worker_hung", f"worker {worker.worker_id} failed: {watch.reason}") from None
         finally:
             if not handed_off:
                 lease.release()

@@ -50,8 +50,9 @@ class RouterTokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     allow_special_tokens_in_content: bool = False, tools: list | None = None,
-                    tool_choice: Any = None) -> list[int]:
-        """A chat request's prompt token ids (OpenAI ``messages``, ``tools`` and ``tool_choice``).
+                    tool_choice: Any = None, continue_final_message: bool = False) -> list[int]:
+        """A chat request's prompt token ids (OpenAI ``messages``, ``tools``, ``tool_choice`` and
+        ``continue_final_message``).
 
         Raises:
             ValueError: messages the template (or tools validation) rejects; the worker refuses them too.
@@ -69,7 +70,7 @@ class RouterTokenizer:
             [_template_message(m) for m in messages], template_tools,
             template_supports_tools(self.tokenizer.chat_template))
         return self._renderer.render(conversation, add_generation_prompt, allow_special_tokens_in_content,
-                                     tools=template_tools)
+                                     tools=template_tools, continue_final_message=continue_final_message)
 
 
 def _template_message(message: dict) -> dict:
@@ -211,6 +212,7 @@ class RequestTokenizer:
         try:
             return tokenizer.render_chat(messages, bool(body.get("add_generation_prompt", True)),
                                          bool(body.get("allow_special_tokens_in_content") or False),
-                                         tools=body.get("tools"), tool_choice=body.get("tool_choice"))
+                                         tools=body.get("tools"), tool_choice=body.get("tool_choice"),
+                                         continue_final_message=body.get("continue_final_message") is True)
         except Exception:  # noqa: BLE001 — the worker validates the body and answers the client
             return None

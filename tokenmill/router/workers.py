@@ -1,11 +1,18 @@
 """The worker registry: which workers exist, their health, their load, and what kind of server they are.
 
-A worker is ``pending`` until its first health check, then ``healthy`` (``GET /health`` answered 200)
-or ``unhealthy`` (anything else, or a failed request). The health loop re-checks every worker each
-``--health-check-interval`` seconds, so an unhealthy one is re-admitted once it answers again. On each
+A worker is ``pending`` until its first health check, then ``healthy`` (``GET /health`` answered 200
+within ``--health-check-timeout-secs``) or ``unhealthy`` (anything else, or a failed request). The health
+loop checks every worker each ``--health-check-interval-secs`` seconds, each on its own (a hung worker
+holds up only its own checks), so an unhealthy one is re-admitted once it answers again. A worker whose
+check times out while none of its streams sent anything for as long is *hung* (a stopped process still
+accepts connections): every exchange with it in flight (``Watch``) is interrupted, so its requests are
+retried or resumed elsewhere. On each
 admission ``GET /debug/status`` tells a tokenmill worker (it has ``kv_cache`` and ``config``) from a
 foreign OpenAI server and gives its KV block size. Load (outstanding tokens, running requests) is the
-router's own count of what it sent (``Lease``). No policy logic here; the policy only hears of changes.
+router's own count of what it sent (``Lease``). A worker that answers ``/health`` but ``GET /ready`` with
+503 (a tokenmill server draining on SIGTERM), or one drained with ``POST /workers/{id}/drain``, is
+``draining``: it gets no new request while those in flight finish. No policy logic here; the policy only
+hears of changes.
 """
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import asyncio
 import itertools
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx2 as httpx
@@ -22,7 +29,9 @@ from tokenmill.router.policy import Policy, RouteRequest, WorkerView
 
 logger = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 5.0  # control calls (/debug/status, /v1/models, /detokenize)
+HEALTH_CHECK_TIMEOUT_S = 3.0  # default --health-check-timeout-secs
+HEALTH_CHECK_INTERVAL_S = 1.0  # default --health-check-interval-secs
 
 
 class DuplicateWorker(ValueError):
@@ -92,7 +101,7 @@ class Worker:
 
     worker_id: str
     url: str
-    state: str = "pending"  # pending | healthy | unhealthy
+    state: str = "pending"  # pending | healthy | draining | unhealthy
     outstanding_tokens: int = 0
     running_requests: int = 0
     is_tokenmill: bool = False
@@ -102,6 +111,20 @@ class Worker:
     model_path: str | None = None  # a tokenmill worker's tokenizer or model path (None: the embedded model)
     last_error: str | None = None
     trusted: bool = True  # gets the router's --worker-api-key (see WorkerRegistry.add)
+    drain_requested: bool = False  # POST /workers/{id}/drain: kept out of routing until undrained
+    last_data_at: float = float("-inf")  # event-loop time of the last stream event read from it
+    watches: set[Watch] = field(default_factory=set, repr=False)  # its exchanges in flight
+
+    def watch(self, stall_s: float | None = None) -> Watch:
+        """A ``Watch`` over one exchange with this worker (see there)."""
+        return Watch(self, stall_s)
+
+    def interrupt(self, reason: str) -> int:
+        """Expire every ``Watch`` in flight on this worker (it is hung); returns how many."""
+        watches = list(self.watches)
+        for watch in watches:
+            watch.expire(reason)
+        return len(watches)
 
     def headers(self, headers: dict[str, str]) -> dict[str, str]:
         """``headers`` to send this worker: without ``Authorization`` unless it is ``trusted``."""
@@ -120,7 +143,63 @@ class Worker:
         return {"id": self.worker_id, "url": self.url, "state": self.state,
                 "outstanding_tokens": self.outstanding_tokens, "running_requests": self.running_requests,
                 "is_tokenmill": self.is_tokenmill, "block_size": self.block_size,
-                "kv_events_endpoint": self.kv_events_endpoint, "last_error": self.last_error}
+                "kv_events_endpoint": self.kv_events_endpoint, "last_error": self.last_error,
+                "drain_requested": self.drain_requested}
+
+
+class Watch:
+    """An async context over one exchange with a worker (send, headers, body or stream): the block is
+    cancelled and ``async with`` raises ``TimeoutError`` (``expired`` true, ``reason`` says why) when the
+    worker is found hung (``Worker.interrupt``) or, with ``stall_s``, when no ``touch`` came for
+    ``stall_s`` seconds after the first one (a stream's inter-event stall; the wait for the first event
+    is not bounded, since a request may queue on a busy worker). ``touch`` costs one clock read.
+    """
+
+    __slots__ = ("worker", "stall_s", "reason", "last", "_loop", "_timeout", "_handle")
+
+    def __init__(self, worker: Worker, stall_s: float | None = None) -> None:
+        self.worker, self.stall_s = worker, stall_s
+        self.reason: str | None = None
+        self.last = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timeout: asyncio.Timeout | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    @property
+    def expired(self) -> bool:
+        return self._timeout is not None and self._timeout.expired()
+
+    async def __aenter__(self) -> Watch:
+        self._loop = asyncio.get_running_loop()
+        self._timeout = asyncio.timeout(None)
+        await self._timeout.__aenter__()
+        self.worker.watches.add(self)
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool | None:
+        self.worker.watches.discard(self)
+        if self._handle is not None:
+            self._handle.cancel()
+        return await self._timeout.__aexit__(exc_type, exc, tb)
+
+    def touch(self) -> None:
+        """An event arrived: the worker is alive; the stall clock starts again."""
+        self.last = self.worker.last_data_at = self._loop.time()
+        if self._handle is None and self.stall_s is not None:
+            self._handle = self._loop.call_at(self.last + self.stall_s, self._check_stall)
+
+    def _check_stall(self) -> None:
+        if self._loop.time() - self.last >= self.stall_s:
+            self._handle = None
+            self.expire(f"no stream event for {self.stall_s:g} s")
+        else:
+            self._handle = self._loop.call_at(self.last + self.stall_s, self._check_stall)
+
+    def expire(self, reason: str) -> None:
+        """Cancel the block now (idempotent; the first reason stays)."""
+        if self.reason is None and self._timeout is not None and not self._timeout.expired():
+            self.reason = reason
+            self._timeout.reschedule(self._loop.time())
 
 
 class Lease:
@@ -145,11 +224,14 @@ class Lease:
 class WorkerRegistry:
     """The workers by id (registration order), their health checks and tokenmill detection."""
 
-    def __init__(self, client: httpx.AsyncClient, policy: Policy, api_key: str | None = None) -> None:
+    def __init__(self, client: httpx.AsyncClient, policy: Policy, api_key: str | None = None,
+                 health_check_timeout: float = HEALTH_CHECK_TIMEOUT_S) -> None:
         """``api_key``: the router's credential for the workers (``--worker-api-key``), sent on control
-        calls (``/debug/status``, ``/v1/models``) as ``auth``; never a client's key."""
+        calls (``/debug/status``, ``/v1/models``) as ``auth``; never a client's key.
+        ``health_check_timeout``: seconds a ``GET /health`` may take (``--health-check-timeout-secs``)."""
         self.client = client
         self.policy = policy
+        self.health_check_timeout = health_check_timeout
         self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.workers: dict[str, Worker] = {}
         self._ids = itertools.count()
@@ -199,17 +281,87 @@ class WorkerRegistry:
         if was_routable and worker.worker_id in self.workers:
             self.policy.on_worker_removed(worker.worker_id)
 
-    async def check(self, worker: Worker) -> None:
-        """One health check: ``GET /health``; on (re)admission, detect tokenmill and its block size."""
+    def mark_draining(self, worker: Worker, why: str) -> None:
+        """Take ``worker`` out of routing while it drains (its requests in flight go on; the policy forgets it)."""
+        if worker.state == "draining":
+            return
+        was_routable = worker.state == "healthy"
+        worker.state = "draining"
+        logger.info("worker %s (%s) draining: %s", worker.worker_id, worker.url, why)
+        if was_routable and worker.worker_id in self.workers:
+            self.policy.on_worker_removed(worker.worker_id)
+
+    def drain(self, worker_id: str) -> Worker:
+        """``POST /workers/{id}/drain``: send the worker no new request until ``undrain``; its requests in
+        flight finish (streams included).
+
+        Raises:
+            KeyError: unknown ``worker_id``.
+        """
+        worker = self.workers[worker_id]
+        worker.drain_requested = True
+        if worker.state != "unhealthy":  # an unhealthy one turns draining once it answers again
+            self.mark_draining(worker, "drained by the administrator")
+        return worker
+
+    async def undrain(self, worker_id: str) -> Worker:
+        """``POST /workers/{id}/undrain``: route to the worker again once a health check (run now) passes.
+
+        Raises:
+            KeyError: unknown ``worker_id``.
+        """
+        worker = self.workers[worker_id]
+        worker.drain_requested = False
+        await self.check(worker)
+        return worker
+
+    async def _ready(self, worker: Worker) -> bool:
+        """False when the worker answers ``GET /ready`` with 503 (a tokenmill server draining on SIGTERM); a
+        server without ``/ready`` (404) or a failed request counts as ready (its ``/health`` decides)."""
         try:
-            response = await self.client.get(f"{worker.url}/health", timeout=HEALTH_TIMEOUT_S)
+            response = await self.client.get(f"{worker.url}/ready", timeout=self.health_check_timeout)
+        except httpx.HTTPError:
+            return True
+        return response.status_code != 503
+
+    def mark_hung(self, worker: Worker, why: str) -> None:
+        """``mark_unhealthy``, and interrupt every exchange in flight on ``worker`` (``Watch``): requests
+        not yet answered are retried on other workers, streams resumed."""
+        self.mark_unhealthy(worker, why)
+        interrupted = worker.interrupt(why)
+        if interrupted:
+            logger.warning("worker %s (%s) hung: moving its %d request(s) in flight elsewhere", worker.worker_id,
+                           worker.url, interrupted)
+
+    async def check(self, worker: Worker) -> None:
+        """One health check: ``GET /health``; on (re)admission, detect tokenmill and its block size. A check
+        that times out while no stream of the worker sent anything for as long marks it hung (``mark_hung``);
+        one that times out while its streams flow changes nothing (a busy worker, not a hung one)."""
+        hung = False
+        try:
+            response = await self.client.get(f"{worker.url}/health", timeout=self.health_check_timeout)
             ok, why = response.status_code == 200, f"/health answered {response.status_code}"
+        except httpx.TimeoutException as exc:
+            if asyncio.get_running_loop().time() - worker.last_data_at < self.health_check_timeout:
+                return  # slow to answer, but its streams flow: alive, and left as it is
+            ok, hung = False, True
+            why = f"/health did not answer within {self.health_check_timeout:g} s ({type(exc).__name__})"
         except httpx.HTTPError as exc:
             ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
         if worker.worker_id not in self.workers:
             return  # removed while we waited
+        if hung:
+            self.mark_hung(worker, why)
+            return
         if not ok:
             self.mark_unhealthy(worker, why)
+            return
+        ready = worker.drain_requested or await self._ready(worker)
+        if worker.worker_id not in self.workers:
+            return
+        if worker.drain_requested or not ready:
+            self.mark_draining(worker, "drained by the administrator" if worker.drain_requested
+                               else "/ready answered 503 (the worker is shutting down)")
             return
         if worker.state != "healthy":
             await self._detect(worker)
@@ -221,15 +373,18 @@ class WorkerRegistry:
 
     async def _detect(self, worker: Worker) -> None:
         """tokenmill answers ``/debug/status`` with its engine config and KV pool (and where it publishes
-        KV events, if it does); others do not."""
-        worker.is_tokenmill, worker.block_size = False, None
-        worker.kv_events_endpoint = worker.kv_events_replay_endpoint = None
+        KV events, if it does); others do not. A worker that does not answer keeps what was known of it
+        (a busy tokenmill worker re-admitted is still one, so its streams stay resumable)."""
         try:
             response = await self.client.get(f"{worker.url}/debug/status", headers=worker.headers(self.auth),
                                              timeout=HEALTH_TIMEOUT_S)
             status = response.json() if response.status_code == 200 else None
+        except httpx.TransportError:
+            return
         except (httpx.HTTPError, ValueError):
             status = None
+        worker.is_tokenmill, worker.block_size = False, None
+        worker.kv_events_endpoint = worker.kv_events_replay_endpoint = None
         if isinstance(status, dict) and isinstance(status.get("kv_cache"), dict) and "config" in status:
             block_size = status["kv_cache"].get("block_size")
             worker.is_tokenmill = True
@@ -247,11 +402,25 @@ class WorkerRegistry:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
 
+    async def _check_logged(self, worker: Worker) -> None:
+        try:
+            await self.check(worker)
+        except Exception:  # a bug here must not stop health checking
+            logger.exception("health check of %s failed", worker.worker_id)
+
     async def health_loop(self, interval: float) -> None:
-        """Check every worker each ``interval`` seconds until cancelled."""
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.check_all()
-            except Exception:  # a bug here must not stop health checking
-                logger.exception("health check round failed")
+        """Check every worker each ``interval`` seconds until cancelled. Checks run side by side: one that
+        waits for a hung worker delays no other worker's, and a worker is not checked again while its last
+        check runs (so a hung worker is found within ``interval`` + the health-check timeout)."""
+        running: dict[str, asyncio.Task] = {}
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                for worker in list(self.workers.values()):
+                    if worker.worker_id not in running:
+                        task = asyncio.ensure_future(self._check_logged(worker))
+                        running[worker.worker_id] = task
+                        task.add_done_callback(lambda _, key=worker.worker_id: running.pop(key, None))
+        finally:
+            for task in list(running.values()):
+                task.cancel()

@@ -40,7 +40,9 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device | str, scale_dtype: torch.dtype | None = None) -> None:
         device = torch.device(device)
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        kv = zeros_on_huge_pages(shape, dtype, device)  # scattered block reads: fewer TLB misses
+        # Scattered block reads: huge pages mean fewer TLB misses. Advised 2 MiB at a time by the idle prefault,
+        # so a step that first writes a page never waits for compaction (huge_pages.zeros_on_huge_pages).
+        kv = zeros_on_huge_pages(shape, dtype, device, advise=False)
         self._adopt(kv, None if scale_dtype is None else torch.zeros(shape[:-1], dtype=scale_dtype, device=device))
         # A hybrid model's linear-attention state pool (``LinearStateCache``: live slots, prefix-cache
         # checkpoints), set by the runner when it allocates it (``allocate_state_cache``); None otherwise.
@@ -70,7 +72,7 @@ class KVPool:
     def _start_prefault(self) -> Prefault | None:
         """Fault the K/V mapping's pages in behind the engine's back (``huge_pages.Prefault``), so no step pays
         for first touches; None for a pool that is not its own mapping."""
-        return Prefault(self.kv) if is_mapped(self.kv) else None
+        return Prefault(self.kv, advise=True) if is_mapped(self.kv) else None
 
     @classmethod
     def over(cls, kv: torch.Tensor, scales: torch.Tensor | None = None) -> KVPool:

@@ -5,7 +5,6 @@ preemption are a single loop. Pure CPU bookkeeping; never imports torch.
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import TYPE_CHECKING
 
 from tokenmill.config import SchedulerConfig
@@ -13,16 +12,26 @@ from tokenmill.kv_cache.kv_cache_manager import KVCacheManager
 from tokenmill.lora.step_adapters import StepAdapters
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.scheduler.request_queue import make_queue
 
 if TYPE_CHECKING:  # torch-free either way: the scheduler half of KV transfer moves no bytes
     from tokenmill.kv_transfer.scheduler_side import KVConnectorScheduler
 
 
 class Scheduler:
-    """FCFS continuous batching with chunked prefill and recompute preemption.
+    """Continuous batching with chunked prefill and recompute preemption, first come first served or by priority.
+
+    ``config.policy`` "fcfs": requests run in arrival order; when the pool runs out, the newest running request is
+    preempted. "priority" (vLLM's ``--scheduling-policy priority``): the waiting queue is ordered by
+    ``Request.priority`` (lower first, ties by arrival); running requests get the step's token budget in that
+    order; the victim of a full pool is the running request of the lowest priority (latest arrival among
+    equals); and a waiting request that does not fit (no KV room, or ``max_num_seqs`` running) preempts running
+    requests of strictly lower priority until it does. A preempted request's full blocks stay in the prefix
+    cache, and with a RAM / disk tier they move there when evicted, so it resumes from them, not from scratch.
 
     Args:
-        config: limits (max_num_seqs, max_num_batched_tokens, max_model_len, max_loras adapters per step).
+        config: limits (max_num_seqs, max_num_batched_tokens, max_model_len, max_loras adapters per step) and
+            the scheduling policy.
         kv_cache_manager: the only door into the KV cache.
         connector: the scheduler half of KV transfer (prefill/decode disaggregation), or None: requests
             whose prompt K/V is arriving from a producer, and finished requests whose blocks a consumer has
@@ -33,7 +42,8 @@ class Scheduler:
                  connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.waiting: deque[Request] = deque()
+        self.priority = config.policy == "priority"
+        self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
@@ -44,7 +54,7 @@ class Scheduler:
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
-        self.waiting.append(request)
+        self.waiting.add(request)
         self.requests[request.request_id] = request
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -89,73 +99,122 @@ class Scheduler:
 
     # ---- planning ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first (in FCFS order), then admit waiting ones."""
+        """Plan one step under the token budget: running requests first, then waiting ones admitted. Under the
+        priority policy the two are merged by (priority, arrival): a waiting request ahead of running ones is
+        admitted before them, preempting running requests of strictly lower priority when it does not fit."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
         if self.connector is not None:
             self._update_from_connector()
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_base = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_base > 0, f"{request} has nothing to compute"
-            num_new = min(num_base + len(request.spec_token_ids), budget)  # drafts: extra tokens to verify
-            while kv.allocate_slots(request, num_new) is None:
-                if num_new > num_base:  # no room for the drafts: verify none rather than preempt anyone
-                    num_new = num_base
-                    continue
-                victim = self.running.pop()  # the newest running request
-                self._preempt(victim)
-                out.preempted_req_ids.add(victim.request_id)
-                if victim is request:
+        if self.priority:
+            self.running.sort(key=_priority_key)
+        # Every running request's adapter is counted (they always fit: each was admitted under the limit).
+        adapters = StepAdapters(self.config.max_loras, self.running)
+        skipped: list[Request] = []  # prefix blocks on their way back from disk, or no adapter slot: others go first
+        memory_short = False  # a running request did not fit: admit nobody this step
+        waiting_blocked = False  # priority: the waiting head ahead of running requests could not be admitted
+        i = 0  # self.running[:i] are planned; the rest (sorted under the priority policy) are not yet
+        while budget > 0:
+            final = i >= len(self.running)  # every running request is planned: only waiting ones are left
+            if not final and (memory_short or waiting_blocked or not self._waiting_ahead_of(self.running[i])):
+                request = self.running[i]
+                num_preempted = len(out.preempted_req_ids)
+                num_new = self._plan_running(out, request, budget)
+                memory_short = memory_short or len(out.preempted_req_ids) > num_preempted
+                if num_new is None:  # the request itself was preempted, and every one after it
                     break
-            else:
-                self._add_scheduled(out, request, num_new)
                 budget -= num_new
                 i += 1
                 continue
-            break
-
-        skipped: list[Request] = []  # prefix blocks on their way back from disk, or no adapter slot: others go first
-        adapters = StepAdapters(self.config.max_loras, out.scheduled_requests)
-        while self.waiting and budget > 0 and not out.preempted_req_ids:
-            if len(self.running) >= self.config.max_num_seqs:
+            if memory_short or not self.waiting:
                 break
-            request = self.waiting[0]
+            request = self.waiting.peek()
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_lower(out, request, i):
+                    continue
+                if final:
+                    break
+                waiting_blocked = True
+                continue
             if not adapters.fits(request):
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop())
                 continue
             if request.num_computed_tokens:  # its prompt K/V came from a producer: blocks held, no lookup
                 hits, num_hit_tokens = [], request.num_computed_tokens
             else:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
             if kv.is_loading(request):
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop())
                 continue
             if self.connector is not None and self._start_remote_prefill(out, request, hits, num_hit_tokens):
                 continue
             num_new = request.num_tokens - num_hit_tokens
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            if self.config.enable_chunked_prefill or num_new <= budget:
+                num_new = min(num_new, budget)
+                while kv.allocate_slots(request, num_new, hits) is None:
+                    if not self._preempt_lower(out, request, i):
+                        break
+                else:
+                    self._admit(out, request, num_hit_tokens, num_new, i)
+                    adapters.add(request)
+                    budget -= num_new
+                    i += 1
+                    continue
+            if final:
                 break
-            num_new = min(num_new, budget)
-            if kv.allocate_slots(request, num_new, hits) is None:
-                break
-            self.waiting.popleft()
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            self.running.append(request)
-            adapters.add(request)
-            self._add_scheduled(out, request, num_new)
-            budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+            waiting_blocked = True
+        self.waiting.put_back(skipped)
         out.blocks_to_offload, out.blocks_to_load = kv.take_kv_transfers()
         return out
+
+    def _waiting_ahead_of(self, request: Request) -> bool:
+        """Priority policy: whether the waiting head comes before running ``request`` (False under FCFS)."""
+        return self.priority and bool(self.waiting) and _priority_key(self.waiting.peek()) < _priority_key(request)
+
+    def _plan_running(self, out: SchedulerOutput, request: Request, budget: int) -> int | None:
+        """Schedule running ``request``'s next tokens (and drafts, room permitting), preempting the last running
+        requests (the newest; under the priority policy the lowest-priority ones) while the pool is short.
+        Returns the tokens scheduled, or None if ``request`` itself had to be preempted."""
+        kv = self.kv_cache_manager
+        num_base = min(request.num_tokens - request.num_computed_tokens, budget)
+        assert num_base > 0, f"{request} has nothing to compute"
+        num_new = min(num_base + len(request.spec_token_ids), budget)  # drafts: extra tokens to verify
+        while kv.allocate_slots(request, num_new) is None:
+            if num_new > num_base:  # no room for the drafts: verify none rather than preempt anyone
+                num_new = num_base
+                continue
+            victim = self.running.pop()  # never a planned one: they come before ``request``
+            self._preempt(victim)
+            out.preempted_req_ids.add(victim.request_id)
+            if victim is request:
+                return None
+        self._add_scheduled(out, request, num_new)
+        return num_new
+
+    def _preempt_lower(self, out: SchedulerOutput, request: Request, planned: int) -> bool:
+        """Priority policy: preempt the last running request (the lowest priority, the latest arrival among
+        equals) if it is not planned yet (index >= ``planned``) and its priority is strictly lower than waiting
+        ``request``'s, to make room for it. Returns whether one was preempted (always False under FCFS)."""
+        if not self.priority or len(self.running) <= planned or self.running[-1].priority <= request.priority:
+            return False
+        victim = self.running.pop()
+        self._preempt(victim)
+        out.preempted_req_ids.add(victim.request_id)
+        return True
+
+    def _admit(self, out: SchedulerOutput, request: Request, num_hit_tokens: int, num_new: int, at: int) -> None:
+        """The waiting head, its slots allocated: running from this step, at index ``at`` of ``running`` (the
+        end under FCFS; its place in priority order otherwise)."""
+        self.waiting.pop()
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.insert(at, request)
+        self._add_scheduled(out, request, num_new)
 
     def _start_remote_prefill(self, out: SchedulerOutput, request: Request, hits: list, num_hit_tokens: int) -> bool:
         """Park the head waiting request while its prompt K/V loads from a producer, if it should: its blocks
@@ -165,7 +224,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         if num_remote <= 0 or kv.allocate_slots(request, num_remote, hits, delay_cache_blocks=True) is None:
             return False
-        self.waiting.popleft()
+        self.waiting.pop()
         request.num_computed_tokens = num_hit_tokens
         request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -194,7 +253,7 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 request.num_cached_tokens = None
             request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self.waiting.put_back([request])
         for request_id in self.connector.released():
             request = self.leased.pop(request_id, None)
             if request is not None:
@@ -215,7 +274,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self.waiting.put_back([request])
 
     # ---- results ----------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
@@ -276,3 +335,8 @@ class Scheduler:
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    """Scheduling order under the priority policy: lower ``priority`` first, then earlier arrival."""
+    return request.priority, request.arrival_time

@@ -15,9 +15,10 @@ import json
 import re
 import socket
 import time
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable, Sequence
 
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match
 
 from tokenmill.security.addresses import is_loopback
 
@@ -120,7 +121,7 @@ def host_matches(name: str | None, allowed: Iterable[str]) -> bool:
     for pattern in allowed:
         if pattern == name or (pattern.startswith("*.") and name.endswith(pattern[1:])):
             return True
-        if pattern == ANY_IP_LITERAL and _is_ip_literal(name):
+        if pattern.lower() == ANY_IP_LITERAL.lower() and _is_ip_literal(name):  # the middleware lowercases it
             return True
     return False
 
@@ -189,21 +190,40 @@ class JSONContentTypeMiddleware:
     A browser sends a cross-site request without asking the server first (a CORS preflight) only with a
     "simple" content type (``text/plain``, form encodings); requiring JSON makes every state-changing
     request one the server's CORS policy decides. Routes without a body need the header too.
+
+    ``routes`` (the app's route list, read live): a request that no route takes with its method is let
+    through, so the app answers 404, or 405 with ``Allow``, and no handler runs; None: refuse them all.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute] | None = None) -> None:
         self.app = app
+        self.routes = routes
+
+    def _routed(self, scope) -> bool:
+        """Whether a route would run a handler for this method and path (checked only before a 415)."""
+        return self.routes is None or any(route.matches(scope)[0] == Match.FULL for route in self.routes)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] in STATE_CHANGING_METHODS:
             content_type = _header(scope, b"content-type")
             media_type = (content_type or "").split(";", 1)[0].strip().lower()
-            if media_type != "application/json":
+            if media_type != "application/json" and self._routed(scope):
                 await send_error(send, 415, f"{scope['method']} requests need 'Content-Type: application/json' "
                                  f"(got {content_type!r}), even without a body", "invalid_request_error",
                                  "unsupported_media_type")
                 return
         await self.app(scope, receive, send)
+
+
+def allowed_methods(routes: Sequence[BaseRoute], path: str) -> str:
+    """The ``Allow`` header of a 405 at ``path``: every method some route takes there, comma-separated
+    (Starlette's own 405 names only the first route's, so ``GET /workers`` hid ``POST /workers``)."""
+    methods: set[str] = set()
+    for route in routes:
+        regex, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if regex is not None and route_methods and regex.match(path):
+            methods |= route_methods
+    return ", ".join(sorted(methods))
 
 
 class BodyRefused(HTTPException):

@@ -1,13 +1,14 @@
 """The FastAPI app (routes, API-key check, lifespan of the engine thread) and ``run_server``.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /health, /version, /metrics, /tokenize,
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /health, /ready, /version, /metrics, /tokenize,
 /detokenize, /tokenizer_info, the debug views /debug/kv_cache and /debug/status (engine configuration, CPU
 ISA path and kernel choice, KV pool, the /metrics counters as JSON), and the web page at / with its files
 under /static (tokenmill/server/static). Every request first passes the surface guards of
 ``tokenmill.security.http`` (``install_surface_guards``): Host header, CORS, API key (every path but
 ``PUBLIC_PATHS``), JSON content type on POST/PUT/PATCH/DELETE, request-body cap.
 Tokenizing, chat templating and detokenizing run in worker threads (``asyncio.to_thread``), so a
-large input never stalls the event loop and the requests of other clients.
+large input never stalls the event loop and the requests of other clients. SIGTERM/SIGINT drains the
+server before it stops (``DrainingServer``, docs/deployment.md).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.middleware.cors import CORSMiddleware
@@ -37,7 +38,8 @@ from tokenmill import csrc_build
 from tokenmill.config import ConfigError
 from tokenmill.security.http import (AllowedHostsMiddleware, APIKeyMiddleware, BodySizeLimitMiddleware,
                                      JSONContentTypeMiddleware, allowed_hosts_for, is_loopback)
-from tokenmill.server.async_engine import EngineDeadError
+from tokenmill.server.async_engine import EngineDeadError, RequestFailedError
+from tokenmill.openapi_errors import document_error_responses
 from tokenmill.server.errors import APIError, error_response, install_error_handlers
 from tokenmill.server.kv_transfer_params import kv_transfer_router
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -51,10 +53,12 @@ from tokenmill.server.state import ServerConfig, ServerState
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).with_name("static")  # the web page (plain HTML/JS/CSS, no build step)
-# Served without the API key: the liveness probe and the web page (static files, no data; its API calls
-# carry the key). /metrics joins them with --metrics-without-auth. Every other path needs the key.
-PUBLIC_PATHS = ("/health", "/")
+# Served without the API key: the liveness and readiness probes and the web page (static files, no data; its API
+# calls carry the key). /metrics joins them with --metrics-without-auth. Every other path needs the key.
+PUBLIC_PATHS = ("/health", "/ready", "/")
 PUBLIC_PREFIXES = ("/static/",)
+DRAIN_POLL_S = 0.05  # how often a drain looks whether the requests in flight have finished
+RESPONSE_GRACE_S = 5.0  # after a drain: seconds the last responses get to reach their clients
 
 
 def kv_cache_snapshot(engine, check_integrity: bool = True) -> dict:
@@ -78,6 +82,7 @@ def kv_cache_snapshot(engine, check_integrity: bool = True) -> dict:
         "num_preemptions_total": engine.scheduler.num_preemptions_total,
         "prefix_cache_queries": kv.prefix_cache_queries,
         "prefix_cache_hits": kv.prefix_cache_hits,
+        "sessions": kv.session_snapshot(),
         "integrity": integrity,
         "kv_offload": engine.kv_store.snapshot() if engine.kv_store is not None else None,
     }
@@ -117,6 +122,8 @@ def engine_status(engine, check_integrity: bool = True) -> dict:
         "block_size": engine.config.cache.block_size,
         "kv_events": engine.kv_events.status() if engine.kv_events is not None else {"enabled": False},
         "kv_transfer": engine.kv_connector.status() if engine.kv_connector is not None else None,
+        # a mixture-of-experts model's expert load (tokens per expert, per-layer skew); None for dense models
+        "moe": engine.expert_load.snapshot().summary() if engine.expert_load is not None else None,
     }
 
 
@@ -171,7 +178,7 @@ def install_surface_guards(app: FastAPI, config: ServerConfig) -> None:
     but the public ones), a JSON content type on state-changing methods (415), the body cap (413)."""
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes,
                        timeout_s=config.request_body_timeout, max_buffered_bytes=config.max_buffered_body_bytes)
-    app.add_middleware(JSONContentTypeMiddleware)
+    app.add_middleware(JSONContentTypeMiddleware, routes=app.router.routes)  # no route: 404/405, not 415
     if config.api_key:
         public = PUBLIC_PATHS + (("/metrics",) if config.metrics_without_auth else ())
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=public,
@@ -192,10 +199,13 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
         state.engine.start(asyncio.get_running_loop())
         yield
         await asyncio.to_thread(state.engine.shutdown)
+        if state.tracing is not None:  # the last requests' spans (aborted ones included) go out before the exit
+            await asyncio.to_thread(state.tracing.shutdown)
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    document_error_responses(app)  # /openapi.json: the OpenAI error body under 4XX and 503, not 422
     install_surface_guards(app, config)
     v1 = APIRouter(prefix="/v1")
 
@@ -235,20 +245,32 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
     app.include_router(rl_router(state, config.enable_rl_endpoints))  # docs/rl.md
     app.include_router(kv_transfer_router(state))  # POST /kv_transfer/release (docs/pd_disaggregation.md)
 
+    def not_serving() -> str:
+        return "the model is loading" if state.engine.is_loading else f"the engine is not running ({state.engine.error})"
+
     @app.get("/health")
     async def health():
-        """200 when the engine serves; 503 while loading or after the engine thread stopped."""
+        """Liveness: 200 while the engine loop runs (draining too); 503 while loading and once the engine died."""
         if state.engine.is_healthy:
             return {"status": "ok"}
-        why = "the model is loading" if state.engine.is_loading else f"the engine is not running ({state.engine.error})"
-        return error_response(why, 503, "service_unavailable_error")
+        return error_response(not_serving(), 503, "service_unavailable_error")
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: 200 when the model is loaded, the engine runs and the server is not draining; else 503."""
+        if not state.engine.is_healthy:
+            return error_response(not_serving(), 503, "service_unavailable_error")
+        if state.draining:
+            return error_response("the server is draining (shutting down): send requests elsewhere", 503,
+                                  "service_unavailable_error")
+        return {"status": "ready"}
 
     @app.get("/version")
     async def version() -> dict:
         """The tokenmill version."""
         return {"version": tokenmill.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # documented as text/plain in /openapi.json
     async def metrics() -> Response:
         """Prometheus text exposition."""
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -261,7 +283,8 @@ def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], N
             raise APIError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             token_ids = await asyncio.to_thread(render_chat, state, body.messages, body.add_generation_prompt,
-                                                body.allow_special_tokens_in_content)
+                                                body.allow_special_tokens_in_content,
+                                                continue_final_message=body.continue_final_message)
         else:
             token_ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
                                                 add_special_tokens=body.add_special_tokens)
@@ -317,9 +340,69 @@ def _ignore_signal(signum: int, frame) -> None:
     logger.debug("signal %d re-raised after shutdown: ignored", signum)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, drained before it stops. The first SIGTERM/SIGINT sets ``state.draining`` (new requests
+    get 503 with ``Retry-After``, ``/ready`` 503, ``/health`` stays 200) and waits up to ``shutdown_timeout``
+    seconds for the requests in flight; those still running then end with a 503 (a stream with an error event)
+    and their blocks are freed. Only then does uvicorn stop listening, give the last responses
+    ``RESPONSE_GRACE_S`` and run the app's shutdown, which saves the cached KV blocks to the disk tier. A second
+    signal ends the wait at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+        self._hurry: asyncio.Event | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop, self._hurry = asyncio.get_running_loop(), asyncio.Event()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """The signal handler (main thread, between two bytecodes of the event loop): hand over to the loop."""
+        if self._loop is None or self.should_exit:  # before start-up, or already stopping: uvicorn's way
+            super().handle_exit(sig, frame)
+            return
+        self._loop.call_soon_threadsafe(self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self._drain is None:
+            self._drain = self._loop.create_task(self.drain(), name="tokenmill-drain")
+        else:
+            logger.info("signal %d during the drain: ending the requests in flight now", sig)
+            self._hurry.set()
+
+    async def drain(self) -> None:
+        """Refuse new requests, wait for the ones in flight (up to ``shutdown_timeout``), end the rest, then
+        let uvicorn shut down."""
+        engine = self.state.engine
+        try:
+            self.state.draining = True
+            logger.info("draining: %d request(s) in flight get up to %g s to finish (--shutdown-timeout); new "
+                        "requests get 503", engine.num_in_flight, self.shutdown_timeout)
+            deadline = self._loop.time() + self.shutdown_timeout
+            while engine.num_in_flight and self._loop.time() < deadline and not self._hurry.is_set():
+                await asyncio.sleep(DRAIN_POLL_S)
+            if engine.num_in_flight:
+                num_ended = await engine.fail_all(RequestFailedError(
+                    f"the server shut down before this request finished (--shutdown-timeout "
+                    f"{self.shutdown_timeout:g} s)", 503, "service_unavailable_error"))
+                logger.warning("drain: %d request(s) still running were ended", num_ended)
+            else:
+                logger.info("drained: no request in flight")
+        except Exception:  # noqa: BLE001 - the server must stop all the same
+            logger.exception("drain failed")
+        finally:
+            self.should_exit = True
+
+
 def run_server(config: ServerConfig) -> int:
-    """Serve until SIGINT/SIGTERM; returns the process exit code: 0, 2 if a setting was refused while
-    the model loaded (printed as one ``error:`` line naming the flag), 1 for any other load failure."""
+    """Serve until SIGINT/SIGTERM (then drain: ``DrainingServer``); returns the process exit code: 0, 2 if a
+    setting was refused while the model loaded (printed as one ``error:`` line naming the flag), 1 for any
+    other load failure."""
     load_failures: list[BaseException] = []
 
     def on_load_failure(exc: BaseException) -> None:
@@ -327,11 +410,10 @@ def run_server(config: ServerConfig) -> int:
         server.should_exit = True
 
     app = build_app(config, on_load_failure)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_config=None,
-        timeout_graceful_shutdown=config.timeout_graceful_shutdown,
-    ))
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal under the handler
+    server = DrainingServer(uvicorn.Config(
+        app, host=config.host, port=config.port, log_config=None, timeout_graceful_shutdown=RESPONSE_GRACE_S,
+    ), app.state.server, config.shutdown_timeout)
+    # uvicorn re-raises the signal that stopped it (when it handled the signal itself) under the handler
     # that was installed before it; with this one the re-raise is a no-op and we exit with 0.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _ignore_signal)

@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tokenmill import envs
 from tokenmill.engine.llm import LLM
+from tokenmill.engine.llm_engine import StepFailedError
 from tokenmill.engine_args import EngineArgs
 from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
@@ -27,10 +29,25 @@ from tokenmill.server.metrics import EngineStats, RequestMetricsTracker
 logger = logging.getLogger(__name__)
 
 KV_SAVE_TIMEOUT_S = 300.0  # how long shutdown waits for cached KV blocks to be written to the disk tier
+# Failed engine steps in a row after which the engine is taken for broken and reports dead (docs/deployment.md).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread is not serving (still loading, crashed, or shut down)."""
+class RequestFailedError(RuntimeError):
+    """The engine dropped a request before it finished. ``status_code`` and ``error_type`` say how the server
+    answers: the status of a non-streamed response, the ``error`` event that ends a stream."""
+
+    def __init__(self, message: str, status_code: int = 500, error_type: str = "internal_server_error") -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.error_type = error_type
+
+
+class EngineDeadError(RequestFailedError):
+    """The engine thread is not serving (still loading, crashed, or shut down): 503."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 503, "service_unavailable_error")
 
 
 class QueueFullError(RuntimeError):
@@ -48,6 +65,9 @@ class EngineRequest:
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
     kv_transfer_params: dict | None = None
+    priority: int = 0  # lower runs first under the priority scheduling policy
+    session_id: str | None = None  # the agent session (``ServerState.session_of``)
+    trace_headers: dict[str, str] | None = None  # W3C traceparent / tracestate of its HTTP request (tracing on)
 
 
 @dataclass
@@ -66,6 +86,12 @@ class _Abort:
 @dataclass
 class _Call:
     fn: Callable[[Any], Any]
+    result: concurrent.futures.Future
+
+
+@dataclass
+class _FailAll:
+    error: RequestFailedError
     result: concurrent.futures.Future
 
 
@@ -93,8 +119,8 @@ class RequestStream:
         if not self.unfinished:
             raise StopAsyncIteration
         item = await self._outputs.get()
-        if isinstance(item, BaseException):
-            self.unfinished.clear()  # the engine already dropped them
+        if isinstance(item, BaseException):  # RequestFailedError: the engine already dropped them
+            self.unfinished.clear()
             raise item
         if item.finished:
             self.unfinished.discard(item.request_id)
@@ -145,6 +171,9 @@ class AsyncEngine:
         self.stats = EngineStats()
         self._closing = threading.Event()  # set once the engine thread is saving / releasing the KV tiers
         self._streams: dict[str, asyncio.Queue] = {}  # engine thread only: request id -> its outputs
+        self._num_live = 0  # len(_streams), published by the engine thread for the event loop
+        self._num_adding = 0  # event loop only: adds sent and not answered yet
+        self._consecutive_step_failures = 0  # engine thread only
 
     # ---- event-loop side ------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -168,6 +197,18 @@ class AsyncEngine:
         """Loaded and the engine thread still running."""
         return self.ready.is_set() and self.error is None and self._thread is not None and self._thread.is_alive()
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests taken and not finished: queued for the engine, or in it with a stream to feed (event loop)."""
+        return self._num_adding + self._num_live
+
+    def queue_looks_full(self) -> bool:
+        """Whether ``max_queued_requests`` sequences waited for the engine after its latest step (event loop; a
+        cheap early answer so an overloaded server refuses before tokenizing; the engine thread decides for
+        the requests it is sent)."""
+        limit = self._max_queued_requests
+        return limit is not None and self.stats.num_requests_waiting >= limit
+
     def check_healthy(self) -> None:
         """Raise EngineDeadError unless the engine can take requests."""
         if self.is_loading:
@@ -182,11 +223,14 @@ class AsyncEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._send(_Add(requests, outputs, accepted, time.monotonic()))
+        self._num_adding += 1
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:  # the client left while the add was pending
             self.abort([r.request_id for r in requests])
             raise
+        finally:
+            self._num_adding -= 1
         return RequestStream(self, [r.request_id for r in requests], outputs)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -201,6 +245,17 @@ class AsyncEngine:
         self.check_healthy()
         result: concurrent.futures.Future = concurrent.futures.Future()
         self._send(_Call(fn, result))
+        return await asyncio.wrap_future(result)
+
+    async def fail_all(self, error: RequestFailedError) -> int:
+        """End every request in flight with ``error`` (its stream raises it) and free its blocks; returns how
+        many were ended. The engine goes on serving (used when ``--shutdown-timeout`` runs out)."""
+        try:
+            self.check_healthy()
+        except EngineDeadError:
+            return 0
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_FailAll(error, result))
         return await asyncio.wrap_future(result)
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -271,11 +326,45 @@ class AsyncEngine:
                 return
             if engine.has_unfinished_requests():
                 step_start = time.monotonic()
-                outputs = engine.step()
+                try:
+                    outputs = engine.step()
+                except StepFailedError as exc:
+                    self._step_failed(engine, exc)
+                    outputs = []
+                else:
+                    self._consecutive_step_failures = 0
                 if self._tracker is not None:
                     self._tracker.on_step(engine, step_start, outputs)
                 self._deliver(outputs)
             self._update_stats()
+
+    def _step_failed(self, engine, exc: StepFailedError) -> None:
+        """Fail the requests of a failed step (500 naming the error) and go on, unless too many steps in a row
+        failed: then re-raise, and the engine reports dead."""
+        self._consecutive_step_failures += 1
+        if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise RuntimeError(f"{self._consecutive_step_failures} engine steps in a row failed; the last: "
+                               f"{type(exc.cause).__name__}: {exc.cause}") from exc.cause
+        cause = exc.cause
+        self._fail_streams(engine, exc.request_ids, RequestFailedError(
+            f"the engine step that ran this request failed: {type(cause).__name__}: {cause}"))
+
+    def _fail_streams(self, engine, request_ids: list[str], error: RequestFailedError) -> int:
+        """Abort ``request_ids`` and every request sharing a stream with one of them; each stream gets ``error``.
+        Returns how many requests were aborted. Engine thread only."""
+        targets = {id(q): q for q in (self._streams.get(r) for r in request_ids) if q is not None}
+        grouped = [r for r, q in self._streams.items() if id(q) in targets]
+        for request_id in grouped:  # count them before the engine forgets them
+            del self._streams[request_id]
+            if self._tracker is not None:
+                self._tracker.on_aborted(engine, request_id)
+        doomed = list(dict.fromkeys([*request_ids, *grouped]))
+        engine.abort_request(doomed)
+        if envs.check_integrity() and not engine.has_unfinished_requests():  # as step() checks on going idle
+            engine.check_integrity(idle=True)
+        if targets:
+            self._post([(q, error) for q in targets.values()])
+        return len(doomed)
 
     def _drain_commands(self, engine, block: bool) -> bool:
         """Apply queued commands (waiting for one if ``block``); False once a stop arrives."""
@@ -298,6 +387,12 @@ class AsyncEngine:
                     command.result.set_result(command.fn(engine))
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     command.result.set_exception(exc)
+            elif isinstance(command, _FailAll):
+                try:
+                    command.result.set_result(self._fail_streams(engine, list(self._streams), command.error))
+                except BaseException as exc:  # a broken invariant: the engine thread ends, reporting dead
+                    command.result.set_exception(EngineDeadError(f"engine crashed: {type(exc).__name__}: {exc}"))
+                    raise
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -316,7 +411,8 @@ class AsyncEngine:
             for r in command.requests:
                 engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, r.params,
                                    arrival_time=command.arrival_time, cache_salt=r.cache_salt,
-                                   lora_request=r.lora_request, kv_transfer_params=r.kv_transfer_params)
+                                   lora_request=r.lora_request, kv_transfer_params=r.kv_transfer_params,
+                                   priority=r.priority, session_id=r.session_id)
                 added.append(r.request_id)
         except Exception as exc:  # noqa: BLE001 - a rejected request, handed to the caller
             engine.abort_request(added)
@@ -325,7 +421,8 @@ class AsyncEngine:
         for r in command.requests:
             self._streams[r.request_id] = command.outputs
             if self._tracker is not None:
-                self._tracker.on_added(engine, r.request_id, command.arrival_time)
+                self._tracker.on_added(engine, r.request_id, command.arrival_time, r)
+        self._num_live = len(self._streams)  # before the add is answered: num_in_flight never misses it
         command.accepted.set_result(None)
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
@@ -359,18 +456,20 @@ class AsyncEngine:
             self._closed = True
         batch = [(target, error) for target in {id(q): q for q in self._streams.values()}.values()]
         self._streams.clear()
+        self._num_live = 0
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, (_Add, _Call)):
+            if isinstance(command, (_Add, _Call, _FailAll)):
                 future = command.accepted if isinstance(command, _Add) else command.result
                 future.set_exception(error)
         if batch:
             self._post(batch)
 
     def _update_stats(self) -> None:
+        self._num_live = len(self._streams)
         engine = self.llm.engine
         kv = engine.kv_cache_manager
         constraints = engine.structured_output_manager
@@ -381,6 +480,10 @@ class AsyncEngine:
             num_preemptions_total=engine.scheduler.num_preemptions_total,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            kv_sessions=len(kv.block_pool.session_blocks),
+            kv_session_blocks=kv.block_pool.num_session_blocks,
+            session_prefix_cache_queries=kv.session_queries,
+            session_prefix_cache_hits=kv.session_hits,
             kv_offload=engine.kv_store.tier_stats() if engine.kv_store is not None else {},
             kv_offload_disk_dwpd=engine.kv_store.dwpd() if engine.kv_store is not None else None,
             structured_output_requests=dict(constraints.requests_by_kind),
@@ -388,6 +491,10 @@ class AsyncEngine:
             structured_output_mask_steps=constraints.mask_steps_total,
             spec_decode=engine.speculator.stats.snapshot() if engine.speculator is not None else None,
             kv_transfer=engine.kv_connector.status() if engine.kv_connector is not None else None,
+            moe_expert_load=expert_load.snapshot() if (expert_load := engine.expert_load) is not None else None,
+            block_size=kv.block_size,
+            num_gpu_blocks=kv.num_blocks,
+            enable_prefix_caching=kv.enable_caching,
             **self._lora_stats(engine),
         )
 

@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.security.http import allowed_methods
+
 logger = logging.getLogger(__name__)
 
 # pydantic tags union members in error locations ("str", "list[int]", "TextContentPart");
@@ -106,7 +108,11 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(str(exc.detail), exc.status_code, error_type, code=getattr(exc, "code", None))
+    response = error_response(str(exc.detail), exc.status_code, error_type, code=getattr(exc, "code", None))
+    response.headers.update(exc.headers or {})
+    if exc.status_code == 405:  # RFC 9110: a 405 names the methods the path takes
+        response.headers["Allow"] = allowed_methods(request.app.router.routes, request.url.path)
+    return response
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

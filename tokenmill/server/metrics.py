@@ -4,19 +4,29 @@ Latency histograms and token/request counters are updated by the engine thread t
 ``RequestMetricsTracker``; gauges and the engine's own counters (preemptions, prefix-cache
 queries/hits) are read at scrape time from the ``EngineStats`` snapshot the engine thread
 publishes after every step.
+
+With ``metrics_compat="vllm"`` the registry also exports the series inference gateways and vLLM dashboards
+read, under vLLM's names and labels (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:lora_requests_info``, the TTFT / ITL / e2e histograms, ...): each is fed by the same measurement as
+its ``tokenmill:`` twin (``_Fanout``, or the same EngineStats field), never counted twice.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenmill.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from tokenmill.moe.load_stats import ExpertLoadSnapshot
+    from tokenmill.server.async_engine import EngineRequest
+    from tokenmill.tracing import RequestTrace, RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +34,16 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+METRICS_COMPAT = ("vllm",)  # the ``metrics_compat`` values (None: tokenmill's names only)
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same.
+_VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                      20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_VLLM_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                      40.0, 80.0)
+_VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                         240.0, 480.0, 960.0, 1920.0, 7680.0)
+_VLLM_LABELS = ["model_name", "engine"]  # vLLM v1's labels; ``engine`` is the engine index, "0" here
 
 
 @dataclass(frozen=True)
@@ -36,7 +56,11 @@ class EngineStats:
     num_preemptions_total: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # tokens found there (in any KV tier)
-    kv_offload: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> TierStats.as_dict()
+    kv_sessions: int = 0  # agent sessions keeping blocks between turns (--session-kv-ttl)
+    kv_session_blocks: int = 0  # free blocks kept for them
+    session_prefix_cache_queries: int = 0  # prompt tokens of session requests looked up
+    session_prefix_cache_hits: int = 0  # ... and found
+    kv_offload: dict[str, dict] = field(default_factory=dict)  # tier -> TierStats.as_dict()
     kv_offload_disk_dwpd: float | None = None  # drive writes per day of the disk tier
     structured_output_requests: dict[str, int] = field(default_factory=dict)  # constraint kind -> sequences
     structured_output_mask_seconds: float = 0.0  # time spent filling next-token bitmasks
@@ -47,22 +71,31 @@ class EngineStats:
     lora_counters: dict[str, int] = field(default_factory=dict)  # LoRAManager.stats()
     spec_decode: dict | None = None  # SpecDecodingStats.snapshot() (None: speculative decoding off)
     kv_transfer: dict | None = None  # KVConnector.status() (None: no --kv-transfer-config)
+    moe_expert_load: ExpertLoadSnapshot | None = None  # expert load (None: not a mixture-of-experts model)
+    block_size: int | None = None  # tokens per KV block (vllm:cache_config_info)
+    num_gpu_blocks: int | None = None  # blocks in the primary KV pool
+    enable_prefix_caching: bool | None = None
 
 
 class _EngineStatsCollector(Collector):
     """Turns the latest EngineStats into gauges and counters at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], compat: str | None = None) -> None:
         self._model_name = model_name
         self._stats = stats
+        self._compat = compat
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
+        if self._compat == "vllm":
+            yield from self._vllm(stats)
         labels = ["model_name"]
         for name, doc, value in (
             ("num_requests_running", "Requests in the running batch.", stats.num_requests_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_requests_waiting),
             ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_cache_usage),
+            ("kv_sessions", "Agent sessions keeping KV blocks between turns (--session-kv-ttl).", stats.kv_sessions),
+            ("kv_session_blocks", "Free KV blocks kept for agent sessions between turns.", stats.kv_session_blocks),
         ):
             gauge = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=labels)
             gauge.add_metric([self._model_name], value)
@@ -71,6 +104,10 @@ class _EngineStatsCollector(Collector):
             ("num_preemptions", "Preemptions of running requests.", stats.num_preemptions_total),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits),
+            ("session_prefix_cache_queries", "Prompt tokens of agent-session requests looked up in the prefix cache.",
+             stats.session_prefix_cache_queries),
+            ("session_prefix_cache_hits", "Prompt tokens of agent-session requests served from the prefix cache.",
+             stats.session_prefix_cache_hits),
         ):
             counter = CounterMetricFamily(f"tokenmill:{name}", doc, labels=labels)
             counter.add_metric([self._model_name], value)
@@ -80,6 +117,63 @@ class _EngineStatsCollector(Collector):
         yield from self._lora(stats)
         yield from self._spec_decode(stats)
         yield from self._kv_transfer(stats)
+        yield from self._moe(stats)
+
+    def _vllm(self, stats: EngineStats) -> Iterator[Metric]:
+        """The engine's gauges and counters under vLLM's names and labels (``metrics_compat="vllm"``).
+        ``vllm:gpu_cache_usage_perc`` is vLLM's older name of ``kv_cache_usage_perc``, still read by older
+        Gateway API Inference Extension releases; prefix-cache hits count every KV tier, as tokenmill's."""
+        values = [self._model_name, "0"]
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch (vLLM's name).", stats.num_requests_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled (vLLM's name).", stats.num_requests_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0-1 (vLLM's name).", stats.kv_cache_usage),
+            ("gpu_cache_usage_perc", "Fraction of KV-cache blocks in use, 0-1 (vLLM's older name of "
+             "vllm:kv_cache_usage_perc).", stats.kv_cache_usage),
+        ):
+            gauge = GaugeMetricFamily(f"vllm:{name}", doc, labels=_VLLM_LABELS)
+            gauge.add_metric(values, value)
+            yield gauge
+        for name, doc, value in (
+            ("num_preemptions", "Preemptions of running requests (vLLM's name).", stats.num_preemptions_total),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's name).",
+             stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache, any tier (vLLM's name).", stats.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(f"vllm:{name}", doc, labels=_VLLM_LABELS)
+            counter.add_metric(values, value)
+            yield counter
+        if stats.block_size is not None:
+            info = GaugeMetricFamily("vllm:cache_config_info", "The KV pool's block size and block count as labels; the value is 1.",
+                                     labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"])
+            info.add_metric([str(stats.block_size), str(stats.num_gpu_blocks), str(stats.enable_prefix_caching),
+                             "0"], 1.0)
+            yield info
+        if stats.max_lora is not None:  # vLLM's labels, without model_name; the value is the time of the scrape
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of running and waiting requests and the slot count as labels; the value is the scrape time.",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            lora.add_metric([str(stats.max_lora), ",".join(stats.waiting_lora_adapters),
+                             ",".join(stats.running_lora_adapters)], time.time())
+            yield lora
+
+    def _moe(self, stats: EngineStats) -> Iterator[Metric]:
+        """Expert load of a mixture-of-experts model: a histogram of the tokens each expert of each MoE layer got
+        per step (one observation per step, layer and expert), and each expert's routed tokens (all layers)."""
+        load = stats.moe_expert_load
+        if load is None:
+            return
+        histogram = HistogramMetricFamily(
+            "tokenmill:moe_expert_tokens", "Tokens routed to one expert of one MoE layer in one engine step "
+            "(one observation per step, MoE layer and expert; a wide spread is routing skew).", labels=["model_name"])
+        histogram.add_metric([self._model_name], [(str(le) if le != float("inf") else "+Inf", n)
+                                                  for le, n in load.buckets], sum_value=load.sum)
+        yield histogram
+        counter = CounterMetricFamily("tokenmill:moe_expert_routed_tokens",
+                                      "Tokens routed to each expert, summed over the MoE layers.",
+                                      labels=["model_name", "expert"])
+        for expert, n in enumerate(load.tokens_per_expert):
+            counter.add_metric([self._model_name, str(expert)], n)
+        yield counter
 
     def _spec_decode(self, stats: EngineStats) -> Iterator[Metric]:
         """Speculative decoding's counters (vLLM's names), the per-position one labelled ``position``."""
@@ -201,6 +295,20 @@ class _EngineStatsCollector(Collector):
             capacity = tier_stats["capacity_blocks"]
             usage.add_metric([self._model_name, tier], tier_stats["blocks_stored"] / capacity if capacity else 0.0)
         yield usage
+        enabled = GaugeMetricFamily("tokenmill:kv_offload_enabled",
+                                    "1 while a lower KV tier takes new blocks, 0 once a fault switched it off.",
+                                    labels=labels)
+        errors = CounterMetricFamily(
+            "tokenmill:kv_offload_errors",
+            "Faults a lower KV tier survived, by kind: enospc (no room to write), readonly (a write refused), corrupt "
+            "(a record failing its checks, recomputed instead), io (other I/O errors), alloc (RAM slab not allocated).",
+            labels=["model_name", "tier", "kind"])
+        for tier, tier_stats in sorted(stats.kv_offload.items()):
+            enabled.add_metric([self._model_name, tier], tier_stats.get("enabled", 1))
+            for kind, count in sorted(tier_stats.get("errors", {}).items()):
+                errors.add_metric([self._model_name, tier, kind], count)
+        yield enabled
+        yield errors
         if stats.kv_offload_disk_dwpd is not None:
             gauge = GaugeMetricFamily(
                 "tokenmill:kv_offload_disk_dwpd",
@@ -212,42 +320,89 @@ class _EngineStatsCollector(Collector):
             yield gauge
 
 
+class _Fanout:
+    """One measurement recorded into each of ``targets`` (a tokenmill series and its vLLM-named twin)."""
+
+    __slots__ = ("targets",)
+
+    def __init__(self, *targets) -> None:
+        self.targets = targets
+
+    def observe(self, value: float) -> None:
+        for target in self.targets:
+            target.observe(value)
+
+    def inc(self, amount: float = 1) -> None:
+        for target in self.targets:
+            target.inc(amount)
+
+
 class ServerMetrics:
     """The registry and every metric the server exports.
 
     Args:
         model_name: value of the ``model_name`` label (the served model name).
         stats: returns the engine's latest EngineStats (read at scrape time).
+        compat: ``"vllm"``: also export the series gateways read under vLLM's names and labels
+            (``vllm:*``, ``engine="0"``); None: ``tokenmill:*`` only.
+
+    Raises:
+        ValueError: an unknown ``compat``, naming ``metrics_compat``.
     """
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], compat: str | None = None) -> None:
+        if compat is not None and compat not in METRICS_COMPAT:
+            raise ValueError(f"`metrics_compat` must be one of {', '.join(METRICS_COMPAT)} or None, got {compat!r}")
         self.registry = CollectorRegistry()
         self.model_name = model_name
         label = ["model_name"]
+        vllm = compat == "vllm"
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
-            return Histogram(f"tokenmill:{name}", doc, label, buckets=buckets, registry=self.registry).labels(model_name)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *twins: tuple[str, str, tuple[float, ...]]):
+            own = Histogram(f"tokenmill:{name}", doc, label, buckets=buckets, registry=self.registry).labels(model_name)
+            if not vllm:
+                return own
+            return _Fanout(own, *(Histogram(f"vllm:{n}", d, _VLLM_LABELS, buckets=b, registry=self.registry)
+                                  .labels(model_name, "0") for n, d, b in twins))
 
-        def counter(name: str, doc: str):
-            return Counter(f"tokenmill:{name}", doc, label, registry=self.registry).labels(model_name)
+        def counter(name: str, doc: str, twin_doc: str):
+            own = Counter(f"tokenmill:{name}", doc, label, registry=self.registry).labels(model_name)
+            if not vllm:
+                return own
+            return _Fanout(own, Counter(f"vllm:{name}", twin_doc, _VLLM_LABELS, registry=self.registry)
+                           .labels(model_name, "0"))
 
-        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first output token.",
-                                             _LATENCY_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output steps of a request.",
-                                             _ITL_BUCKETS)
-        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
-        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.",
-                                            _LATENCY_BUCKETS)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
-        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first output token.", _LATENCY_BUCKETS,
+            ("time_to_first_token_seconds", "Arrival to first output token, seconds (vLLM's name and buckets).", _VLLM_TTFT_BUCKETS))
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between output steps of a request.", _ITL_BUCKETS,
+            ("inter_token_latency_seconds", "Time between output steps of a request, seconds (vLLM's name and buckets).", _VLLM_TPOT_BUCKETS),
+            ("time_per_output_token_seconds", "The observations of vllm:inter_token_latency_seconds under vLLM's "
+             "older name.", _VLLM_TPOT_BUCKETS))
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS,
+            ("e2e_request_latency_seconds", "Arrival to finish, seconds (vLLM's name and buckets).", _VLLM_REQUEST_BUCKETS))
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS,
+            ("request_queue_time_seconds", "Arrival to first scheduling, seconds (vLLM's name and buckets).",
+             _VLLM_REQUEST_BUCKETS))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.", "Prompt tokens prefilled (vLLM's name).")
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated.",
+                                         "Output tokens generated (vLLM's name).")
         self._request_success = Counter("tokenmill:request_success",
                                         "Finished sequences by finish reason (stop, length, abort).",
                                         ["model_name", "finished_reason"], registry=self.registry)
-        self.registry.register(_EngineStatsCollector(model_name, stats))
+        self._vllm_request_success = None if not vllm else Counter(
+            "vllm:request_success", "Finished sequences by finish reason (vLLM's name).", [*_VLLM_LABELS, "finished_reason"],
+            registry=self.registry)
+        self.registry.register(_EngineStatsCollector(model_name, stats, compat))
 
     def count_finished(self, finish_reason: str) -> None:
         """Count one finished sequence under its finish reason."""
         self._request_success.labels(self.model_name, finish_reason).inc()
+        if self._vllm_request_success is not None:
+            self._vllm_request_success.labels(self.model_name, "0", finish_reason).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of the registry."""
@@ -256,12 +411,12 @@ class ServerMetrics:
     def snapshot(self) -> dict[str, float | dict[str, float]]:
         """The registry's samples as JSON (for ``/debug/status``): sample name without ``tokenmill:`` -> value,
         or -> {label values joined by "," -> value} when the sample has labels besides ``model_name``.
-        Histograms give only their ``_sum`` and ``_count``; ``_created`` samples and ``*_info`` families
-        are left out."""
+        Histograms give only their ``_sum`` and ``_count``; ``_created`` samples, ``*_info`` families
+        and the ``vllm:*`` twins (``metrics_compat``) are left out."""
         out: dict[str, float | dict[str, float]] = {}
         for family in self.registry.collect():
-            if family.name.endswith("_info"):
-                continue
+            if family.name.endswith("_info") or not family.name.startswith("tokenmill:"):
+                continue  # info families, and the vllm:* twins of metrics_compat
             for sample in family.samples:
                 if sample.name.endswith(("_bucket", "_created")):
                     continue
@@ -281,6 +436,7 @@ class _Tracked:
     prompt_counted: bool = False
     first_token_time: float | None = None
     last_token_time: float | None = None
+    trace: RequestTrace | None = None  # its llm_request span's facts (--otlp-traces-endpoint)
 
 
 class RequestMetricsTracker:
@@ -289,19 +445,28 @@ class RequestMetricsTracker:
     Queue time (arrival to first scheduling) comes from the engine's RequestOutput.metrics; TTFT
     and inter-token latency are measured when outputs carrying new tokens leave the engine. With
     ``log_requests``, each finished request gets one INFO line: id, model (``base_model_name``), LoRA
-    adapter name (``-`` for none), token counts, finish reasons, TTFT and end-to-end latency.
+    adapter name (``-`` for none), token counts, finish reasons, TTFT and end-to-end latency. With a
+    ``tracer`` (``--otlp-traces-endpoint``), each request's ``llm_request`` span is built from the same
+    measurements when it finishes or is aborted (``tokenmill.tracing.RequestTracer``).
     """
 
-    def __init__(self, metrics: ServerMetrics, log_requests: bool = False, base_model_name: str = "") -> None:
+    def __init__(self, metrics: ServerMetrics, log_requests: bool = False, base_model_name: str = "",
+                 tracer: RequestTracer | None = None) -> None:
         self.metrics = metrics
         self.log_requests = log_requests
         self.base_model_name = base_model_name
+        self.tracer = tracer
         self._tracked: dict[str, _Tracked] = {}
 
-    def on_added(self, engine, request_id: str, arrival_time: float) -> None:
-        """Start tracking a request the engine just accepted."""
+    def on_added(self, engine, request_id: str, arrival_time: float, request: EngineRequest | None = None) -> None:
+        """Start tracking a request the engine just accepted (``request``: what the server queued, for its trace)."""
         first_child = engine.output_processor.child_ids(request_id)[0]
-        self._tracked[request_id] = _Tracked(first_child, arrival_time)
+        tracked = self._tracked[request_id] = _Tracked(first_child, arrival_time)
+        if self.tracer is not None and request is not None:
+            lora = request.lora_request
+            tracked.trace = self.tracer.begin(request_id, request.trace_headers,
+                                              lora.lora_name if lora is not None else self.base_model_name,
+                                              lora.lora_name if lora is not None else None, request.params)
 
     def on_finished(self, request_id: str) -> None:
         """Forget a request."""
@@ -312,7 +477,24 @@ class RequestMetricsTracker:
         running under ``finished_reason="abort"``, those already done under their own reason."""
         for finish_reason in engine.output_processor.finish_reasons(request_id):
             self.metrics.count_finished(finish_reason or "abort")
+        tracked = self._tracked.get(request_id)
+        if tracked is not None and tracked.trace is not None:
+            self._end_aborted_trace(engine, request_id, tracked)
         self.on_finished(request_id)
+
+    def _end_aborted_trace(self, engine, request_id: str, tracked: _Tracked) -> None:
+        """End an aborted request's span (status error) with what the engine has of it so far."""
+        parent = engine.output_processor.parents.get(request_id)
+        sequences = list(parent.sequences.values()) if parent is not None else []
+        self.tracer.end(tracked.trace, arrival_time=tracked.arrival_time,
+                        first_scheduled_time=parent.first_scheduled_time if parent is not None else None,
+                        first_token_time=tracked.first_token_time, last_token_time=tracked.last_token_time,
+                        end_time=time.monotonic(),
+                        num_prompt_tokens=len(parent.prompt_token_ids) if parent is not None else 0,
+                        num_output_tokens=sum(s.num_tokens_emitted for s in sequences),
+                        num_cached_tokens=parent.num_cached_tokens if parent is not None else 0,
+                        finish_reasons=[s.finish_reason or "abort" for s in sequences],
+                        error="aborted before it finished: the client disconnected or the server ended it")
 
     def on_step(self, engine, step_start: float, outputs: list[RequestOutput]) -> None:
         """Observe one engine step that started at ``step_start`` and produced ``outputs``."""
@@ -322,6 +504,8 @@ class RequestMetricsTracker:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
+            if tracked.trace is not None:
+                self.tracer.step(tracked.trace, now - step_start)
             if not tracked.prompt_counted:
                 m.prompt_tokens.inc(len(output.prompt_token_ids))
                 m.request_queue_time.observe(
@@ -343,6 +527,14 @@ class RequestMetricsTracker:
                     m.count_finished(completion.finish_reason or "abort")
                 if self.log_requests:
                     self._log_finished(output, tracked, now)
+                if tracked.trace is not None:
+                    self.tracer.end(tracked.trace, arrival_time=tracked.arrival_time,
+                                    first_scheduled_time=output.metrics.get("first_scheduled_time"),
+                                    first_token_time=tracked.first_token_time, last_token_time=tracked.last_token_time,
+                                    end_time=now, num_prompt_tokens=len(output.prompt_token_ids),
+                                    num_output_tokens=sum(len(c.token_ids) for c in output.outputs),
+                                    num_cached_tokens=output.num_cached_tokens,
+                                    finish_reasons=[c.finish_reason or "abort" for c in output.outputs])
                 self.on_finished(output.request_id)
 
     def _log_finished(self, output: RequestOutput, tracked: _Tracked, now: float) -> None:

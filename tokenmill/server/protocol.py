@@ -104,6 +104,10 @@ class SamplingRequest(BaseModel):
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
     disable_speculative_decoding: bool = False  # this request verifies no draft tokens (docs/spec_decode.md)
     kv_transfer_params: dict | None = None  # vLLM's: prefill/decode disaggregation (docs/pd_disaggregation.md)
+    # vLLM's: under --scheduling-policy priority, lower runs first (docs/scheduling.md); 0 otherwise
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
+    # OpenAI's end-user id; with the X-Session-Id header (first) it names the agent session (--session-kv-ttl)
+    user: Text | None = Field(default=None, max_length=256)
 
     @property
     def include_usage(self) -> bool:
@@ -192,6 +196,9 @@ class ChatCompletionRequest(SamplingRequest):
     ``top_logprobs`` the number of alternatives. ``allow_special_tokens_in_content``: parse
     special-token strings in message contents into control tokens (None: the server's
     ``--allow-special-tokens-in-content`` setting; off, they are plain text).
+    ``continue_final_message`` (vLLM's): the prompt ends inside the last message, an assistant
+    one, and the model continues it (needs ``add_generation_prompt: false``); ``echo`` (vLLM's):
+    the answer's content starts with that last assistant message's content.
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -205,12 +212,15 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
     allow_special_tokens_in_content: bool | None = None
 
 
 class TokenizeRequest(BaseModel):
     """``POST /tokenize``: either ``prompt`` (text) or ``messages`` (rendered with the chat template,
-    with ``allow_special_tokens_in_content`` as in chat completions)."""
+    with ``add_generation_prompt``, ``continue_final_message`` and ``allow_special_tokens_in_content``
+    as in chat completions)."""
 
     model_config = _STRICT
 
@@ -219,6 +229,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     allow_special_tokens_in_content: bool | None = None
 
 

@@ -6,11 +6,15 @@ choice's last content in its own chunk, then a chunk with an empty ``delta`` and
 Output constraints (``response_format``, ``structured_outputs``) are compiled before queueing. With
 ``tools``, ``tool_choice`` "required" or a named tool is forced by a constraint and "auto" (with
 ``--enable-auto-tool-choice``) parsed out of free text; Hermes ``<tool_call>`` blocks become
-``message.tool_calls`` (streamed as tool-call deltas) and ``finish_reason`` "tool_calls".
+``message.tool_calls`` (streamed as tool-call deltas) and ``finish_reason`` "tool_calls", except for a
+named tool choice, which finishes with "stop" as OpenAI's API does ("length" always stays "length").
+``continue_final_message`` leaves the last assistant message open for the model to continue; ``echo``
+puts that message's content in front of the answer (both vLLM's).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import AsyncIterator
@@ -19,7 +23,7 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tokenmill.chat_prompt import ContentSpecialTokensError
+from tokenmill.chat_prompt import ChatPromptError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.async_engine import EngineRequest, RequestStream
@@ -39,9 +43,11 @@ from tokenmill.tool_calling import (
 def render_chat(
     state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
     allow_special_tokens_in_content: bool | None = None, tool_request: ToolRequest | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Prompt token ids of a conversation (the same ones ``LLM.chat`` would use). Blocking: run it
-    in a worker thread. ``allow_special_tokens_in_content`` None takes the server's setting. Tools
+    in a worker thread. ``allow_special_tokens_in_content`` None takes the server's setting;
+    ``continue_final_message`` as in ``ChatPromptRenderer.render`` (APIError naming it when misused). Tools
     (unless ``tool_choice`` is ``none``) are rendered by the chat template, or as a Hermes system
     block when the template has no tools section (``tokenmill.tool_calling.prompt``)."""
     if allow_special_tokens_in_content is None:
@@ -51,10 +57,10 @@ def render_chat(
         conversation, template_tools = conversation_for_template(
             [m.as_dict() for m in messages], tools, template_supports_tools(state.tokenizer.chat_template))
         return state.llm().apply_chat_template(conversation, add_generation_prompt, allow_special_tokens_in_content,
-                                               tools=template_tools)
+                                               tools=template_tools, continue_final_message=continue_final_message)
     except ToolCallingError as exc:
         raise APIError(str(exc), param=exc.param) from None
-    except ContentSpecialTokensError as exc:
+    except ChatPromptError as exc:
         raise APIError(str(exc), param=exc.param) from None
     except (ValueError, jinja2.TemplateError) as exc:
         raise APIError(f"messages could not be rendered with the chat template: {exc}", param="messages") from None
@@ -83,6 +89,22 @@ def _parses_tool_calls(tool_request: ToolRequest | None) -> bool:
     return tool_request is not None and tool_request.mode != "none"
 
 
+def _tool_finish_reason(finish_reason: str, tool_request: ToolRequest) -> str:
+    """The finish reason of a choice that holds tool calls: "tool_calls" for "auto" and "required",
+    "stop" for a named tool choice (as OpenAI answers, and vLLM since its fix); any other engine
+    reason ("length") stays."""
+    if finish_reason == "stop" and tool_request.mode != "named":
+        return "tool_calls"
+    return finish_reason
+
+
+def _echo_text(body: ChatCompletionRequest) -> str:
+    """What ``echo`` puts in front of every choice's content: the last message's content when it is
+    the assistant's (vLLM's rule); empty otherwise."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == "assistant" else ""
+
+
 async def _engine_request(
     body: ChatCompletionRequest, state: ServerState, request_id: str, lora_request: LoRARequest | None
 ) -> tuple[EngineRequest, ToolRequest | None]:
@@ -106,24 +128,31 @@ async def _engine_request(
         limits=state.config.request_limits,
     )
     state.config.request_limits.check_num_seqs(1, body.n)
+    state.check_priority(body.priority)
     await asyncio.to_thread(state.check_constraint, constraint, constraint_param)
     token_ids = await asyncio.to_thread(render_chat, state, body.messages, body.add_generation_prompt,
-                                        body.allow_special_tokens_in_content, tool_request)
+                                        body.allow_special_tokens_in_content, tool_request,
+                                        body.continue_final_message)
     check_length(len(token_ids), max_tokens, state.max_model_len, "messages", max_tokens_param)
     state.config.request_limits.check_num_tokens(
         [state.max_model_len - len(token_ids) if max_tokens is None else max_tokens], body.n, max_tokens_param)
     kv_transfer_params = accept_kv_transfer_params(state, body.kv_transfer_params)  # signed by the PD router only
-    return (EngineRequest(request_id, token_ids, params, None, body.cache_salt, lora_request, kv_transfer_params),
+    return (EngineRequest(request_id, token_ids, params, None, body.cache_salt, lora_request, kv_transfer_params,
+                          body.priority),
             tool_request)
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, state: ServerState):
     """Validate, queue, and answer (JSON or SSE) one chat completions request."""
+    state.check_queue()
     lora_request = state.check_model(body.model)
     model = body.model or state.model_name
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     request, tool_request = await _engine_request(body, state, response_id, lora_request)
-    stream = await state.submit([request], "messages")
+    session_id = state.session_of(raw_request, body.user)
+    if session_id is not None:
+        request = dataclasses.replace(request, session_id=session_id)
+    stream = await state.submit([request], "messages", raw_request)
     created = int(time.time())
     metadata = {"weight_version": stream.weight_version}  # SGLang's field: the weights that made it (docs/rl.md)
     if body.stream:
@@ -147,20 +176,21 @@ def _choices(
     body: ChatCompletionRequest, state: ServerState, output: RequestOutput, tool_request: ToolRequest | None
 ) -> list[dict]:
     choices = []
+    echo = _echo_text(body)
     for completion in output.outputs:
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(completion.token_ids, completion.logprobs or [], body.top_logprobs or 0,
                                      state.token_strings)
-        message: dict = {"role": "assistant", "content": completion.text}
+        message: dict = {"role": "assistant", "content": echo + completion.text}
         finish_reason = completion.finish_reason
         if _parses_tool_calls(tool_request):
             extracted = extract_tool_calls(completion.text)
             if extracted.tool_calls:
-                message = {"role": "assistant", "content": extracted.content,
+                content = extracted.content if not echo else echo + (extracted.content or "")
+                message = {"role": "assistant", "content": content,
                            "tool_calls": [call.to_openai() for call in extracted.tool_calls]}
-                if finish_reason == "stop":
-                    finish_reason = "tool_calls"
+                finish_reason = _tool_finish_reason(finish_reason, tool_request)
         choice = {"index": completion.index, "message": message, "logprobs": logprobs,
                   "finish_reason": finish_reason, "stop_reason": completion.stop_reason}
         if body.return_token_ids:
@@ -175,9 +205,13 @@ async def _stream_events(
 ) -> AsyncIterator[dict]:
     parsers = {i: HermesStreamParser() for i in range(body.n)} if _parses_tool_calls(tool_request) else None
     prompt_ids = {"prompt_token_ids": prompt_token_ids} if body.return_token_ids else {}
+    echo = _echo_text(body)
     for i in range(body.n):
         yield {**header, **prompt_ids, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]}
+        if echo:  # the continued message's own text first, as vLLM streams it
+            yield {**header, "choices": [{"index": i, "delta": {"content": echo}, "logprobs": None,
+                                          "finish_reason": None}]}
     finished: set[int] = set()
     final = None
     async for output in stream:
@@ -198,8 +232,8 @@ async def _stream_events(
                 deltas = parser.feed(text) if text else []
                 if finish_reason is not None:
                     deltas += parser.finish()
-                    if finish_reason == "stop" and parser.has_tool_calls:
-                        finish_reason = "tool_calls"
+                    if parser.has_tool_calls:
+                        finish_reason = _tool_finish_reason(finish_reason, tool_request)
             token_ids = completion.delta_token_ids if body.return_token_ids else None
             if (logprobs or token_ids) and not deltas:
                 deltas = [{}]

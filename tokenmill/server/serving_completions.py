@@ -8,6 +8,7 @@ text in its own chunk, then a chunk with empty text and the finish reason.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import AsyncIterator
@@ -49,6 +50,7 @@ def _engine_requests(
     )
     prompts = _prompt_list(body.prompt)
     state.config.request_limits.check_num_seqs(len(prompts), body.n)  # before any work per prompt
+    state.check_priority(body.priority)
     state.check_constraint(constraint, constraint_param)
     if not prompts:
         raise APIError("prompt must not be empty", param="prompt")
@@ -67,7 +69,7 @@ def _engine_requests(
             text = state.decode(token_ids)
         request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
         requests.append(EngineRequest(request_id, token_ids, params, text, body.cache_salt, lora_request,
-                                      kv_transfer_params))
+                                      kv_transfer_params, body.priority))
     state.config.request_limits.check_num_tokens(
         [engine.max_model_len - len(r.prompt_token_ids) if body.max_tokens is None else body.max_tokens
          for r in requests], body.n, "max_tokens")
@@ -76,10 +78,14 @@ def _engine_requests(
 
 async def create_completion(body: CompletionRequest, raw_request: Request, state: ServerState):
     """Validate, queue, and answer (JSON or SSE) one completions request."""
+    state.check_queue()
     lora_request = state.check_model(body.model)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = await asyncio.to_thread(_engine_requests, body, state, response_id, lora_request)
-    stream = await state.submit(requests, "prompt")
+    session_id = state.session_of(raw_request, body.user)
+    if session_id is not None:
+        requests = [dataclasses.replace(r, session_id=session_id) for r in requests]
+    stream = await state.submit(requests, "prompt", raw_request)
     header = {"id": response_id, "object": "text_completion", "created": int(time.time()),
               "model": body.model or state.model_name,
               "metadata": {"weight_version": stream.weight_version}}  # SGLang's field (docs/rl.md); every chunk

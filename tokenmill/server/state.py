@@ -5,6 +5,8 @@ a disconnected client, and frame streams as SSE that abort on exit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,7 +18,8 @@ from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.adapter import LoRAAdapterError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
-from tokenmill.server.async_engine import AsyncEngine, EngineDeadError, EngineRequest, QueueFullError, RequestStream
+from tokenmill.server.async_engine import (AsyncEngine, EngineDeadError, EngineRequest, QueueFullError,
+                                           RequestFailedError, RequestStream)
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import RequestMetricsTracker, ServerMetrics
 from tokenmill.server.openai_format import SSE_DONE, sse
@@ -28,6 +31,7 @@ from tokenmill.security.http import (DEFAULT_MAX_BUFFERED_BODY_BYTES, DEFAULT_MA
                                      DEFAULT_REQUEST_BODY_TIMEOUT_S)
 from tokenmill.structured_output import ConstraintError
 from tokenmill.token_strings import TokenStrings
+from tokenmill.tracing import RequestTracer, Tracing, trace_headers
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ class ServerConfig:
         api_key: when set, every route needs ``Authorization: Bearer <api_key>`` except ``/health``, the
             web page (``/``, ``/static/*``) and, with ``metrics_without_auth``, ``/metrics``.
         metrics_without_auth: serve ``/metrics`` without the API key (for scrapers).
+        metrics_compat: ``"vllm"``: ``/metrics`` also exports the gateway-read series under vLLM's names
+            and labels (``tokenmill.server.metrics``); None: ``tokenmill:*`` only.
         allowed_hosts: the Host header names served (``*``: any; ``*.example.com``: subdomains); None:
             on a loopback bind the loopback names and ``host``, beyond loopback any. Others get 400.
         allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS (vLLM's flags);
@@ -51,7 +57,8 @@ class ServerConfig:
         max_request_body_bytes: the largest request body (bytes); larger ones get 413 unread.
         request_body_timeout: seconds a request's whole body may take to arrive (408 after).
         max_buffered_body_bytes: request body bytes all requests may hold at once (503 with Retry-After over).
-        timeout_graceful_shutdown: seconds in-flight requests get to finish after SIGTERM/SIGINT.
+        shutdown_timeout: seconds the requests in flight get to finish after SIGTERM/SIGINT (the server drains:
+            new requests get 503, ``/ready`` 503); those still running then end with a 503 (docs/deployment.md).
         allow_special_tokens_in_content: default of the chat request field of that name: parse
             special-token strings in message contents into control tokens (off: plain text).
         enable_auto_tool_choice: accept ``tool_choice: "auto"`` (the default with tools) and parse
@@ -69,6 +76,9 @@ class ServerConfig:
             finish reason, latency).
         enable_rl_endpoints: serve the RL rollout routes (weight updates, pause, sleep; docs/rl.md).
         max_paused_requests: most requests held while generation is paused (more get 503 + Retry-After).
+        otlp_traces_endpoint: an OTLP/HTTP receiver's URL: each engine request then makes an ``llm_request``
+            span exported there (``tokenmill.tracing``, docs/tracing.md); None: no tracing, the SDK not imported.
+        collect_detailed_traces: what the spans add (``model``, ``worker``; ``tokenmill.tracing.RequestTracer``).
         request_limits: how much one request may ask (stop strings, prompts, sequences, constraint size and
             compile time, queued sequences; ``tokenmill.server.request_limits``).
     """
@@ -78,7 +88,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    timeout_graceful_shutdown: float = 30.0
+    shutdown_timeout: float = 30.0
     allow_special_tokens_in_content: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -93,6 +103,7 @@ class ServerConfig:
     session_max_total_bytes: int = 4 * 1024**3
     session_secret_file: str | None = None
     metrics_without_auth: bool = False
+    metrics_compat: str | None = None
     allowed_hosts: tuple[str, ...] | None = None
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
@@ -101,6 +112,8 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
     max_buffered_body_bytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES
+    otlp_traces_endpoint: str | None = None
+    collect_detailed_traces: tuple[str, ...] = ()
 
 
 class ServerState:
@@ -110,15 +123,19 @@ class ServerState:
         self.config = config
         self.model_name = config.served_model_name
         self.created = int(time.time())
-        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats)
+        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats, compat=config.metrics_compat)
         self.adapters = ServedAdapters(self.model_name, config.lora_modules,
                                        enabled=config.engine_args.enable_lora)
+        self.tracing = Tracing(config.otlp_traces_endpoint, "tokenmill") if config.otlp_traces_endpoint else None
         tracker = RequestMetricsTracker(self.metrics, log_requests=config.enable_log_requests,
-                                        base_model_name=self.model_name)
+                                        base_model_name=self.model_name,
+                                        tracer=RequestTracer(self.tracing, config.collect_detailed_traces)
+                                        if self.tracing is not None else None)
         self.engine = AsyncEngine(config.engine_args, tracker, on_load_failure,
                                   on_loaded=lambda llm: self.adapters.register_static(llm.engine),
                                   max_queued_requests=config.request_limits.max_queued_requests)
         self.rl = RLGate(self.engine, config.max_paused_requests)  # pause / sleep gate, weight version
+        self.draining = False  # set on SIGTERM/SIGINT: new requests get 503, /ready answers 503
         self._token_strings: TokenStrings | None = None
 
     # ---- facts of the loaded engine (raise 503 until it is loaded) ---------------------------
@@ -178,11 +195,49 @@ class ServerState:
         """The adapter ``model`` names (None: the base model, or no ``model``); 404 naming ``model`` otherwise."""
         return self.adapters.resolve(model)
 
+    @staticmethod
+    def session_of(raw_request: Request, user: str | None) -> str | None:
+        """The agent session of a request: its ``X-Session-Id`` header, else the body's ``user``, as a short
+        digest (what the KV cache keys kept blocks by and /debug/kv_cache shows); None without either."""
+        name = raw_request.headers.get("x-session-id") or user
+        if not name:
+            return None
+        return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+    def check_priority(self, priority: int) -> None:
+        """A request's ``priority`` is taken only under ``--scheduling-policy priority`` (as vLLM).
+
+        Raises:
+            APIError: 400 naming ``priority`` when it is not 0 and the policy is fcfs.
+        """
+        if priority and self.config.engine_args.scheduling_policy != "priority":
+            raise APIError(f"priority {priority} needs a server started with --scheduling-policy priority "
+                           "(first come, first served here)", param="priority")
+
+    def check_queue(self) -> None:
+        """Refuse at once (503, Retry-After) while the waiting queue is full, before any work on the request:
+        under overload, tokenizing requests that are then refused took the CPU the accepted ones needed.
+
+        Raises:
+            ServiceUnavailable: ``--max-queued-requests`` sequences were waiting after the engine's latest step.
+        """
+        if self.engine.queue_looks_full():
+            raise ServiceUnavailable("the server's waiting queue is full (--max-queued-requests); retry later")
+
     # ---- talking to the engine -----------------------------------------------------------------
-    async def submit(self, requests: list[EngineRequest], prompt_param: str) -> RequestStream:
+    async def submit(self, requests: list[EngineRequest], prompt_param: str,
+                     raw_request: Request | None = None) -> RequestStream:
         """Queue requests (all or none) once the RL gate lets them through (paused: they wait; asleep:
-        503); engine rejections become 400s naming ``prompt_param``. The stream carries its weight version."""
+        503); engine rejections become 400s naming ``prompt_param``. The stream carries its weight version.
+        ``raw_request``: the HTTP request, whose ``traceparent`` the requests' ``llm_request`` spans continue."""
+        if self.tracing is not None and raw_request is not None:  # their llm_request spans join the client's trace
+            headers = trace_headers(raw_request.headers)
+            if headers is not None:
+                requests = [dataclasses.replace(r, trace_headers=headers) for r in requests]
         weight_version = await self.rl.admit()
+        if self.draining:  # checked after the gate: a request held while paused may be let through after SIGTERM
+            raise ServiceUnavailable("the server is shutting down and takes no new requests; send it to another "
+                                     "replica")
         try:
             stream = await self.engine.add(requests)
             stream.weight_version = weight_version
@@ -216,8 +271,8 @@ class ServerState:
                     raise APIError("client disconnected", 499)
             try:
                 task.result()
-            except EngineDeadError as exc:
-                raise APIError(str(exc), 503, "service_unavailable_error") from None
+            except RequestFailedError as exc:  # the engine died, a step failed, or the shutdown timeout ran out
+                raise APIError(str(exc), exc.status_code, exc.error_type) from None
             return finals
         finally:
             task.cancel()
@@ -229,8 +284,8 @@ async def sse_stream(events: AsyncIterator[dict], stream: RequestStream) -> Asyn
     try:
         async for event in events:
             yield sse(event)
-    except EngineDeadError as exc:
-        yield sse({"error": {"message": str(exc), "type": "service_unavailable_error", "param": None, "code": 503}})
+    except RequestFailedError as exc:  # the engine died, a step failed, or the shutdown timeout ran out
+        yield sse({"error": {"message": str(exc), "type": exc.error_type, "param": None, "code": exc.status_code}})
     finally:
         stream.close()
     yield SSE_DONE

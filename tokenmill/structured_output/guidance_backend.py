@@ -2,8 +2,9 @@
 
 Constraints compile to llguidance's grammar text (JSON schema, regex, Lark); GBNF grammars are
 converted to Lark by llguidance itself. JSON is written with compact separators and no free
-whitespace. llguidance refuses schema keywords it does not implement; its warnings are refused
-too, so a constraint is never weakened silently.
+whitespace; ``json_object`` is the bounded schema of ``json_object.py``. llguidance refuses schema
+keywords it does not implement; its warnings are refused too, so a constraint is never weakened
+silently.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from tokenmill.structured_output.backend import CompiledConstraint, ConstraintError, Matcher, StructuredOutputBackend
+from tokenmill.structured_output.json_object import json_object_schema
 from tokenmill.structured_output.schema_check import load_json_schema
 from tokenmill.structured_output.tool_call_format import CALL_END, CALL_SEPARATOR, call_begin, parse_tool_calls_spec
 
@@ -63,8 +65,8 @@ class GuidanceBackend(StructuredOutputBackend):
 
     def _grammar(self, kind: str, spec: str) -> str:
         if kind in ("json", "json_object"):
-            schema = {"type": "object"} if kind == "json_object" else load_json_schema(spec, kind)
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
+            schema = json_object_schema() if kind == "json_object" else json.dumps(load_json_schema(spec, kind))
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
         if kind == "choice":

@@ -1,8 +1,9 @@
 """The xgrammar backend (MLC's xgrammar: pushdown automata with a precomputed token mask cache).
 
 Constraints compile through xgrammar's GrammarCompiler (JSON schema, regex, EBNF or Lark, and a
-structural tag for tool calls). xgrammar accepts some JSON-schema keywords it does not enforce;
-``schema_check.XGRAMMAR_KEYWORDS`` lists the ones it does and anything else is refused.
+structural tag for tool calls); ``json_object`` is the bounded schema of ``json_object.py``. xgrammar
+accepts some JSON-schema keywords it does not enforce; ``schema_check.XGRAMMAR_KEYWORDS`` lists the
+ones it does and anything else is refused.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import xgrammar
 import xgrammar.structural_tag as xgr_tag
 
 from tokenmill.structured_output.backend import CompiledConstraint, ConstraintError, Matcher, StructuredOutputBackend
+from tokenmill.structured_output.json_object import json_object_schema
 from tokenmill.structured_output.schema_check import XGRAMMAR_FORMATS, XGRAMMAR_KEYWORDS, check_keywords, load_json_schema
 from tokenmill.structured_output.tool_call_format import CALL_END, CALL_SEPARATOR, call_begin, parse_tool_calls_spec
 
@@ -76,7 +78,7 @@ class XgrammarBackend(StructuredOutputBackend):
         if kind == "json":
             return self.compiler.compile_json_schema(json.dumps(self._schema(spec, kind)), **_JSON_OPTIONS)
         if kind == "json_object":
-            return self.compiler.compile_json_schema('{"type": "object"}', **_JSON_OPTIONS)
+            return self.compiler.compile_json_schema(json_object_schema(), **_JSON_OPTIONS)
         if kind == "regex":
             return self.compiler.compile_regex(spec)
         if kind == "choice":
