@@ -20,9 +20,7 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,39 +29,23 @@ from pathlib import Path
 import httpx2 as httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from server_process import ServerProcess  # noqa: E402
 VOCAB = ["river", "stone", "quiet", "market", "engine", "signal", "harbor", "lantern", "orbit", "meadow", "copper",
          "violet", "canyon", "ledger", "pilot", "glacier", "thimble", "saddle", "quartz", "willow"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(VOCAB) for _ in range(n))
 
 
-def start_server(ttl: float, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "tokenmill.cli.main", "serve", *([args.model] if args.model else []),
-           "--port", str(port), "--session-kv-ttl", str(ttl), "--kv-cache-memory", str(args.kv_cache_memory),
-           "--max-model-len", "4096", "--max-num-seqs", str(args.max_num_seqs)]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
+def start_server(ttl: float, args: argparse.Namespace, log: Path) -> ServerProcess:
+    """A healthy ``tokenmill serve`` with session TTL ``ttl`` and the run's pool (benchmarks/server_process.py)."""
+    return ServerProcess(["--session-kv-ttl", str(ttl), "--kv-cache-memory", str(args.kv_cache_memory),
+                          "--max-model-len", "4096", "--max-num-seqs", str(args.max_num_seqs)],
+                         log, args.model).wait_healthy(300)
 
 
 async def chat(client: httpx.AsyncClient, messages: list[dict], max_tokens: int, headers: dict) -> dict:
@@ -153,12 +135,11 @@ def main() -> int:
     runs = []
     for r in range(args.repeats):
         for mode, ttl in (("lru", 0.0), ("sessions", args.session_kv_ttl)):
-            proc, url = start_server(ttl, args, logs / f"{mode}-{r}.log")
+            server = start_server(ttl, args, logs / f"{mode}-{r}.log")
             try:
-                run = {"mode": mode, **asyncio.run(workload(url, args))}
+                run = {"mode": mode, **asyncio.run(workload(server.url, args))}
             finally:
-                proc.terminate()
-                proc.wait(60)
+                server.stop()
             runs.append(run)
             print(json.dumps(run), flush=True)
 

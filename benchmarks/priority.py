@@ -22,9 +22,7 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,34 +32,18 @@ import httpx2 as httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from server_process import ServerProcess  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(policy: str, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "tokenmill.cli.main", "serve", *([args.model] if args.model else []),
-           "--port", str(port), "--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs),
-           "--max-model-len", "2048", "--kv-offload-memory", str(args.kv_offload_memory),
-           *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
+def start_server(policy: str, args: argparse.Namespace, log: Path) -> ServerProcess:
+    """A healthy ``tokenmill serve`` with ``policy`` and the run's settings (benchmarks/server_process.py)."""
+    return ServerProcess(["--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs),
+                          "--max-model-len", "2048", "--kv-offload-memory", str(args.kv_offload_memory),
+                          *(["--num-threads", str(args.num_threads)] if args.num_threads else [])],
+                         log, args.model).wait_healthy(300)
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -179,12 +161,11 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="tokenmill-priority-"))
     for r in range(args.repeats):
         for policy in ("fcfs", "priority"):
-            proc, url = start_server(policy, args, logs / f"{policy}-{r}.log")
+            server = start_server(policy, args, logs / f"{policy}-{r}.log")
             try:
-                run = asyncio.run(workload(url, policy, args))
+                run = asyncio.run(workload(server.url, policy, args))
             finally:
-                proc.terminate()
-                proc.wait(60)
+                server.stop()
             runs.append(run)
             print(json.dumps(run), flush=True)
     by = {p: [x for x in runs if x["policy"] == p] for p in ("fcfs", "priority")}

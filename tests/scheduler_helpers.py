@@ -33,3 +33,24 @@ def step(scheduler, token: int | dict[str, int] = 7) -> SchedulerOutput:
 
 def scheduled(out: SchedulerOutput) -> dict[str, int]:
     return {r.request_id: n for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)}
+
+
+def block_value(block_hash: int) -> float:
+    """What ``fake_forward`` writes into a block of this hash."""
+    return float(block_hash % 1_000_003)
+
+
+def fake_forward(out: SchedulerOutput, kv_cache, block_size: int) -> int:
+    """A forward that checks and writes block contents instead of computing: every block a scheduled request
+    already counts as computed (prefix hits from any tier included) must hold ``block_value(its hash)``, and each
+    block this step completes gets it. ``kv_cache``: (layers, 2, blocks, block_size, ...) tensor. Returns the
+    blocks checked."""
+    checked = 0
+    for request, num_new, block_ids in zip(out.scheduled_requests, out.num_scheduled_tokens, out.block_ids):
+        start = request.num_computed_tokens
+        for b in range(start // block_size):
+            assert (kv_cache[:, :, block_ids[b]] == block_value(request.block_hashes[b])).all(), (request, b)
+            checked += 1
+        for b in range(start // block_size, (start + num_new) // block_size):
+            kv_cache[:, :, block_ids[b]] = block_value(request.block_hashes[b])
+    return checked
