@@ -61,10 +61,11 @@ def hybrid_config():
 
 def write_checkpoint(out_dir: Path) -> tuple[str, int]:
     """The random checkpoint (float32) + SmolLM2 tokenizer; returns (path, parameter count)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from tokenmill.models.default_model import default_model_path
     from tokenmill.models.gguf_cache import cached_tokenizer
+    from tokenmill.models.gguf_loader import load_gguf_tokenizer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hybrid_config(), dtype=torch.float32).eval()
@@ -74,8 +75,7 @@ def write_checkpoint(out_dir: Path) -> tuple[str, int]:
                 layer.linear_attn.A_log.uniform_(-1.0, 1.0)
     model.save_pretrained(out_dir)
     gguf = default_model_path()
-    cached_tokenizer(gguf, lambda: AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-                     ).save_pretrained(out_dir)
+    cached_tokenizer(gguf, lambda: load_gguf_tokenizer(gguf)).save_pretrained(out_dir)
     (out_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
     return str(out_dir), sum(p.numel() for p in model.parameters())
 

@@ -1,6 +1,6 @@
 """The Triton paged-attention kernels against the torch reference (torch_paged.py), on CPU under
 triton's interpreter: KV write, mixed decode + prefill batches over shuffled block tables, split-KV decode,
-sliding windows.
+sliding windows, Gemma 2's attention logit soft-capping.
 
 Triton decides compiled-or-interpreted when it decorates a kernel, including its own library
 functions (tl.cdiv, tl.cumsum) decorated when triton is first imported. So TRITON_INTERPRET=1 is
@@ -69,11 +69,12 @@ def make_step(query_lens, num_cached, block_size, num_kv_heads, head_dim, dtype,
     return metadata, k_cache, v_cache
 
 
-def assert_matches_reference(query, k_cache, v_cache, metadata, num_splits, sliding_window=None):
+def assert_matches_reference(query, k_cache, v_cache, metadata, num_splits, sliding_window=None, logit_softcap=None):
     scale = query.shape[-1] ** -0.5
-    expected = paged_attention(query, k_cache, v_cache, metadata, scale, sliding_window=sliding_window)
+    expected = paged_attention(query, k_cache, v_cache, metadata, scale, sliding_window=sliding_window,
+                               logit_softcap=logit_softcap)
     actual = triton_paged_attention(query, k_cache, v_cache, metadata, scale, num_splits=num_splits,
-                                    sliding_window=sliding_window)
+                                    sliding_window=sliding_window, logit_softcap=logit_softcap)
     assert actual.shape == query.shape and actual.dtype == query.dtype
     tol = TOLERANCE[query.dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
@@ -180,6 +181,51 @@ def test_sliding_window_matches_reference(window, num_splits):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype,window,num_splits", [(torch.float32, None, 1), (torch.float32, 5, 2),
+                                                     (torch.bfloat16, None, 3), (torch.float32, None, 4)])
+def test_logit_softcap_matches_reference(dtype, window, num_splits):
+    """Gemma 2's soft-capping (scores ``cap * tanh(score / cap)`` before the mask and softmax) in the prefill and
+    the (split) decode kernels, alone and with a sliding window, against the torch reference; the queries are
+    scaled up so that scores reach past the cap (1.5 here) and the capped result is far from the uncapped one."""
+    rng = np.random.default_rng(11 + num_splits)
+    torch.manual_seed(11 + num_splits)
+    query_lens, num_cached = [1, 33, 7, 1, 16, 1], [60, 0, 40, 3, 16, 250]
+    metadata, k_cache, v_cache = make_step(query_lens, num_cached, 8, 2, 32, dtype, rng)
+    query = (3.0 * torch.randn(sum(query_lens), 4, 32)).to(dtype)
+    assert_matches_reference(query, k_cache, v_cache, metadata, num_splits, sliding_window=window, logit_softcap=1.5)
+    capped = triton_paged_attention(query, k_cache, v_cache, metadata, 32**-0.5, num_splits=num_splits,
+                                    sliding_window=window, logit_softcap=1.5)
+    uncapped = triton_paged_attention(query, k_cache, v_cache, metadata, 32**-0.5, num_splits=num_splits,
+                                      sliding_window=window)
+    assert (capped.float() - uncapped.float()).abs().max() > 0.3
+
+
+@needs_interpreter
+def test_gemma2_through_the_triton_kernels_matches_transformers(tmp_path):
+    """A tiny Gemma 2 (attention soft-capping 2.0, every feature off its default) with every Attention layer on the
+    Triton kernels, as the CUDA runner routes them: a prefill then paged decode steps give transformers' float32
+    logits (before this, such a layer was refused on the Triton path)."""
+    from tests.test_models import BLOCK_IDS, TOKEN_IDS, hf_logits, new_kv_caches, run_step
+    from tests.test_more_architectures import make_model
+    from tokenmill.attention import Attention
+    from tokenmill.models import load_model
+
+    hf = make_model("gemma2", tmp_path)
+    loaded = load_model(str(tmp_path), dtype="float32")
+    layers = [m for m in loaded.model.modules() if isinstance(m, Attention)]
+    assert layers and all(layer.logit_softcap == 2.0 for layer in layers)
+    for layer in layers:
+        layer.use_triton = True
+    kv_caches = new_kv_caches(loaded)
+    seq = TOKEN_IDS[:11]
+    logits = [run_step(loaded, kv_caches, [seq], [0], [BLOCK_IDS[:3]])]
+    for n in range(11, 14):  # decode steps across a block boundary
+        seq = TOKEN_IDS[: n + 1]
+        logits.append(run_step(loaded, kv_caches, [[seq[-1]]], [n], [BLOCK_IDS[: (n + 4) // 4]]))
+    torch.testing.assert_close(torch.cat(logits), hf_logits(hf, seq), atol=1e-4, rtol=0)
+
+
+@needs_interpreter
 def test_prefill_only_step_matches_reference():
     rng = np.random.default_rng(3)
     torch.manual_seed(3)
@@ -226,6 +272,8 @@ def test_rejects_mismatched_inputs():
         triton_paged_attention(query.double(), k_cache, v_cache, metadata, 1.0)
     with pytest.raises(ValueError, match="num_splits"):
         triton_paged_attention(query, k_cache, v_cache, metadata, 1.0, num_splits=0)
+    with pytest.raises(ValueError, match="logit_softcap"):
+        triton_paged_attention(query, k_cache, v_cache, metadata, 1.0, logit_softcap=0.0)
     with pytest.raises(ValueError, match="slot_mapping"):
         triton_write_kv(torch.randn(4, 2, 32), torch.randn(4, 2, 32), k_cache, v_cache, metadata.slot_mapping[:3])
 
@@ -248,11 +296,11 @@ def build(fn, types, constexprs, **options):
 
 io = {name: "*bf16" for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "key_ptr", "value_ptr")}
 io |= {name: "*i64" for name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "slot_mapping_ptr")}
-io |= {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale_log2e": "fp32"}
+io |= {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale_log2e": "fp32", "softcap_log2e": "fp32"}
 build(k.write_kv_kernel, io, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128))
-for sliding in (False, True):
+for sliding, softcap in ((False, False), (True, False), (True, True)):  # Gemma 2: windows and soft-capping
     common = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_F32=False, DOT_PRECISION="tf32",
-                  SLIDING=sliding)
+                  SLIDING=sliding, SOFTCAP=softcap)
     build(k.prefill_kernel, io, dict(common, BLOCK_R=128, BLOCK_M=64, BLOCK_N=64), num_warps=4, num_stages=2)
     for split in (False, True):
         build(k.decode_kernel, io, dict(common, BLOCK_G=16, BLOCK_N=64, SPLIT=split), num_warps=4, num_stages=2)

@@ -81,14 +81,14 @@ def smollm2_gguf_path() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer() -> PreTrainedTokenizerFast:
-    """The SmolLM2 tokenizer + chat template, rebuilt by transformers from the GGUF (seconds of Python)
-    once per machine: later loads read transformers' own ``save_pretrained`` copy from the GGUF cache."""
-    from transformers import AutoTokenizer
-
+    """The SmolLM2 tokenizer + chat template, rebuilt from the GGUF as the engine's loader does (transformers'
+    conversion with llama.cpp's split for ``tokenizer.ggml.pre``; seconds of Python) once per machine: later loads
+    read transformers' own ``save_pretrained`` copy from the GGUF cache."""
     from tokenmill.models.gguf_cache import cached_tokenizer
+    from tokenmill.models.gguf_loader import load_gguf_tokenizer
 
     path = smollm2_gguf_path()
-    return cached_tokenizer(path, lambda: AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+    return cached_tokenizer(path, lambda: load_gguf_tokenizer(path))
 
 
 def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:

@@ -85,7 +85,8 @@ class EngineArgs:
         "weight-only int8 for safetensors, none = dense in `dtype` (docs/quantization.md)",
         choices=("gguf", "int8", "none"))
     max_model_len: int | None = option(
-        None, "longest prompt + output of a request, in tokens (default: the model's max_position_embeddings)")
+        None, "longest prompt + output of a request, in tokens (default: the model's max_position_embeddings); "
+        "a longrope model (Phi-3 128k) uses its long RoPE factors when this exceeds its original context")
     max_num_seqs: int = option(128, "most requests running at once")
     max_num_batched_tokens: int = option(1024, "token budget of one engine step (prefill chunks + decodes)")
     kv_cache_memory: float = option(

@@ -19,6 +19,10 @@ q = heads × head_dim, kv = kv_heads × head_dim. The KV pool then holds
 floor(kv budget / (block_size × kv_bytes_per_token)) blocks: the engine's own formula
 (``runner.kv_cache_sizing``), so the block count equals ``ModelRunner.num_kv_blocks``.
 
+Multi-head latent attention (DeepSeek-V2/V3, docs/moe.md): a token caches one latent vector per layer instead of
+K and V, so kv_bytes_per_token = layers × (kv_lora_rank + qk_rope_head_dim) × bytes(kv dtype) (the runner's
+one-plane pool), and activations count the absorbed query (heads × latent) as q and the latent as kv.
+
 Hybrid (linear-attention) models (docs/hybrid_models.md): only the full-attention layers count in
 kv_bytes_per_token; each linear layer keeps a fixed state per sequence instead
 (``kv_cache.state_slots.state_bytes_per_sequence``). The engine allocates max_num_seqs live state slots
@@ -41,7 +45,7 @@ from tokenmill.config import ConfigError, check_int, check_number
 from tokenmill.csrc_build import cpu_has_native_bf16
 from tokenmill.engine_args import EngineArgs
 from tokenmill.kv_cache.state_slots import state_bytes_per_sequence, state_pool_sizes
-from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, num_blocks_for_budget
+from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, latent_kv_dim, num_blocks_for_budget
 
 MIB = 1024**2
 # Torch/Python runtime, tokenizer, server and allocator slack (an idle process with torch and
@@ -80,6 +84,8 @@ class ModelShape:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # Multi-head latent attention: the latent width (kv_lora_rank + qk_rope_head_dim) cached per token and layer.
+    kv_latent_dim: int = 0
 
     @property
     def num_kv_layers(self) -> int:
@@ -117,7 +123,12 @@ def _shape_from_config(config, path: Path, file_format: str, num_params: int, nb
     from tokenmill.models.registry import get_model_class
 
     get_model_class(config)  # unsupported architectures fail here, as in the engine
-    linear = {}
+    linear: dict = {}
+    head_dim = int(head_dim_of(config))
+    latent = latent_kv_dim(config)
+    if latent:  # DeepSeek's latent attention: head_dim is the q/k head (nope + rope); one latent vector cached
+        linear = dict(kv_latent_dim=latent)
+        head_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
     layer_types = list(getattr(config, "layer_types", None) or [])
     if "linear_attention" in layer_types:  # hybrid Gated DeltaNet model (tokenmill/models/qwen3_next.py)
         hk, hv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
@@ -129,8 +140,8 @@ def _shape_from_config(config, path: Path, file_format: str, num_params: int, nb
         path=str(path), file_format=file_format, architecture=config.architectures[0],
         num_layers=int(config.num_hidden_layers), hidden_size=int(config.hidden_size),
         num_attention_heads=int(config.num_attention_heads),
-        num_kv_heads=int(config.num_key_value_heads or config.num_attention_heads),
-        head_dim=int(head_dim_of(config)), intermediate_size=int(config.intermediate_size),
+        num_kv_heads=1 if latent else int(config.num_key_value_heads or config.num_attention_heads),
+        head_dim=head_dim, intermediate_size=int(config.intermediate_size),
         vocab_size=int(config.vocab_size), max_position_embeddings=int(config.max_position_embeddings),
         num_params=num_params, checkpoint_bytes=nbytes, checkpoint_dtype=checkpoint_dtype,
         quantized_params=quantized[0], quantized_bytes=quantized[1], **linear,
@@ -292,8 +303,8 @@ def activation_bytes(shape: ModelShape, dtype_bytes: int, max_num_batched_tokens
     """The activation reserve of one engine step (see the module docstring for the formula)."""
     t, length = max_num_batched_tokens, max_model_len
     sampled, chunk = min(max_num_seqs, t), min(t, length)
-    q = shape.num_attention_heads * shape.head_dim
-    kv = shape.num_kv_heads * shape.head_dim
+    q = shape.num_attention_heads * (shape.kv_latent_dim or shape.head_dim)  # latent attention: absorbed query
+    kv = shape.kv_latent_dim or shape.num_kv_heads * shape.head_dim
     step = t * (4 * shape.hidden_size + 2 * q + 2 * kv + 3 * shape.intermediate_size) * dtype_bytes
     logits = sampled * shape.vocab_size * 4 * 3
     prefill = shape.num_attention_heads * chunk * length * 4 + 2 * length * kv * dtype_bytes
@@ -362,7 +373,13 @@ def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
     activations = activation_bytes(shape, DTYPE_BYTES[dtype], config.max_num_batched_tokens, config.max_num_seqs,
                                    max_model_len)
     usable = int(config.memory * config.memory_utilization * GIB)
-    per_token = kv_bytes_per_token(shape.num_kv_layers, shape.num_kv_heads, shape.head_dim, DTYPE_BYTES[kv_dtype])
+    if shape.kv_latent_dim:
+        if kv_dtype in QUANTIZED_KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported with multi-head latent "
+                             "attention (DeepSeek-V2/V3); use 'auto'")
+        per_token = kv_bytes_per_token(shape.num_kv_layers, 1, shape.kv_latent_dim, DTYPE_BYTES[kv_dtype], num_planes=1)
+    else:
+        per_token = kv_bytes_per_token(shape.num_kv_layers, shape.num_kv_heads, shape.head_dim, DTYPE_BYTES[kv_dtype])
     if kv_dtype in QUANTIZED_KV_DTYPES:  # the runner's scales: float16 per token, KV head, K and V, layer
         per_token += 2 * shape.num_kv_layers * shape.num_kv_heads * 2
     state_per_seq = shape.state_bytes_per_sequence(DTYPE_BYTES[dtype])

@@ -237,7 +237,7 @@ def check_decode(shapes: Shapes, checker: Checker, rng) -> None:
                 graph = f"{graph_us:8.1f}" if graph_us is not None else "     n/a"
                 print(f"    {graph} µs graph, {eager_us:8.1f} µs eager, {kv_bytes / us / 1e3:7.1f} GB/s of "
                       f"{kv_bytes / 2**20:.0f} MiB K/V{l2}")
-        del k_cache, v_cache
+        k_cache = v_cache = None  # freed before the next step's are made
 
 
 def time_prefill(shapes: Shapes, checker: Checker, rng) -> None:

@@ -6,7 +6,7 @@ from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.per_token import per_token_paged_attention
-from tokenmill.attention.torch_paged import paged_attention, write_kv
+from tokenmill.attention.torch_paged import paged_attention, write_kv, write_latent
 from tokenmill.attention.triton_attention import triton_paged_attention, triton_write_kv
 
 # One layer's cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
@@ -27,8 +27,10 @@ class Attention(nn.Module):
     p - window < j <= p only, as transformers' sliding-window masks; every path takes it (torch reference, the
     compiled CPU decode and prefill kernels, the deterministic per-token path, Triton). Keys below the window
     stay in the cache (their blocks are not freed). ``logit_softcap`` (Gemma 2): scores become
-    ``cap * tanh(scores / cap)`` before the softmax, on every CPU path; the Triton kernels do not cap, so such
-    a layer is refused on CUDA.
+    ``cap * tanh(scores / cap)`` before the softmax, on every path (the CPU ones and the Triton kernels).
+    ``latent_cache`` (multi-head latent attention, models/deepseek.py): the layer's cache is one plane (both
+    tensors of ``kv_cache`` are the same view) holding one vector per token, read as the key and as the value
+    (num_kv_heads 1); forward writes ``k`` once and ignores ``v``, and every CPU path attends as MQA.
     """
 
     batch_invariant = False
@@ -37,8 +39,11 @@ class Attention(nn.Module):
     cpu_prefill_kernel = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 logit_softcap: float | None = None, sliding_window: int | None = None) -> None:
+                 logit_softcap: float | None = None, sliding_window: int | None = None,
+                 latent_cache: bool = False) -> None:
         super().__init__()
+        assert not latent_cache or num_kv_heads == 1, "a latent cache has one KV head"
+        self.latent_cache = latent_cache
         assert sliding_window is None or sliding_window >= 1, sliding_window
         self.logit_softcap = logit_softcap
         self.sliding_window = sliding_window
@@ -62,13 +67,17 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         if self.use_triton:
-            if self.logit_softcap is not None:
-                raise NotImplementedError("attention logit soft-capping (Gemma 2) is not implemented in the Triton "
-                                          "kernels: it runs on the CPU only")
+            if self.latent_cache:
+                raise NotImplementedError("latent attention (MLA) has no Triton kernels: it runs on the CPU only")
             triton_write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-            out = triton_paged_attention(q, k_cache, v_cache, metadata, self.scale, sliding_window=self.sliding_window)
+            out = triton_paged_attention(q, k_cache, v_cache, metadata, self.scale, sliding_window=self.sliding_window,
+                                         logit_softcap=self.logit_softcap)
             return out.reshape(num_tokens, self.num_heads * self.head_dim)
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if self.latent_cache:  # one plane: the latent is both key and value
+            write_latent(k, k_cache, metadata.slot_mapping)
+            v_cache = k_cache
+        else:
+            write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         if self.batch_invariant:
             out = per_token_paged_attention(q, k_cache, v_cache, metadata, self.scale, self.sliding_window,
                                             self.logit_softcap)

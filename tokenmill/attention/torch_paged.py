@@ -8,6 +8,9 @@ the compiled kernels take over where the runner's plan says they are faster: dec
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +34,14 @@ def write_kv(
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def write_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's latent vectors (multi-head latent attention) into their one-plane cache.
+
+    latent: [T, 1, D]; cache: [num_blocks, block_size, 1, D]; slot_mapping: [T] int64 flat slot per token.
+    """
+    cache.view(-1, *cache.shape[-2:]).index_copy_(0, slot_mapping, latent.to(cache.dtype))
 
 
 def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -153,6 +164,38 @@ def paged_attention(
     if metadata.prefills and use_prefill_kernel and cpu_prefill.supports(query, k_cache):
         cpu_prefill.paged_prefill_attention(query, k_cache, v_cache, metadata, scale, out, window, softcap)
         return out
+    _prefill_spans(query, k_cache, v_cache, metadata, scale, out, use_gqa, window, softcap)
+    return out
+
+
+@contextlib.contextmanager
+def _sdpa_without_onednn(query: torch.Tensor) -> Iterator[None]:
+    """Run the enclosed SDPA call on torch's flash-attention kernel without oneDNN for a bf16/f16 CPU query.
+
+    With oneDNN on, torch's CPU flash attention in bf16 JIT-compiles brgemm kernels for each (query length,
+    key length) pair and keeps every one: a server sees a new pair at almost every prefill chunk, so its
+    resident memory grew by about 2 MiB per pair without bound (benchmarks/soak.py, issue 44: +0.4 GiB in
+    four minutes; 500 lengths in a loop: +0.9 GiB). Without oneDNN the same kernel multiplies through
+    torch's blocked GEMM: 1.3-1.45x slower per call on an AMX machine, no cache. (The C prefill kernel,
+    ``cpu_prefill``, has no cache either; the plan races it against this path.) ``torch.backends.mkldnn.flags``
+    would do the same but also touches the TF32 setting and warns on every call.
+    """
+    if query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float16) \
+            or not torch._C._get_mkldnn_enabled():
+        yield
+        return
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(True)
+
+
+def _prefill_spans(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                   scale: float, out: torch.Tensor, use_gqa: bool, window: int | None, softcap: float | None) -> None:
+    """The torch path of ``paged_attention``'s prefill chunks: SDPA per span (eager attention under a
+    soft-cap), written into ``out`` [T, H, D]."""
+    num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
     for span in metadata.prefills:
@@ -164,10 +207,11 @@ def paged_attention(
         num_query = span.token_end - span.token_start
         if softcap is None:
             q = query[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # (1, H, Lq, D)
-            o = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
-                enable_gqa=use_gqa,
-            )
+            with _sdpa_without_onednn(q):
+                o = F.scaled_dot_product_attention(
+                    q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
+                    enable_gqa=use_gqa,
+                )
             out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)
             continue
         q = query[span.token_start : span.token_end]  # (Lq, H, D)
@@ -176,7 +220,7 @@ def paged_attention(
             mask = torch.ones(num_query, span.num_context, dtype=torch.bool, device=query.device).tril()
         o = _softcapped_attention(q, k, v, mask, scale, softcap)  # (1, KVH, G, Lq, D)
         out[span.token_start : span.token_end] = o[0].permute(2, 0, 1, 3).reshape(num_query, num_heads, head_dim)
-    return out
+
 
 
 def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -135,6 +135,7 @@ def triton_paged_attention(
     *,
     num_splits: int | None = None,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over each request's paged context
     (the contract of ``torch_paged.paged_attention``).
@@ -146,7 +147,9 @@ def triton_paged_attention(
     on query's device) plus the host-side counts ``metadata.num_prefills`` and
     ``metadata.decode_token_idx.shape[0]``. num_splits: decode partitions per context (None: chosen
     by :func:`choose_num_splits`). ``sliding_window``: a query at position p sees keys p - window < j <= p
-    only (None: all keys up to p). Returns [T, num_heads, head_dim] in query's dtype.
+    only (None: all keys up to p). ``logit_softcap`` (Gemma 2): scores ``q.k * scale`` become
+    ``cap * tanh(score / cap)`` before the mask and softmax (None: no cap). Returns [T, num_heads, head_dim]
+    in query's dtype.
     Raises ValueError on mismatched shapes, dtypes or devices.
     """
     _check_cache(k_cache, v_cache)
@@ -170,6 +173,8 @@ def triton_paged_attention(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be > 0, got {logit_softcap}")
 
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -180,8 +185,10 @@ def triton_paged_attention(
     group = num_heads // num_kv_heads
     dot_f32, dot_precision = _dot_config(query.dtype)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=_pow2(head_dim),
-                  DOT_F32=dot_f32, DOT_PRECISION=dot_precision, SLIDING=sliding_window is not None)
+                  DOT_F32=dot_f32, DOT_PRECISION=dot_precision, SLIDING=sliding_window is not None,
+                  SOFTCAP=logit_softcap is not None)
     window = sliding_window or 0
+    softcap_log2e = (logit_softcap or 1.0) * math.log2(math.e)  # unread without SOFTCAP
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     num_reqs = seq_lens.shape[0]
@@ -194,7 +201,7 @@ def triton_paged_attention(
         grid = (-(-num_tokens // block_m) + num_prefills, num_heads)
         _kernels().prefill_kernel[grid](
             query, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
-            scale_log2e, num_reqs, window,
+            scale_log2e, num_reqs, window, softcap_log2e,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides, block_table.stride(0),
             BLOCK_R=_pow2(num_reqs), BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=warps, num_stages=stages, **common,
@@ -207,7 +214,7 @@ def triton_paged_attention(
             max_context = min(max_context, sliding_window)
         splits = num_splits or choose_num_splits(num_decodes, num_kv_heads, max_context, _num_sms(query.device))
         _decode(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale_log2e, splits,
-                cache_strides, common, window)
+                cache_strides, common, window, softcap_log2e)
     return out
 
 
@@ -225,9 +232,11 @@ def _decode(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
     scale_log2e: float, num_splits: int, cache_strides: tuple[int, ...], common: dict, window: int,
+    softcap_log2e: float,
 ) -> None:
     """Launch decode_kernel over (B, KVH, num_splits) and, when split, reduce_kernel over (B, H).
-    ``window``: the sliding window when ``common["SLIDING"]`` (else unread)."""
+    ``window``: the sliding window when ``common["SLIDING"]`` (else unread); ``softcap_log2e``: the logit cap
+    times log2(e) when ``common["SOFTCAP"]`` (else unread)."""
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -241,7 +250,7 @@ def _decode(
         part_out, part_lse, part_strides = out, out, (0, 0, 0, 0, 0)
     _kernels().decode_kernel[(num_reqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse, query_start_loc, seq_lens, block_table,
-        scale_log2e, num_splits, window,
+        scale_log2e, num_splits, window, softcap_log2e,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides, block_table.stride(0),
         *part_strides,
         BLOCK_G=_pow2(common["GROUP"]), BLOCK_N=block_n, SPLIT=split, num_warps=4, num_stages=2, **common,

@@ -12,6 +12,9 @@ Layouts (strides are passed explicitly; the last dimension of every tensor has s
 Scores are kept in the log2 domain (``scale_log2e = scale * log2(e)``) so softmax uses exp2.
 SLIDING (constexpr) with ``window``: sliding-window attention, a query at position p sees keys
 p - window < j <= p only (transformers' masks); the key loops start at the first key any of their rows sees.
+SOFTCAP (constexpr) with ``softcap_log2e`` (the cap times log2(e)): Gemma 2's attention logit soft-capping,
+scores ``cap * tanh(score / cap)`` before the mask and softmax; in the log2 domain that is
+``c * tanh(s / c)`` with ``c = cap * log2(e)``, since tanh is applied to ``s / c = score / cap`` either way.
 """
 from __future__ import annotations
 
@@ -28,6 +31,17 @@ def _dot(a, b, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     else:
         out = tl.dot(a, b, input_precision=DOT_PRECISION)
     return out
+
+
+@triton.jit
+def _softcap(s, cap):
+    """``cap * tanh(s / cap)`` elementwise (float32), tanh written with exp2 (triton has no tanh of its own that
+    also runs under the interpreter): tanh(a) = (1 - e^(-2a)) / (1 + e^(-2a)) for a = |s| / cap >= 0, sign put
+    back after, so the exponential never overflows."""
+    a = tl.abs(s) / cap
+    e = tl.exp2(a * -2.8853900817779268)  # e^(-2a) = 2^(-2a * log2(e))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -t, t) * cap
 
 
 @triton.jit
@@ -63,14 +77,14 @@ def write_kv_kernel(
 def prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    scale_log2e, num_reqs, window,
+    scale_log2e, num_reqs, window, softcap_log2e,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_k_block, stride_k_slot, stride_k_head,
     stride_v_block, stride_v_slot, stride_v_head,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Grid (query tiles, H). Tile ``t`` of the step is the tile of BLOCK_M query rows of the
     request whose prefill tiles cover t (requests with one query token own no tiles); its rows
@@ -124,6 +138,8 @@ def prefill_kernel(
         k = tl.load(k_cache_ptr + k_off[None, :] + dims[:, None],
                     mask=kv_valid[None, :] & dim_valid[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
         s = _dot(q, k.to(q.dtype), DOT_F32, DOT_PRECISION) * scale_log2e  # (BLOCK_M, BLOCK_N)
+        if SOFTCAP:
+            s = _softcap(s, softcap_log2e)
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         if SLIDING:
             visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
@@ -153,7 +169,7 @@ def prefill_kernel(
 def decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    scale_log2e, num_splits, window,
+    scale_log2e, num_splits, window, softcap_log2e,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_k_block, stride_k_slot, stride_k_head,
     stride_v_block, stride_v_slot, stride_v_head,
@@ -161,6 +177,7 @@ def decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Grid (B, KVH, num_splits). Each program takes one request with a single query token and
     the GROUP query heads that share one KV head, over one contiguous partition of the context
@@ -204,6 +221,8 @@ def decode_kernel(
         k = tl.load(k_cache_ptr + k_off[None, :] + dims[:, None],
                     mask=kv_valid[None, :] & dim_valid[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
         s = _dot(q, k.to(q.dtype), DOT_F32, DOT_PRECISION) * scale_log2e  # (BLOCK_G, BLOCK_N)
+        if SOFTCAP:
+            s = _softcap(s, softcap_log2e)
         s = tl.where(kv_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every iteration has a valid key
         alpha = tl.exp2(m_i - m_new)

@@ -73,6 +73,9 @@ def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
         f"parameters: {m.num_params:,} x {plan.dtype} = {_gib(plan.weight_bytes)}" if plan.weight_bytes ==
         m.num_params * DTYPE_BYTES[plan.dtype] else f"parameters: {m.num_params:,}, {_gib(plan.weight_bytes)} with "
         f"quantized weights ({c.quantization or 'gguf'}; the rest in {plan.dtype})",
+        (f"KV bytes per token: {m.num_kv_layers} layers x latent {m.kv_latent_dim} (kv_lora_rank + qk_rope_head_dim) x "
+         f"{DTYPE_BYTES[plan.kv_cache_dtype]} B ({plan.kv_cache_dtype}) = {plan.kv_bytes_per_token:,} B; block of "
+         f"{c.block_size} tokens = {plan.bytes_per_block:,} B") if m.kv_latent_dim else
         f"KV bytes per token: 2 x {m.num_kv_layers} {'full-attention ' if m.num_linear_layers else ''}layers x {m.num_kv_heads} kv heads x ({m.head_dim} head_dim x "
         f"{DTYPE_BYTES[plan.kv_cache_dtype]} B ({plan.kv_cache_dtype})"
         + (" + a 2 B scale" if plan.kv_cache_dtype in QUANTIZED_KV_DTYPES else "")

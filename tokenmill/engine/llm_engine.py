@@ -20,6 +20,7 @@ from tokenmill.kv_events import KVEventCollector
 from tokenmill.kv_events.publisher import build_kv_event_publisher
 from tokenmill.kv_offload import build_kv_store
 from tokenmill.kv_transfer.blocks import BlockIO, tokenizer_fingerprint
+from tokenmill.layers.rotary_embedding import set_rope_max_model_len
 from tokenmill.lora import LoRARequest
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.loader import load_model
@@ -129,6 +130,8 @@ class LLMEngine(RLEngineOps):
             max_model_len = self.runner.num_kv_tokens
             self.scheduler_config = replace(self.scheduler_config, max_model_len=max_model_len)
             self.config = replace(self.config, scheduler=self.scheduler_config)
+        # longrope RoPE (Phi-3 128k): short or long factors chosen once by the final max_model_len, before any K/V
+        set_rope_max_model_len(self.loaded.model, max_model_len)
         # KV events (docs/kv_events.md): the pool, the manager and the tiers report into one collector.
         kv_events = KVEventCollector(config.cache.block_size) if config.kv_events_config.enable_kv_cache_events else None
         if kv_events is not None and not config.cache.enable_prefix_caching:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.batch_invariant import bi_linear
+from tokenmill.layers.gemm_shapes import bounded_linear, needs_bounded_shapes
 from tokenmill.quantization.formats import QuantizedTensor
 from tokenmill.quantization.gguf_weight import GGUFWeight
 
@@ -30,7 +31,8 @@ class Linear(nn.Module):
     With ``batch_invariant`` set (deterministic mode) the product always runs in the batch-invariant
     C kernel. ``cpu_gemm_table`` (set by the CPU runner's default mode from measurements, see
     ``tokenmill.runner.cpu_kernels``) says per row count whether that kernel beats ``F.linear`` on
-    this CPU: entry ``min(rows, len - 1)`` is used; empty means always ``F.linear``.
+    this CPU: entry ``min(rows, len - 1)`` is used; empty means always ``F.linear`` (bf16/f16 on CPU: at
+    bucketed row counts, ``gemm_shapes.bounded_linear``, so oneDNN's per-shape kernels stay few).
     ``forward_float32`` is the LM head's entry point (float32 logits). ``lora`` (set by
     ``tokenmill.lora.manager.LoRAManager`` on the adapter target projections) adds each token's
     adapter delta to the output, in the same batch-invariant mode; None costs nothing.
@@ -73,6 +75,8 @@ class Linear(nn.Module):
             y = self.quant.matmul(x, self.bias, self.batch_invariant)
         elif self.batch_invariant or (table and x.dim() == 2 and table[min(x.shape[0], len(table) - 1)]):
             y = bi_linear(x, self.weight, self.bias)
+        elif x.dim() == 2 and needs_bounded_shapes(x):
+            y = bounded_linear(x, self.weight, self.bias)  # a bounded set of oneDNN kernels (gemm_shapes)
         else:
             y = F.linear(x, self.weight, self.bias)
         if self.lora is not None:

@@ -9,6 +9,17 @@ Inverse frequencies and the attention scaling come from transformers' ``ROPE_INI
   those unscaled frequencies for positions ``[0, max_position_embeddings)``, which equals
   transformers for every sequence that fits. Positions past the cache are not supported (a
   paged KV cache could not follow the rescaling anyway: cached keys keep their old rotation).
+- longrope (Phi-3 128k, Phi-3.5): per-frequency ``short_factor`` or ``long_factor`` divide the inverse
+  frequencies, and cos/sin are scaled by ``attention_factor`` (default sqrt(1 + ln(factor) / ln(original max)),
+  factor = max_position_embeddings / original_max_position_embeddings) whichever set is used. transformers
+  picks the set per forward from the sequence's current length (long once it passes
+  ``original_max_position_embeddings``); in a paged KV cache that would leave the keys written while the
+  sequence was short rotated by the other set. tokenmill picks once per engine, as llama.cpp does by its
+  context size: long factors for every token when ``max_model_len`` > ``original_max_position_embeddings``,
+  short factors otherwise (:meth:`RotaryEmbedding.set_max_model_len`; default: the model's
+  max_position_embeddings). So tokenmill equals transformers for every sequence that stays on one side of
+  the threshold in transformers (short: max_model_len <= original max; long: a prompt longer than the
+  original max), and differs for a sequence that crosses it while decoding (transformers then mixes the sets).
 """
 from __future__ import annotations
 
@@ -23,7 +34,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 from tokenmill.layers.triton_elementwise import triton_rotary
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -34,8 +45,24 @@ def rope_parameters(config: PretrainedConfig) -> dict:
     return params
 
 
-def compute_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+def longrope_original_max(config: PretrainedConfig) -> int | None:
+    """``original_max_position_embeddings`` of a longrope config (the threshold between its short and long
+    factors), or None for another rope_type."""
+    params = rope_parameters(config)
+    if params.get("rope_type", params.get("type")) != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
+    if original is None:
+        raise ValueError("rope_type 'longrope' needs original_max_position_embeddings")
+    return int(original)
+
+
+def compute_inv_freq(config: PretrainedConfig, head_dim: int, long_factors: bool = False) -> tuple[torch.Tensor, float]:
     """Return (inv_freq [head_dim // 2] float32, attention_scaling) for the config's rope_type.
+
+    ``long_factors``: for rope_type longrope, the inverse frequencies of its ``long_factor`` (else its
+    ``short_factor``), as transformers computes them for a sequence longer (else not longer) than
+    ``original_max_position_embeddings``; the attention scaling is the same either way. Ignored otherwise.
 
     A config read from a Llama 3.x GGUF carries ``rope_freq_factors`` (llama.cpp's ``rope_freqs`` tensor,
     head_dim // 2 floats, with rope_type "default"): the default inverse frequencies are divided by them,
@@ -66,7 +93,10 @@ def compute_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Ten
                                  f"{head_dim // 2}")
             inv_freq = inv_freq / factors
         return inv_freq, 1.0
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    seq_len = None
+    if rope_type == "longrope" and long_factors:
+        seq_len = longrope_original_max(config) + 1  # transformers' rule: long factors past the original max
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), seq_len=seq_len)
     assert inv_freq.shape == (head_dim // 2,), f"inv_freq shape {tuple(inv_freq.shape)} for head_dim {head_dim}"
     return inv_freq.float(), float(attention_scaling)
 
@@ -79,22 +109,53 @@ class RotaryEmbedding(nn.Module):
     (``cos_sin_cache`` [max_position_embeddings, head_dim]: cos half | sin half), computed the
     same way as transformers (``position * inv_freq`` in float32, then cos/sin times the
     attention scaling, then a cast to the activation dtype).
+
+    longrope: the cache holds one factor set, long when the context the engine serves (``max_model_len``,
+    default max_position_embeddings) exceeds ``original_max_position_embeddings`` (see the module docstring);
+    ``long_factors`` says which.
     """
 
     def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
         super().__init__()
+        self.config = config
         self.head_dim = head_dim
         self.max_position_embeddings = int(config.max_position_embeddings)
-        inv_freq, self.attention_scaling = compute_inv_freq(config, head_dim)
+        self.longrope_original_max = longrope_original_max(config)
+        self.long_factors = (self.longrope_original_max is not None
+                             and self.max_position_embeddings > self.longrope_original_max)
+        self.register_buffer("cos_sin_cache", self._cache(), persistent=False)  # (P, D) float32
+
+    def _cache(self) -> torch.Tensor:
+        """The float32 cos | sin table [max_position_embeddings, head_dim] for the current factor set."""
+        inv_freq, self.attention_scaling = compute_inv_freq(self.config, self.head_dim, self.long_factors)
         t = torch.arange(self.max_position_embeddings, dtype=torch.int64, device="cpu").float()
         freqs = t[:, None] * inv_freq[None, :]  # (P, D/2)
-        cache = torch.cat((freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling), dim=-1)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)  # (P, D) float32
+        return torch.cat((freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling), dim=-1)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Fit a longrope cache to the longest sequence the engine serves: long factors when ``max_model_len``
+        exceeds ``original_max_position_embeddings`` (llama.cpp's rule by context size), else short. The table
+        is rewritten in place (same storage: CUDA graphs and the lean decode step keep reading it). Call it
+        before any request's keys are cached. No-op for other rope types."""
+        if self.longrope_original_max is None:
+            return
+        long_factors = max_model_len > self.longrope_original_max
+        if long_factors != self.long_factors:
+            self.long_factors = long_factors
+            self.cos_sin_cache.copy_(self._cache())
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(dtype)  # (T, D)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2) each
         return cos, sin
+
+
+def set_rope_max_model_len(model: nn.Module, max_model_len: int) -> None:
+    """:meth:`RotaryEmbedding.set_max_model_len` on every RoPE table of ``model`` (the engine calls it once its
+    ``max_model_len`` is final, before serving)."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.set_max_model_len(max_model_len)
 
 
 def apply_rotary_emb(

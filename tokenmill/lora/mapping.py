@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill.layers.gemm_shapes import gemm_rows
+
 # Segments of at most this many tokens are batched with their neighbours (padded to the group's
 # longest); a longer one (a prefill chunk) runs alone, where one GEMM is already efficient.
 MAX_PADDED_SEGMENT = 16
@@ -90,7 +92,8 @@ def plan_slot_groups(
 ) -> tuple[tuple[SlotGroup, ...], np.ndarray, np.ndarray | None]:
     """Batch the step's segments into slot groups: a segment longer than ``MAX_PADDED_SEGMENT`` runs
     alone; shorter ones, in slot order, join the open group while at most ``MAX_SLOT_GAP`` slots lie
-    between neighbours. Returns (groups, padded_rows [P], valid_rows [N] or None when P == N).
+    between neighbours. A group's rows per slot are ``gemm_rows`` of its longest segment. Returns
+    (groups, padded_rows [P], valid_rows [N] or None when P == N).
 
     segments: (slot, start, end), slots ascending; token_indices: [N] the segments' batch positions.
     """
@@ -106,7 +109,7 @@ def plan_slot_groups(
     groups, padded, valid, row = [], [], [], 0  # valid: per group, the rows of its tokens
     for run in runs:
         first, last = run[0][0], run[-1][0]
-        rows_per_slot = max(end - start for _, start, end in run)
+        rows_per_slot = gemm_rows(max(end - start for _, start, end in run))
         rows = np.zeros((last - first + 1, rows_per_slot), dtype=np.int64)  # (slots, L), padding reads row 0
         for slot, start, end in run:
             rows[slot - first, : end - start] = token_indices[start:end]

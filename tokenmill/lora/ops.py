@@ -28,6 +28,7 @@ import torch
 
 from tokenmill.layers.batch_invariant import bi_linear
 from tokenmill.lora.adapter import LoRASliceWeights
+from tokenmill.layers.gemm_shapes import gemm_rows
 from tokenmill.lora.mapping import LoRAMapping, SlotGroup
 
 
@@ -140,7 +141,14 @@ def _add_lora_stacked(y: torch.Tensor, x: torch.Tensor, operands: StackedOperand
     num_slices, in_features = operands.lora_a.shape[2:]
     if mapping.single_slot is not None:  # every token, one adapter: the batch is the layout, no gather or scatter
         slot, num_tokens = mapping.single_slot, x.shape[0]
-        groups, xp = (SlotGroup(slot, 1, num_tokens, 0, (slot,)),), x.contiguous()
+        rows = gemm_rows(num_tokens)  # a bounded set of GEMM shapes (``gemm_rows``); padding rows are dropped
+        groups = (SlotGroup(slot, 1, rows, 0, (slot,)),)
+        if rows == num_tokens:
+            xp = x.contiguous()
+        else:
+            xp = ws.get("x", (rows, in_features), x)  # (rows, in)
+            xp[:num_tokens].copy_(x)
+            xp[num_tokens:].zero_()
     else:
         assert mapping.padded_rows is not None, "a mapping built for another device"
         groups = mapping.groups
@@ -167,7 +175,7 @@ def _add_lora_stacked(y: torch.Tensor, x: torch.Tensor, operands: StackedOperand
                  for i, bt in enumerate(bts)]  # (slots, L, size) each
         torch.cat(parts, dim=2, out=dg)
     if mapping.single_slot is not None:
-        y += delta
+        y += delta[: y.shape[0]]
     elif mapping.batch_rows is not None:  # every token has an adapter: gather the rows into batch order
         y += torch.index_select(delta, 0, mapping.batch_rows, out=ws.get("rows", tuple(y.shape), y))
     else:

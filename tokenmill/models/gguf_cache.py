@@ -32,7 +32,8 @@ if TYPE_CHECKING:  # torch only where weights are read or written: the router re
 logger = logging.getLogger(__name__)
 
 # Bump when what the loader yields for a GGUF file changes (names, layouts, dequantization).
-CACHE_VERSION = 2  # 2: no quantized-blocks copy (mapped in place), a tensor index, rope_freqs in the config
+CACHE_VERSION = 3  # 2: no quantized-blocks copy (mapped in place), a tensor index, rope_freqs in the config;
+# 3: tokenizers split text as llama.cpp for tokenizer.ggml.pre, phi3 longrope factors in the config
 _WEIGHTS = "model.safetensors"
 _TENSORS = "tensors.json"
 _CONFIG = "config"

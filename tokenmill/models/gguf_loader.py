@@ -8,13 +8,14 @@ consumer repacks releases its pages with its last reference); llama.cpp's Q/K ro
 for the ``llama`` architecture (whole rows, so blocks are moved as they are; a copy). Supported GGUF
 architectures: llama (incl. Mistral exported as llama, and Llama 3.x's ``rope_freqs`` RoPE factors),
 qwen2, qwen3, phi3 (fused ``attn_qkv`` and ``ffn_up`` = gate | up, loaded into the fused projections as
-they are), gemma2 and gemma3 (llama.cpp stores Gemma's RMSNorm weights as ``1 + weight``; 1 is subtracted
+they are; longrope's ``rope_factors_long`` / ``rope_factors_short`` into the config), gemma2 and gemma3 (llama.cpp stores Gemma's RMSNorm weights as ``1 + weight``; 1 is subtracted
 here so the model sees transformers' convention). Mixture of experts (docs/moe.md): llama with
 ``llama.expert_count`` (Mixtral), qwen2moe, qwen3moe and olmoe; the experts' stacked 3-D tensors
 (``blk.N.ffn_{gate,up,down}_exps``, or ``ffn_gate_up_exps``) come out as one [out, in] tensor per expert (a
 view of the stack's rows, so quantized experts stay in their blocks), shared experts from ``ffn_*_shexp`` and
-``ffn_gate_inp_shexp``. What the engine cannot run (architecture, tensor type or name, RoPE variant,
-tokenizer) raises ``UnsupportedModelError`` naming the file and the metadata key or tensor.
+``ffn_gate_inp_shexp``. deepseek2 (DeepSeek-V2/V3 with latent attention, ``gguf_deepseek2``): its config from
+the ``deepseek2.*`` keys, and ``kv_b_proj`` joined from ``attn_k_b`` / ``attn_v_b`` (dense). What the engine
+cannot run (architecture, tensor type or name, RoPE variant, tokenizer) raises ``UnsupportedModelError`` naming the file and the metadata key or tensor.
 """
 from __future__ import annotations
 
@@ -28,12 +29,15 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, OlmoeConfig, Phi3Config,
-                          PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                          Qwen3MoeConfig)
+from transformers import (DeepseekV2Config, Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, OlmoeConfig,
+                          Phi3Config, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2MoeConfig,
+                          Qwen3Config, Qwen3MoeConfig)
 
 from tokenmill.models.errors import UnsupportedModelError
+from tokenmill.models.gguf_deepseek2 import (DEEPSEEK2_BLOCK_NAMES, DEEPSEEK2_DENSE_ONLY, DEEPSEEK2_PARAMETERS,
+                                             LatentHalves, deepseek2_config_class)
 from tokenmill.models.gguf_metadata import GGUFMetadata, GGUFTensorInfo, read_gguf_metadata
+from tokenmill.models.gguf_tokenizer import apply_llama_cpp_split
 
 __all__ = ["GGUFMetadata", "GGUFTensorInfo", "gguf_to_hf_config", "iter_gguf_weights", "iter_mapped_weights",
            "load_gguf_tokenizer", "open_gguf", "read_gguf_metadata", "read_tensor_index"]
@@ -49,12 +53,14 @@ _ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "qwen2moe": (Qwen2MoeConfig, "Qwen2MoeForCausalLM"),
     "qwen3moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
     "olmoe": (OlmoeConfig, "OlmoeForCausalLM"),
+    "deepseek2": (DeepseekV2Config, "DeepseekV2ForCausalLM"),  # or V3: gguf_deepseek2.deepseek2_config_class
 }
 # llama.cpp's router weight rule per MoE architecture where the file has no ``{arch}.expert_weights_norm``
 # (its llm_build_* functions): Mixtral (llama) and qwen3moe renormalize the top-k weights, qwen2moe and olmoe not.
 _MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 # HF model_type of a config built from GGUF -> its GGUF architecture, where the tensor names or values differ
-_GGUF_ARCH_OF_MODEL_TYPE = {"phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+_GGUF_ARCH_OF_MODEL_TYPE = {"phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "deepseek_v2": "deepseek2",
+                            "deepseek_v3": "deepseek2"}
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -90,12 +96,15 @@ _EXPERT_STACKS = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",), 
 _GEMMA_BLOCK_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
 _ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_BLOCK_NAMES,
-                     "gemma3": _GEMMA_BLOCK_NAMES}
+                     "gemma3": _GEMMA_BLOCK_NAMES, "deepseek2": DEEPSEEK2_BLOCK_NAMES}
+# block tensors that are a parameter of their own (no .weight / .bias suffix in the HF name), per architecture
+_ARCH_PARAMETERS = {"deepseek2": DEEPSEEK2_PARAMETERS}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 # Tensors in the file that are not weights: read into the config (``rope_freqs.weight``: Llama 3.x RoPE).
-_NOT_WEIGHTS = frozenset({"rope_freqs.weight"})
+# ``rope_factors_{long,short}.weight``: Phi-3 longrope factors.
+_NOT_WEIGHTS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 
 class _Reader(GGUFReader):
@@ -162,15 +171,17 @@ def gguf_architecture(reader: GGUFReader | GGUFMetadata) -> str:
     return arch
 
 
-def _rope_freq_factors(reader: GGUFReader | GGUFMetadata, rope_dim: int) -> list[float]:
-    """Llama 3.x's ``rope_freqs.weight`` (F32 [rope_dim / 2]): llama.cpp divides each inverse frequency
-    ``base^(-2i/d)`` by its factor (1 for high frequencies, the scaling factor for low ones, smoothed between).
+def _rope_freq_factors(reader: GGUFReader | GGUFMetadata, rope_dim: int, name: str = "rope_freqs.weight") -> list[float]:
+    """RoPE factors stored as a tensor (F32 [rope_dim / 2]): llama.cpp divides each inverse frequency
+    ``base^(-2i/d)`` by its factor. ``name``: Llama 3.x's ``rope_freqs.weight`` (1 for high frequencies, the
+    scaling factor for low ones, smoothed between), or Phi-3's longrope ``rope_factors_long.weight`` /
+    ``rope_factors_short.weight``.
 
     Raises:
         UnsupportedModelError: another type or length, or factors that are not finite and positive.
     """
-    info = next(t for t in _tensor_infos(reader) if t.name == "rope_freqs.weight")
-    where = f"{_source(reader)}: tensor 'rope_freqs.weight'"
+    info = next(t for t in _tensor_infos(reader) if t.name == name)
+    where = f"{_source(reader)}: tensor {name!r}"
     qtype = GGMLQuantizationType(info.qtype)
     if qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         raise UnsupportedModelError(f"{where} has type {qtype.name}; only F32/F16 RoPE factors are supported")
@@ -212,7 +223,7 @@ def gguf_to_hf_config(reader: GGUFReader | GGUFMetadata) -> PretrainedConfig:
     num_heads = int(required("attention.head_count"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "deepseek2":  # deepseek2: key_length is the absorbed MLA query's
         raise UnsupportedModelError(f"{source}: {arch}.rope.dimension_count {rope_dim} < head dim {head_dim} "
                                     "(partial rotary embeddings) is not supported")
     vocab_size = _field(reader, f"{arch}.vocab_size")
@@ -258,7 +269,9 @@ def gguf_to_hf_config(reader: GGUFReader | GGUFMetadata) -> PretrainedConfig:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if arch == "qwen2moe":
         kwargs["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
-    if int(_field(reader, f"{arch}.expert_count", 0) or 0) > 0:
+    if arch == "deepseek2":
+        config_cls = deepseek2_config_class(lambda key: _field(reader, f"{arch}.{key}"), source, kwargs, tensor_names)
+    elif int(_field(reader, f"{arch}.expert_count", 0) or 0) > 0:
         if arch == "llama":
             config_cls, kwargs["architectures"] = MixtralConfig, ["MixtralForCausalLM"]
             kwargs.pop("attention_bias")
@@ -318,17 +331,34 @@ def _moe_fields(reader: GGUFReader | GGUFMetadata, arch: str, kwargs: dict[str, 
 def _phi3_fields(reader: GGUFReader | GGUFMetadata, kwargs: dict[str, Any], tensor_names: set[str]) -> None:
     """Phi-3's extra config fields: ``original_max_position_embeddings`` and ``sliding_window`` (0: none).
 
+    longrope RoPE (Phi-3 128k, Phi-3.5) is stored as llama.cpp's converter writes it: ``rope_factors_long`` and
+    ``rope_factors_short`` tensors ([rope_dim / 2] each) and ``phi3.rope.scaling.attn_factor`` (the cos/sin
+    scaling; absent: transformers' default from the context lengths). It becomes transformers' longrope
+    ``rope_parameters`` (``long_factor``, ``short_factor``, ``original_max_position_embeddings``,
+    ``attention_factor``).
+
     Raises:
-        UnsupportedModelError: longrope RoPE (``rope_factors_long`` / ``rope_factors_short`` tensors: Phi-3 128k,
-            Phi-3.5), which tokenmill does not run.
+        UnsupportedModelError: one of the two factor tensors without the other, or bad factors.
     """
     source = _source(reader)
-    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
-        if name in tensor_names:
-            raise UnsupportedModelError(f"{source}: tensor {name!r} (longrope RoPE scaling, Phi-3 128k / Phi-3.5) is "
-                                        "not supported")
-    kwargs["original_max_position_embeddings"] = int(
-        _field(reader, "phi3.rope.scaling.original_context_length", kwargs["max_position_embeddings"]))
+    original = int(_field(reader, "phi3.rope.scaling.original_context_length", kwargs["max_position_embeddings"]))
+    kwargs["original_max_position_embeddings"] = original
+    present = [name for name in ("rope_factors_long.weight", "rope_factors_short.weight") if name in tensor_names]
+    if len(present) == 1:
+        raise UnsupportedModelError(f"{source}: tensor {present[0]!r} without its longrope partner "
+                                    "(rope_factors_long and rope_factors_short come together)")
+    if present:
+        rope = kwargs["rope_parameters"]
+        if rope["rope_type"] != "default":
+            raise UnsupportedModelError(f"{source}: longrope factor tensors together with phi3.rope.scaling.type "
+                                        f"{rope['rope_type']!r} are not supported")
+        rope_dim = kwargs["head_dim"]
+        rope.update(rope_type="longrope", original_max_position_embeddings=original,
+                    long_factor=_rope_freq_factors(reader, rope_dim, "rope_factors_long.weight"),
+                    short_factor=_rope_freq_factors(reader, rope_dim, "rope_factors_short.weight"))
+        attn_factor = _field(reader, "phi3.rope.scaling.attn_factor")
+        if attn_factor is not None:
+            rope["attention_factor"] = float(attn_factor)
     window = int(_field(reader, "phi3.attention.sliding_window", 0) or 0)
     kwargs["sliding_window"] = window or None
 
@@ -375,6 +405,8 @@ def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     if match:
         layer, part, kind = match.groups()
         names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+        if part in _ARCH_PARAMETERS.get(arch, {}):
+            return f"model.layers.{layer}.{_ARCH_PARAMETERS[arch][part]}"
         if part in names:
             return f"model.layers.{layer}.{names[part]}.{kind}"
         if part in _EXPERT_STACKS and kind == "weight":  # one name per expert: _expert_names
@@ -477,6 +509,9 @@ def kept_quantized_names(index: list[GGUFTensorInfo]) -> set[str]:
         if match is None:
             continue
         layer, part, _ = match.groups()
+        if part in DEEPSEEK2_DENSE_ONLY:  # kv_b_proj: a dense LatentProjection, no block kernels
+            names.discard(name)
+            continue
         group = next((g for g in _FUSED_GROUPS if part in g), None)
         # a member the file does not have (phi3's ffn_up is already gate | up, with no ffn_gate) does not count
         if group and not all(f"blk.{layer}.{p}.weight" in names for p in group
@@ -526,6 +561,7 @@ def iter_mapped_weights(path: Path, index: list[GGUFTensorInfo], config: Pretrai
     arch = _GGUF_ARCH_OF_MODEL_TYPE.get(config.model_type, "llama")  # for the names some architectures use
     norm_offset = arch in ("gemma2", "gemma3")  # llama.cpp stored 1 + weight
     keep = kept_quantized_names(index) if kept is None else kept
+    latent_halves = LatentHalves()  # deepseek2's attn_k_b + attn_v_b -> kv_b_proj
     for info in index:
         name = _hf_name(info.name, arch)
         heads = _permuted_heads(name, config, permute)
@@ -553,6 +589,12 @@ def iter_mapped_weights(path: Path, index: list[GGUFTensorInfo], config: Pretrai
             block, type_size = GGML_QUANT_SIZES[qtype]
             array = dequantize(raw.reshape(-1, info.shape[-1] // block * type_size), qtype)
         weight = torch.from_numpy(array).reshape(info.shape)
+        part = info.name.split(".")[2] if info.name.startswith("blk.") else ""
+        if LatentHalves.holds(part):  # (H, r, qk_nope) or (H, v, r): yielded joined, once both are in
+            joined = latent_halves.add(name, part, weight)
+            if joined is not None:
+                yield name, joined
+            continue
         if len(info.shape) == 3:  # (E, N, K) expert stack
             yield from _per_expert(info, weight)
             continue
@@ -563,6 +605,7 @@ def iter_mapped_weights(path: Path, index: list[GGUFTensorInfo], config: Pretrai
         if norm_offset and name.endswith("norm.weight"):
             weight = weight - 1.0  # exact for stored values in [0.5, 2]: 1 + (stored - 1) gives back stored
         yield name, weight
+    latent_halves.check_complete(path)
 
 
 def iter_gguf_weights(reader: GGUFReader | GGUFMetadata, config: PretrainedConfig,
@@ -593,8 +636,13 @@ def _admit_tokenizer_architectures() -> None:
             supported.append(arch)
 
 
+_TOKENIZER_WITHOUT_MODEL_TYPE = frozenset({"deepseek2"})
+
+
 def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
-    """The tokenizer (with chat template) that transformers reconstructs from the GGUF metadata.
+    """The tokenizer (with chat template) that transformers reconstructs from the GGUF metadata, splitting text
+    as llama.cpp does for the file's ``tokenizer.ggml.pre`` (``gguf_tokenizer.apply_llama_cpp_split``), so the
+    ids are the ones llama.cpp would feed the model.
 
     Raises:
         UnsupportedModelError: transformers cannot build it (no ``tokenizer.ggml.*`` metadata, or a
@@ -604,7 +652,11 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
 
     _admit_tokenizer_architectures()
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        # transformers has no model type for some llama.cpp architectures (deepseek2): the fast class reads the
+        # tokenizer.ggml.* fields without one
+        no_model_type = _field(read_gguf_metadata(path), "general.architecture") in _TOKENIZER_WITHOUT_MODEL_TYPE
+        tokenizer = (PreTrainedTokenizerFast if no_model_type else AutoTokenizer).from_pretrained(
+            str(path.parent), gguf_file=path.name)
     except Exception as exc:  # noqa: BLE001 - transformers raises KeyError/ValueError/... for what it cannot convert
         try:
             model = _field(read_gguf_metadata(path), "tokenizer.ggml.model")
@@ -613,3 +665,6 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
         what = "no tokenizer.ggml.model" if model is None else f"tokenizer.ggml.model {model!r}"
         raise UnsupportedModelError(f"{path}: the tokenizer ({what}) cannot be built: {type(exc).__name__}: "
                                     f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    metadata = read_gguf_metadata(path)
+    apply_llama_cpp_split(tokenizer, _field(metadata, "tokenizer.ggml.model"), _field(metadata, "tokenizer.ggml.pre"))
+    return tokenizer

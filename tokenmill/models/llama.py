@@ -143,12 +143,14 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). Shapes stay [T, hidden].
 
     ``mlp``: the feed-forward module (default a ``LlamaMLP``; MoE models pass a ``tokenmill.moe.SparseMoeBlock``).
+    ``attn``: the attention module (default a ``LlamaAttention``; DeepSeek passes its latent attention), called
+    as ``attn(hidden, cos, sin, kv_cache, metadata)``.
     """
 
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant, sliding_window: int | None = None,
-                 mlp: nn.Module | None = None) -> None:
+                 mlp: nn.Module | None = None, attn: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant, sliding_window)
+        self.self_attn = attn if attn is not None else LlamaAttention(config, variant, sliding_window)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, variant)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -177,22 +179,26 @@ class LlamaModel(nn.Module):
     layers in one C call, or returns None and the layers below run; None (the default) costs nothing.
     ``sliding_windows``: each layer's window (``models.sliding_window``; empty: none anywhere). ``mlp_factory``:
     layer index -> that layer's feed-forward module, or None for the default ``LlamaMLP`` (MoE models).
+    ``attn_factory``: layer index -> that layer's attention module (DeepSeek's latent attention), None for the
+    default ``LlamaAttention``. ``rope_dim``: the width RoPE rotates (default the head_dim).
     """
 
     lean_decode = None
 
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant,
                  sliding_windows: tuple[int | None, ...] = (),
-                 mlp_factory: Callable[[int], nn.Module | None] | None = None) -> None:
+                 mlp_factory: Callable[[int], nn.Module | None] | None = None,
+                 attn_factory: Callable[[int], nn.Module] | None = None, rope_dim: int | None = None) -> None:
         super().__init__()
         windows = sliding_windows or (None,) * config.num_hidden_layers
         assert len(windows) == config.num_hidden_layers
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant, window, mlp_factory(i) if mlp_factory is not None else None)
+            LlamaDecoderLayer(config, variant, window, mlp_factory(i) if mlp_factory is not None else None,
+                              attn_factory(i) if attn_factory is not None else None)
             for i, window in enumerate(windows))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        self.rotary_emb = RotaryEmbedding(config, rope_dim or head_dim_of(config))
 
     def forward(
         self,
@@ -235,6 +241,8 @@ class LlamaForCausalLM(nn.Module):
 
     # True where the checkpoint itself stores the fused ``qkv_proj`` / ``gate_up_proj`` (Phi-3).
     checkpoint_fuses_projections = False
+    # checkpoint projection name -> (fused module name, shard index) that ``load_weights`` routes
+    stacked_projections: dict[str, tuple[str, int]] = _STACKED
 
     def build_decoder(self, config: PretrainedConfig) -> nn.Module:
         """The ``model`` submodule (embedding, layers, final norm); Gemma builds its own."""
@@ -286,8 +294,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             module_path, _, param_name = name.rpartition(".")
             parent, _, proj = module_path.rpartition(".")
-            if proj in _STACKED:
-                fused, shard = _STACKED[proj]
+            if proj in self.stacked_projections:
+                fused, shard = self.stacked_projections[proj]
                 target = f"{parent}.{fused}"
                 if f"{target}.{param_name}" not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
@@ -315,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
         if self.checkpoint_fuses_projections:
             return [name for name, _ in self.named_parameters()]
         inverse: dict[str, list[str]] = {}
-        for proj, (fused, _) in _STACKED.items():
+        for proj, (fused, _) in self.stacked_projections.items():
             inverse.setdefault(fused, []).append(proj)
         names = []
         for name, _ in self.named_parameters():  # tied lm_head appears once, as embed_tokens

@@ -26,6 +26,7 @@ from tokenmill.csrc_build import NATIVE_BF16_FLAGS_TEXT, cpu_has_native_bf16
 from tokenmill.models.default_model import default_model_path
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.registry import get_model_class
+from tokenmill.runner.kv_cache_sizing import latent_kv_dim
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,27 @@ class LoadedModel:
         return int(self.hf_config.num_hidden_layers) - sum(t == "linear_attention" for t in layer_types)
 
     @property
+    def kv_latent_dim(self) -> int | None:
+        """Multi-head latent attention (DeepSeek-V2/V3): the latent width ``kv_lora_rank + qk_rope_head_dim`` each
+        token caches per layer; None for other models."""
+        return latent_kv_dim(self.hf_config)
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes of the KV pool: 2 (K and V), or 1 (the latent, read as both) for latent attention."""
+        return 1 if self.kv_latent_dim else 2
+
+    @property
     def num_kv_heads(self) -> int:
+        """KV heads of the KV cache (1 for latent attention: one latent shared by every query head)."""
+        if self.kv_latent_dim:
+            return 1
         return int(self.hf_config.num_key_value_heads or self.hf_config.num_attention_heads)
 
     @property
     def head_dim(self) -> int:
-        return int(head_dim_of(self.hf_config))
+        """Width of one cached vector: the attention head_dim, or the latent width for latent attention."""
+        return int(self.kv_latent_dim or head_dim_of(self.hf_config))
 
     @property
     def vocab_size(self) -> int:
@@ -251,7 +267,7 @@ def _load_gguf(path: Path, dtype: str, device: torch.device, quantization: str |
 
     config = gguf_cache.cached_config(path, lambda: gguf_loader.gguf_to_hf_config(get_reader()))
     index = gguf_cache.cached_tensor_index(path, lambda: gguf_loader.read_tensor_index(get_reader()))
-    del reader, get_reader  # each tensor gets its own mapping below
+    reader = None  # the header's mapping goes: each tensor gets its own below
     # transformers rebuilds the tokenizer by re-reading the file's metadata (seconds of Python);
     # overlap that with the weights, which spend their time in numpy/torch kernels and page faults.
     with ThreadPoolExecutor(max_workers=1) as pool:

@@ -1,10 +1,11 @@
 """Phi-3: the Llama decoder whose checkpoint already stores the fused projections.
 
 ``self_attn.qkv_proj`` (q | k | v rows) and ``mlp.gate_up_proj`` (gate | up rows) load straight into the
-engine's fused ``MergedLinear``s; nothing is split. What tokenmill does not run is refused by name:
-``partial_rotary_factor`` != 1 and ``longrope`` RoPE (Phi-3 128k / Phi-3.5) raise ``NotImplementedError``
-from ``layers.rotary_embedding.compute_inv_freq``. ``sliding_window``, when set, applies to every layer (as in
-transformers' Phi-3).
+engine's fused ``MergedLinear``s; nothing is split. ``longrope`` RoPE (Phi-3 128k / Phi-3.5) runs with one factor
+set per engine, chosen by ``max_model_len`` as llama.cpp chooses by its context size (``layers.rotary_embedding``
+says where that differs from transformers). ``partial_rotary_factor`` != 1 is refused by name
+(``NotImplementedError`` from ``layers.rotary_embedding.compute_inv_freq``). ``sliding_window``, when set, applies
+to every layer (as in transformers' Phi-3).
 """
 from __future__ import annotations
 

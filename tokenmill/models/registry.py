@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from tokenmill.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tokenmill.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM, MistralForCausalLM
 from tokenmill.models.mixtral import MixtralForCausalLM
@@ -29,6 +30,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    # mixture of experts with multi-head latent attention (docs/moe.md)
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -7,7 +7,7 @@ how its checkpoint names differ from the module names (``checkpoint_renames``). 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -43,6 +43,15 @@ class MoECausalLM(LlamaForCausalLM):
         """Which layers are MoE (default: all)."""
         return (True,) * config.num_hidden_layers
 
+    def attention_factory(self, config: PretrainedConfig) -> Callable[[int], nn.Module] | None:
+        """Layer index -> its attention module; None (the default) for Llama's (DeepSeek: latent attention)."""
+        return None
+
+    @classmethod
+    def rope_dim(cls, config: PretrainedConfig) -> int | None:
+        """The width RoPE rotates; None (the default) for the head_dim."""
+        return None
+
     def build_decoder(self, config: PretrainedConfig) -> nn.Module:
         moe = self.moe_config(config)
         sparse = self.moe_layers(config)
@@ -52,7 +61,8 @@ class MoECausalLM(LlamaForCausalLM):
         def mlp(layer: int) -> nn.Module | None:
             return SparseMoeBlock(moe, moe_index[layer], self.expert_load) if sparse[layer] else None
 
-        return LlamaModel(config, self.decoder_variant(config), self.sliding_windows(config), mlp)
+        return LlamaModel(config, self.decoder_variant(config), self.sliding_windows(config), mlp,
+                          self.attention_factory(config), self.rope_dim(config))
 
     def _rename(self, name: str) -> str:
         for old, new in self.checkpoint_renames:

@@ -107,7 +107,10 @@ def load_router_tokenizer(path: str | None) -> RouterTokenizer:
     def produce():
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        split = _models_module("gguf_tokenizer")  # llama.cpp's split for the file, as the worker's loader
+        split.apply_llama_cpp_split(tokenizer, *split.read_tokenizer_kind(gguf))
+        return tokenizer
 
     return RouterTokenizer(gguf_cache.cached_tokenizer(gguf, produce))
 

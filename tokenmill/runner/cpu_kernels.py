@@ -48,7 +48,7 @@ ROW_LADDER: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _DECODE_BATCHES = (1, 8, 32)  # paged decode attention: sequences per call, 512 context tokens each
 _PREFILL_LENGTHS = (128, 512)  # paged prefill attention: one fresh prompt of each length
 _AMX_BF16_MIN_ROWS = 16  # qgemm's AMX bf16 product is timed from this many rows (fewer: the int8 kernel)
-_DISPATCH_VERSION = 5  # bump when the measurement or the file format changes
+_DISPATCH_VERSION = 6  # bump when the measurement or the file format changes (6: SDPA without oneDNN)
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,11 @@ class CudaModelRunner(ModelRunner):
         lora_manager=None,
     ) -> None:
         device = loaded.device
+        if loaded.kv_planes == 1:
+            from tokenmill.models.errors import UnsupportedModelError
+
+            raise UnsupportedModelError(f"{type(loaded.model).__name__} (multi-head latent attention) runs on the CPU "
+                                        "only: the CUDA runner has no latent-cache attention kernels yet")
         self.is_hybrid = bool(getattr(loaded.model, "is_hybrid", False))  # linear-attention layers: a state pool
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")

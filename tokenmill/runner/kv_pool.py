@@ -1,11 +1,13 @@
 """KVPool: the paged KV memory of one runner, and the only code that knows its layout.
 
-The pool holds the K/V tensor ``kv`` ``(layers, 2, num_blocks, block_size, kv_heads, head_dim)`` in the KV
+The pool holds the K/V tensor ``kv`` ``(layers, planes, num_blocks, block_size, kv_heads, head_dim)`` in the KV
 dtype (the model's dtype, or int8 / float8 e4m3 codes) and, for a quantized KV cache, ``scales``
-``(layers, 2, num_blocks, block_size, kv_heads)`` float16, one per vector. Everything that moves whole blocks
+``(layers, planes, num_blocks, block_size, kv_heads)`` float16, one per vector. ``planes`` is 2 (K and V) for
+every model but those with multi-head latent attention (DeepSeek-V2/V3, docs/moe.md), whose one plane holds per
+token the latent ``kv_lora_rank + qk_rope_head_dim`` vector (``kv_heads`` 1) that attention reads as both K and V. Everything that moves whole blocks
 (the RAM and disk tiers, session save and restore, prefill/decode KV transfer) goes through ``gather`` /
-``scatter`` and sees a block as ``block_bytes`` bytes: the block's K/V in ``(layers, 2, block_size, kv_heads,
-head_dim)`` order, then its scales in ``(layers, 2, block_size, kv_heads)`` order when it has them. So a block
+``scatter`` and sees a block as ``block_bytes`` bytes: the block's K/V in ``(layers, planes, block_size, kv_heads,
+head_dim)`` order, then its scales in ``(layers, planes, block_size, kv_heads)`` order when it has them. So a block
 is one byte row whatever the KV dtype, and a new copy site never needs to know about scales. ``split`` /
 ``join`` turn rows into the two typed tensors and back (the session file keeps them as tensors).
 
@@ -31,15 +33,18 @@ class KVPool:
         dtype: the KV dtype (``kv``'s element type).
         device: where the pool lives.
         scale_dtype: the per-vector scales' dtype for a quantized KV cache, else None (no scales).
+        num_planes: 2 (K and V), or 1 (a latent read as both: multi-head latent attention).
 
     Raises:
         MemoryError / RuntimeError: the memory cannot be allocated.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, scale_dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device | str, scale_dtype: torch.dtype | None = None,
+                 num_planes: int = 2) -> None:
+        assert num_planes in (1, 2), num_planes
         device = torch.device(device)
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_planes, num_blocks, block_size, num_kv_heads, head_dim)
         # Scattered block reads: huge pages mean fewer TLB misses. Advised 2 MiB at a time by the idle prefault,
         # so a step that first writes a page never waits for compaction (huge_pages.zeros_on_huge_pages).
         kv = zeros_on_huge_pages(shape, dtype, device, advise=False)
@@ -52,8 +57,8 @@ class KVPool:
     def _adopt(self, kv: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Take ``kv`` (and ``scales``) as the pool's tensors and derive the block layout from their shape."""
         self.device, self.kv, self.scales = kv.device, kv, scales
-        layers, _, self.num_blocks, block_size, heads, dim = kv.shape
-        self.block_shape = (layers, 2, block_size, heads, dim)
+        layers, planes, self.num_blocks, block_size, heads, dim = kv.shape
+        self.block_shape = (layers, planes, block_size, heads, dim)
         self.kv_block_bytes = math.prod(self.block_shape) * kv.element_size()
         self.scale_block_bytes = 0 if scales is None else math.prod(self.block_shape[:-1]) * scales.element_size()
         self.block_bytes = self.kv_block_bytes + self.scale_block_bytes
@@ -76,20 +81,32 @@ class KVPool:
 
     @classmethod
     def over(cls, kv: torch.Tensor, scales: torch.Tensor | None = None) -> KVPool:
-        """A pool over existing tensors (``kv`` ``(layers, 2, num_blocks, block_size, kv_heads, head_dim)``,
-        ``scales`` the same without ``head_dim``), e.g. a test's or a draft model's; they are not copied.
+        """A pool over existing tensors (``kv`` ``(layers, planes, num_blocks, block_size, kv_heads, head_dim)``,
+        planes 2 or 1, ``scales`` the same without ``head_dim``), e.g. a test's or a draft model's; they are not
+        copied.
 
         Raises:
-            ValueError: ``kv`` is not 6-D, or ``scales`` does not match it.
+            ValueError: ``kv`` is not 6-D with 1 or 2 planes, or ``scales`` does not match it.
         """
-        if kv.dim() != 6 or (scales is not None and tuple(scales.shape) != tuple(kv.shape[:-1])):
-            raise ValueError(f"KVPool.over needs kv (layers, 2, blocks, block_size, heads, dim) and matching scales, "
+        if (kv.dim() != 6 or kv.shape[1] not in (1, 2)
+                or (scales is not None and tuple(scales.shape) != tuple(kv.shape[:-1]))):
+            raise ValueError(f"KVPool.over needs kv (layers, 1 or 2, blocks, block_size, heads, dim) and matching scales, "
                              f"got {list(kv.shape)} and {None if scales is None else list(scales.shape)}")
         pool = cls.__new__(cls)
         pool._adopt(kv, scales)
         pool._prefault = None
         pool.state = None
         return pool
+
+    @property
+    def num_planes(self) -> int:
+        """2 (K and V), or 1 (the latent of multi-head latent attention, read as both)."""
+        return self.block_shape[1]
+
+    def layer_planes(self, tensor: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's (K, V) views of ``tensor`` (``kv`` or ``scales``): ``[num_blocks, block_size, kv_heads(,
+        head_dim)]`` each; with one plane both are the same latent view."""
+        return tensor[layer, 0], tensor[layer, self.num_planes - 1]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,7 +130,7 @@ class KVPool:
         """Copies of blocks as byte rows: uint8 ``[len(block_ids), block_bytes]`` on the pool's device."""
         ids = self._ids(block_ids)
         n = ids.numel()
-        # (layers, 2, n, block_size, heads, dim) -> (n, layers, 2, block_size, heads, dim)
+        # (layers, planes, n, block_size, heads, dim) -> (n, layers, planes, block_size, heads, dim)
         source = self.kv.view(torch.uint8) if self.kv.element_size() == 1 else self.kv  # float8 codes as bytes
         kv = source.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
         kv = kv.reshape(n, math.prod(self.block_shape)).view(torch.uint8)

@@ -143,8 +143,12 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = loaded.vocab_size
         self.kv_dtype = storage_dtype(kv_cache_dtype) or loaded.dtype  # int8 / fp8 codes, or the model's dtype
+        if loaded.kv_planes == 1 and self.kv_dtype != loaded.dtype:
+            raise ConfigError(f"`kv_cache_dtype` {kv_cache_dtype!r} is not supported with multi-head latent "
+                              "attention (DeepSeek-V2/V3): its cache holds the latent in the model's dtype; use 'auto'")
         self.bytes_per_token = kv_bytes_per_token(
-            loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, torch.empty(0, dtype=self.kv_dtype).element_size()
+            loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, torch.empty(0, dtype=self.kv_dtype).element_size(),
+            loaded.kv_planes,
         )
         if self.kv_dtype != loaded.dtype:  # plus a float16 scale per token, KV head, K and V, layer
             self.bytes_per_token += 2 * loaded.num_layers * loaded.num_kv_heads * SCALE_DTYPE.itemsize
@@ -154,7 +158,7 @@ class ModelRunner:
         try:
             self.kv_pool = KVPool(loaded.num_layers, num_kv_blocks + num_padding_blocks, block_size,
                                   loaded.num_kv_heads, loaded.head_dim, self.kv_dtype, self.device,
-                                  SCALE_DTYPE if self.kv_dtype != loaded.dtype else None)
+                                  SCALE_DTYPE if self.kv_dtype != loaded.dtype else None, loaded.kv_planes)
         except (RuntimeError, MemoryError) as exc:  # the allocator refused: the budget is larger than memory
             pool_gib = num_kv_blocks * block_size * self.bytes_per_token / GIB
             raise ConfigError(
@@ -162,12 +166,13 @@ class ModelRunner:
                 f"({str(exc).splitlines()[0][:120]}); lower `kv_cache_memory` or `num_kv_blocks`"
             ) from None
         # the pool's tensors, for the forward only: every block copy goes through self.kv_pool
-        # (layers, 2, num_blocks + padding blocks, block_size, kv_heads, head_dim); scales without head_dim
+        # (layers, planes, num_blocks + padding blocks, block_size, kv_heads, head_dim); scales without head_dim;
+        # planes 1 for latent attention, whose layers get the one latent plane as both K and V
         self.kv_cache, self.kv_scales = self.kv_pool.kv, self.kv_pool.scales
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(loaded.num_layers)]
+        self.kv_caches = [self.kv_pool.layer_planes(self.kv_cache, i) for i in range(loaded.num_layers)]
         if self.kv_scales is not None:
-            self.kv_caches = [(QuantizedKVCache(self.kv_cache[i, 0], self.kv_scales[i, 0]),
-                               QuantizedKVCache(self.kv_cache[i, 1], self.kv_scales[i, 1]))
+            self.kv_caches = [tuple(QuantizedKVCache(c, s) for c, s in zip(self.kv_caches[i],
+                                                                           self.kv_pool.layer_planes(self.kv_scales, i)))
                               for i in range(loaded.num_layers)]
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.3f GiB, %d bytes/token, %s)",

@@ -28,14 +28,16 @@ logger = logging.getLogger(__name__)
 
 
 class DraftKVPool:
-    """The draft's paged KV: a tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim], a free
+    """The draft's paged KV: a tensor [layers, planes, num_blocks, block_size, kv_heads, head_dim], a free
     list of block ids (O(1) take / give back) and each request's blocks and cached token count."""
 
     def __init__(self, loaded, num_blocks: int, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
-        shape = (loaded.num_layers, 2, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
+        # planes: 2 (K, V), or 1 for latent attention (DeepSeek), whose layers read the one latent as both
+        planes = loaded.kv_planes
+        shape = (loaded.num_layers, planes, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(loaded.num_layers)]
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, planes - 1]) for i in range(loaded.num_layers)]
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.blocks: dict[str, list[int]] = {}
         self.num_cached: dict[str, int] = {}  # leading tokens of the request whose draft K/V is in the pool
