@@ -245,6 +245,9 @@ def main() -> None:
                 for name, _ in variants:
                     p = best[name]["breakdown"][str(length)]
                     rest = p["total"] - p["attention"] - p["linear"]
+                    if not p["attention"] or not p["linear"]:  # the lean C step ran it: no module hook fired
+                        print(f"| {length} | {name} | total {p['total']:.3f} | lean decode step (no breakdown) |")
+                        continue
                     print(f"| {length} | {name} | total {p['total']:.3f} | attention {p['attention']:.3f} "
                           f"({attention / p['attention'] / 1e9:.0f}) | linear {p['linear']:.3f} "
                           f"({linear / p['linear'] / 1e9:.0f}) | rest {rest:.3f} |")

@@ -275,6 +275,21 @@ def test_plan_switches_prefill_attention_and_keeps_a_dequantize_suffix(monkeypat
         assert attn.cpu_prefill_kernel is flag
     cpu_kernels.apply_plan(attn, cpu_kernels.KernelPlan(isa=None))
     assert attn.cpu_prefill_kernel is False
+    # By prompt length: the kernel takes a step whose longest prompt context is within the plan's limit.
+    cpu_kernels.apply_plan(attn, cpu_kernels.KernelPlan(isa="avx2", dtype="float32", prefill_attention=True,
+                                                        prefill_attention_max_context=1024))
+    assert attn.cpu_prefill_kernel is True and attn.cpu_prefill_max_context == 1024
+    table = np.arange(80, dtype=np.int64).reshape(1, 80)
+    short, _ = build_attention_metadata([100], [900], table, 16)  # a chunk of 100 after 900 cached: context 1000
+    long, _ = build_attention_metadata([100], [1000], table, 16)  # context 1100
+    assert attn.prefill_kernel_takes(short) and not attn.prefill_kernel_takes(long)
+    # The race from the shortest length up: the first SDPA win ends the kernel's range halfway (geometric).
+    for outcomes, want in (([True, True, True], (True, 0)), ([True, True, False], (True, 1024)),
+                           ([True, False], (True, 256)), ([False], (False, 0))):
+        results = iter(outcomes)
+        monkeypatch.setattr(cpu_kernels, "_race_prefill", lambda attn, dtype, length: next(results))
+        assert cpu_kernels._measure_prefill(attn, torch.float32) == want
+    monkeypatch.undo()
     # Race results per ladder point from the top down (True: the quantized kernel won): dequantize wins at
     # 256 rows, a kernel win at 128 ends the ladder (every smaller point takes the kernel unraced, so a
     # noisy dequantize win at 4 rows could not leave a hole), and the switch sits at 256.

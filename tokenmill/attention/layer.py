@@ -22,7 +22,9 @@ class Attention(nn.Module):
     which read only the device-side fields of the metadata. ``cpu_decode_kernel`` (on by default; the
     CPU runner sets it from measurements and ``--no-cpu-kernels``) lets decode queries on CPU run in
     the compiled paged decode kernel; ``cpu_prefill_kernel`` (off by default; the CPU runner sets it
-    from measurements) lets prefill chunks on CPU run in the compiled flash-style prefill kernel.
+    from measurements) lets prefill chunks on CPU run in the compiled flash-style prefill kernel, in steps
+    whose longest prompt context is at most ``cpu_prefill_max_context`` tokens (0: any; longer contexts run
+    SDPA, which the plan measured faster there).
     ``sliding_window`` (Mistral, Qwen2, Phi-3, Gemma's local layers): a query at position p attends to keys
     p - window < j <= p only, as transformers' sliding-window masks; every path takes it (torch reference, the
     compiled CPU decode and prefill kernels, the deterministic per-token path, Triton). Keys below the window
@@ -37,6 +39,15 @@ class Attention(nn.Module):
     use_triton = False
     cpu_decode_kernel = True
     cpu_prefill_kernel = False
+    cpu_prefill_max_context = 0
+
+    def prefill_kernel_takes(self, metadata: AttentionMetadata) -> bool:
+        """Whether this step's prompt chunks run in the C prefill kernel (``cpu_prefill_kernel`` and every
+        chunk's context within ``cpu_prefill_max_context``)."""
+        if not self.cpu_prefill_kernel:
+            return False
+        limit = self.cpu_prefill_max_context
+        return not limit or max((span.num_context for span in metadata.prefills), default=0) <= limit
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  logit_softcap: float | None = None, sliding_window: int | None = None,
@@ -83,5 +94,5 @@ class Attention(nn.Module):
                                             self.logit_softcap)
         else:
             out = paged_attention(q, k_cache, v_cache, metadata, self.scale, self.cpu_decode_kernel,
-                                  self.cpu_prefill_kernel, self.sliding_window, self.logit_softcap)
+                                  self.prefill_kernel_takes(metadata), self.sliding_window, self.logit_softcap)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -4,24 +4,25 @@ On a CPU with bf16 support torch sends bf16/f16 matmuls through oneDNN, which JI
 each new GEMM shape and caches it (about 1.6 MiB of code and descriptors each, up to 1024 of them). A
 server's row count changes with nearly every step (the tokens it schedules), so with exact shapes its
 resident memory grew step after step toward that bound (benchmarks/soak.py, issue 44). ``gemm_rows`` maps a
-row count to one of a few dozen buckets and ``bounded_linear`` runs a product at those row counts only: the
-rows in 256-row pieces, the last piece padded up to its bucket, so each weight sees at most nine shapes.
+row count to a bucket (powers of two up to 256 rows, then eight buckets per doubling: at most 12.5 % padding)
+and ``bounded_linear`` / ``bounded_bmm`` run products at those row counts only, padding with zero rows they
+drop afterwards: a weight sees about 9 + 8 per doubling shapes (41 up to 4096 rows).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-PIECE_ROWS = 256  # bounded_linear's pieces: the largest bucket a product runs at
 _ONEDNN = torch.backends.mkldnn.is_available()
 
 
 def gemm_rows(rows: int) -> int:
-    """The row count a GEMM runs at for ``rows`` (>= 1) real rows: the next power of two up to 256, then the
-    next multiple of 256. Padding rows are dropped by the caller."""
-    if rows <= PIECE_ROWS:
+    """The row count a GEMM runs at for ``rows`` (>= 1) real rows: the next power of two up to 256; above,
+    the next multiple of 1/8 of the power of two below ``rows`` (257 -> 288, 1000 -> 1024, 1025 -> 1152)."""
+    if rows <= 256:
         return 1 << (rows - 1).bit_length()
-    return -(-rows // PIECE_ROWS) * PIECE_ROWS
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 def needs_bounded_shapes(x: torch.Tensor) -> bool:
@@ -32,29 +33,16 @@ def needs_bounded_shapes(x: torch.Tensor) -> bool:
 
 
 def bounded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` run only at the row counts 1, 2, 4, ..., 256: x [T, in] -> [T, out].
-
-    Full 256-row pieces run in place; the rest (fewer than 256 rows) is copied into a zero-padded buffer of
-    ``gemm_rows`` rows. Every row's result is computed the same way as in an unpadded product of that piece.
-    """
+    """``F.linear(x, weight, bias)`` run at ``gemm_rows`` rows: x [T, in] -> [T, out]. A row count off the
+    buckets is copied into a zero-padded buffer first; every row's result is computed as in an unpadded
+    product at the bucket's row count."""
     rows = x.shape[0]
-    if rows == 0 or (rows <= PIECE_ROWS and gemm_rows(rows) == rows):
+    padded_rows = gemm_rows(rows) if rows else 0
+    if padded_rows == rows:
         return F.linear(x, weight, bias)
-    out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-    full = rows - rows % PIECE_ROWS
-    w_t = weight.t()
-    for start in range(0, full, PIECE_ROWS):
-        piece, dest = x[start : start + PIECE_ROWS], out[start : start + PIECE_ROWS]
-        if bias is None:
-            torch.mm(piece, w_t, out=dest)
-        else:
-            torch.addmm(bias, piece, w_t, out=dest)  # the bias inside the product, as F.linear adds it
-    tail = rows - full
-    if tail:
-        padded = x.new_zeros(gemm_rows(tail), x.shape[1])
-        padded[:tail] = x[full:]
-        out[full:] = F.linear(padded, weight, bias)[:tail]
-    return out
+    padded = x.new_zeros(padded_rows, x.shape[1])
+    padded[:rows] = x
+    return F.linear(padded, weight, bias)[:rows]
 
 
 def bounded_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

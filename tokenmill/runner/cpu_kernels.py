@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -46,9 +47,9 @@ logger = logging.getLogger(__name__)
 # of the smallest ladder point >= M (rows above the last point follow the last point).
 ROW_LADDER: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _DECODE_BATCHES = (1, 8, 32)  # paged decode attention: sequences per call, 512 context tokens each
-_PREFILL_LENGTHS = (128, 512)  # paged prefill attention: one fresh prompt of each length
+_PREFILL_LENGTHS = (128, 512, 2048)  # paged prefill attention: one fresh prompt of each length
 _AMX_BF16_MIN_ROWS = 16  # qgemm's AMX bf16 product is timed from this many rows (fewer: the int8 kernel)
-_DISPATCH_VERSION = 6  # bump when the measurement or the file format changes (6: SDPA without oneDNN)
+_DISPATCH_VERSION = 7  # bump when the measurement or the file format changes (7: SDPA without oneDNN, prefill attention by length)
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,10 @@ class KernelPlan:
     float32 logits from the C GEMM (False: torch's chunked float32 path; float32 LM heads follow
     ``gemm``); ``quantized``: for layers whose weights stay in GGUF blocks, the quantized kernel
     (True) or dequantize-then-torch-GEMM (False), per ROW_LADDER point (empty: no such layers);
-    ``prefill_attention``: prefill chunks in the C flash-style kernel (False: SDPA per chunk; one
-    decision, the kernel only if it wins at each of ``_PREFILL_LENGTHS`` prompt tokens);
+    ``prefill_attention``: prefill chunks in the C flash-style kernel (False: SDPA per chunk), if it wins
+    at the shortest of ``_PREFILL_LENGTHS`` prompt tokens; ``prefill_attention_max_context``: the longest
+    prompt context it then takes (0: any; else the geometric middle between the last length where it won
+    and the first where SDPA did: SDPA's blocked GEMMs win on long prompts);
     ``amx_bf16``: per ROW_LADDER point, True where quantized layers multiply bf16 activations on qgemm's
     AMX bf16 tiles rather than quantizing them for the int8 kernel (empty: no AMX bf16 here, or float32
     activations; never in deterministic mode); ``amx_bf16_logits``: the same for a quantized LM head,
@@ -80,6 +83,7 @@ class KernelPlan:
     logits: bool = False
     quantized: tuple[bool, ...] = ()
     prefill_attention: bool = False
+    prefill_attention_max_context: int = 0
     amx_bf16: tuple[bool, ...] = ()
     amx_bf16_logits: tuple[bool, ...] = ()
     source: str = "off"
@@ -91,7 +95,9 @@ class KernelPlan:
         parts = [f"GEMM {_rows_text(self.gemm)}", f"RMSNorm {_rows_text(self.rms_norm)}",
                  f"SiLU×up {_rows_text(self.silu_and_mul)}",
                  f"paged decode {'C' if self.paged_decode else 'torch'}",
-                 f"prefill attention {'C' if self.prefill_attention else 'torch SDPA'}",
+                 "prefill attention " + ("torch SDPA" if not self.prefill_attention else "C" if not
+                                         self.prefill_attention_max_context else
+                                         f"C up to {self.prefill_attention_max_context} tokens, SDPA above"),
                  "LM head " + ("as GEMM" if self.dtype == "float32" else
                                f"{'C' if self.logits else 'torch'}, float32 logits")]
         if self.quantized:
@@ -211,11 +217,12 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
         silu = [_race_layer(act, torch.randn(rows, max(widths)).to(dtype), "cpu_kernel_table", always, ())
                 for rows in ROW_LADDER]
     decode = prefill = False
+    prefill_max_context = 0
     attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
     if attn is not None and cpu_decode.available():
         decode = all(_race_decode(attn, dtype, batch) for batch in _DECODE_BATCHES)
     if attn is not None and cpu_prefill.available():
-        prefill = all(_race_prefill(attn, dtype, length) for length in _PREFILL_LENGTHS)
+        prefill, prefill_max_context = _measure_prefill(attn, dtype)
     # The LM head's float32 logits from bf16 weights: the C GEMM against torch's chunked float32 path,
     # at one and eight rows (sampled rows per step). float32 weights follow the GEMM decisions.
     logits = False
@@ -226,7 +233,8 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
         logits = all(_race_layer(lm_head, torch.randn(rows, lm_head.in_features).to(dtype), "float32_logits_kernel",
                                  True, False, call=lm_head.forward_float32) for rows in (1, 8))
     return {"gemm": tuple(gemm), "rms_norm": tuple(rms), "silu_and_mul": tuple(silu), "paged_decode": decode,
-            "logits": logits, "quantized": quantized, "prefill_attention": prefill, "amx_bf16": amx_bf16,
+            "logits": logits, "quantized": quantized, "prefill_attention": prefill,
+            "prefill_attention_max_context": prefill_max_context, "amx_bf16": amx_bf16,
             "amx_bf16_logits": amx_bf16_logits}
 
 
@@ -332,6 +340,15 @@ def _race_decode(attn: Attention, dtype: torch.dtype, batch: int, context: int =
     )
 
 
+def _measure_prefill(attn: Attention, dtype: torch.dtype) -> tuple[bool, int]:
+    """(prefill_attention, prefill_attention_max_context) for ``attn``: the C kernel races SDPA at each of
+    ``_PREFILL_LENGTHS`` from the shortest up, and the first SDPA win ends the kernel's range there."""
+    for i, length in enumerate(_PREFILL_LENGTHS):
+        if not _race_prefill(attn, dtype, length):
+            return (False, 0) if i == 0 else (True, math.isqrt(_PREFILL_LENGTHS[i - 1] * length))
+    return True, 0
+
+
 def _race_prefill(attn: Attention, dtype: torch.dtype, length: int, block_size: int = 16) -> bool:
     """The C prefill kernel against SDPA (the torch path of ``paged_attention``) on one fresh prompt of
     ``length`` tokens with ``attn``'s heads, in blocks laid out in reverse (paged, not contiguous)."""
@@ -378,8 +395,11 @@ def _plan_from_json(fields: object, isa: str) -> KernelPlan:
     """A cached plan, checked field by field. Raises ValueError for anything but what ``asdict`` wrote."""
     ladders = ("gemm", "rms_norm", "silu_and_mul", "quantized", "amx_bf16", "amx_bf16_logits")
     flags = ("paged_decode", "logits", "prefill_attention")
-    if not isinstance(fields, dict) or set(fields) != {"isa", "dtype", *ladders, *flags}:
+    if not isinstance(fields, dict) or set(fields) != {"isa", "dtype", *ladders, *flags, "prefill_attention_max_context"}:
         raise ValueError("not a kernel plan")
+    limit = fields["prefill_attention_max_context"]
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ValueError("bad prefill_attention_max_context")
     if fields["isa"] != isa or not all(isinstance(fields[k], bool) for k in flags):
         raise ValueError("not a kernel plan for this ISA path")
     if fields["dtype"] not in ("bfloat16", "float32"):
@@ -476,3 +496,4 @@ def apply_plan(model: nn.Module, plan: KernelPlan, lm_head: nn.Module | None = N
         elif isinstance(module, Attention):
             module.cpu_decode_kernel = plan.paged_decode
             module.cpu_prefill_kernel = plan.prefill_attention
+            module.cpu_prefill_max_context = plan.prefill_attention_max_context

@@ -254,8 +254,8 @@ class LeanDecode:
         if num_tokens == 0 or metadata.linear_state is not None or metadata.prefill_count is not None:
             return None
         mixed = metadata.num_prefills > 0
-        if mixed and not (self.prefill_kernel and model.layers[0].self_attn.attn.cpu_prefill_kernel):
-            return None  # prompt chunks: the plan keeps them on SDPA (or the kernel does not take this head_dim)
+        if mixed and not (self.prefill_kernel and model.layers[0].self_attn.attn.prefill_kernel_takes(metadata)):
+            return None  # prompt chunks: the plan keeps them (or these long ones) on SDPA, or the kernel lacks the head_dim
         table = self._probe.dequantize_table
         rows = metadata.dispatch_rows or num_tokens  # a verify step: the batch plain decoding would run
         if table and table[min(rows, len(table) - 1)]:
