@@ -55,7 +55,7 @@ want() { [[ " $STAGES " == *" $1 "* ]]; }
 # Limits add up to 10m10s (7m40s without hybrid); the stages are expected to take well under them.
 want kernels && stage kernels 90 $PY benchmarks/gpu/kernel_check.py
 want cuda_tests && stage cuda_tests 100 $PY -m pytest -q -p no:cacheprovider -x tests/test_cuda_runner_logic.py \
-    tests/test_triton_elementwise.py
+    tests/test_triton_elementwise.py tests/test_moe_triton.py
 want equality && stage equality 120 $PY benchmarks/gpu/greedy_equality.py --json "$WORK/equality.json"
 want benchmark && stage benchmark 150 $PY benchmarks/gpu/decode_benchmark.py --json "$WORK/benchmark.json"
 if want hybrid; then

@@ -8,7 +8,9 @@
   k outputs are summed in rank order (``combine_in_rank_order``).
 - ``reference_expert_step``: per token, per chosen expert, one row at a time: slow and obviously right.
 - ``dense_expert_step``: every expert over every token, masked: no data-dependent shapes and no host sync, for
-  CUDA graph capture (reads every expert's weights; used only while a graph is being captured).
+  CUDA graph capture without the Triton kernel (reads every expert's weights).
+- The CUDA path (``SparseMoeBlock.use_triton``) runs ``moe/triton_experts.py``'s grouped kernels on the experts'
+  weights stacked by ``stack_expert_weights``.
 
 Deterministic mode: a token's arithmetic must not depend on the batch. The expert GEMMs are row-invariant when
 their ``Linear``s run batch-invariant (set by ``runner/deterministic.py``, as for every Linear), SiLU-and-multiply
@@ -105,3 +107,39 @@ def dense_expert_step(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.
         chosen = (expert_ids == expert).unsqueeze(-1)  # (T, k, 1)
         slots = torch.where(chosen, y.unsqueeze(1), slots)
     return combine_in_rank_order(slots, weights, x.dtype)
+
+
+def stack_expert_weights(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' dense weights stacked for the Triton grouped kernels: (gate_up [E, 2I, H], down [E, H, I]).
+
+    Each expert's ``gate_up_proj.weight`` / ``down_proj.weight`` is then re-pointed at its slice of the stacked
+    tensors (views: the separate copies are freed, so the stacked layout costs no extra memory and the torch
+    paths read the same storage). Done once per layer; calling it again stacks again (the same values).
+
+    Raises:
+        ValueError: an expert whose weights are quantized (GGUF blocks or int8, ``Linear.quant``), have a bias or
+            a LoRA hook, or differ in dtype or device: the Triton kernels take dense bf16 / fp16 / fp32 weights only.
+    """
+    linears = [(m.gate_up_proj, m.down_proj) for m in experts]
+    for index, pair in enumerate(linears):
+        for linear in pair:
+            if linear.quant is not None or linear.weight is None:
+                raise ValueError(f"expert {index}: weights kept quantized (GGUF blocks / int8) cannot run in the "
+                                 "Triton grouped expert kernel; load them dense (--quantization none: GGUF files "
+                                 "dequantize to --dtype)")
+            if linear.bias is not None or linear.lora is not None:
+                raise ValueError(f"expert {index}: a bias or a LoRA adapter on an expert is not supported by the "
+                                 "Triton grouped expert kernel")
+    first = linears[0][0].weight
+    if first.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"the Triton grouped expert kernel takes bf16 / fp16 / fp32 weights, not {first.dtype}")
+    if any(w.dtype != first.dtype or w.device != first.device for pair in linears for w in
+           (pair[0].weight, pair[1].weight)):
+        raise ValueError("the experts' weights differ in dtype or device")
+    with torch.no_grad():
+        gate_up = torch.stack([pair[0].weight for pair in linears])  # (E, 2I, H)
+        down = torch.stack([pair[1].weight for pair in linears])  # (E, H, I)
+        for index, (gate_up_proj, down_proj) in enumerate(linears):
+            gate_up_proj.weight = nn.Parameter(gate_up[index], requires_grad=False)
+            down_proj.weight = nn.Parameter(down[index], requires_grad=False)
+    return gate_up, down

@@ -2,7 +2,8 @@
 
 forward(x [T, hidden]) -> [T, hidden]: router logits (``gate``, a Linear, so deterministic mode and GGUF blocks
 apply as everywhere), each token's k experts (``routing.select_experts``), the grouped expert step
-(``experts.grouped_expert_step``), plus the shared expert (Qwen2-MoE: times sigmoid(``shared_expert_gate``(x));
+(``experts.grouped_expert_step``; on the CUDA path, ``use_triton``, the Triton grouped kernels of
+``triton_experts.py``), plus the shared expert (Qwen2-MoE: times sigmoid(``shared_expert_gate``(x));
 DeepSeek: ungated). Module names follow the checkpoints: ``mlp.gate.weight`` (and DeepSeek-V3's
 ``mlp.gate.e_score_correction_bias``), ``mlp.experts.{e}.{gate,up,down}_proj``, ``mlp.shared_expert.*``,
 ``mlp.shared_expert_gate.weight``; models whose checkpoints say otherwise (Mixtral's ``block_sparse_moe`` / w1 w2
@@ -11,16 +12,27 @@ never the other way.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from tokenmill.layers import Linear
-from tokenmill.moe.experts import ExpertMLP, dense_expert_step, expert_counts, grouped_expert_step
+from tokenmill.moe.experts import (ExpertMLP, dense_expert_step, expert_counts, grouped_expert_step,
+                                   stack_expert_weights)
 from tokenmill.moe.load_stats import ExpertLoad
 from tokenmill.moe.routing import RouterConfig, invariant_sigmoid, select_experts
+
+
+@functools.cache
+def _triton_experts() -> ModuleType:
+    """``moe.triton_experts``, imported on first use (importing it imports triton)."""
+    from tokenmill.moe import triton_experts
+
+    return triton_experts
 
 
 @dataclass(frozen=True)
@@ -95,7 +107,13 @@ class SparseMoeBlock(nn.Module):
 
     ``moe_index``: this block's position among the model's MoE layers (its row in ``expert_load``);
     ``expert_load``: where the step's tokens per expert are counted (None: not counted).
+    ``use_triton`` (set by the CUDA runner): the routed experts run in the Triton grouped kernels
+    (``triton_experts.py``) on weights stacked once by ``prepare_triton`` (called by the runner, else at the first
+    such forward), also while a CUDA graph is captured (no host sync, a grid fixed by the shapes). Without it, a
+    graph capture runs ``dense_expert_step``, any other step ``grouped_expert_step``.
     """
+
+    use_triton = False
 
     def __init__(self, config: MoEConfig, moe_index: int = 0, expert_load: ExpertLoad | None = None) -> None:
         super().__init__()
@@ -110,13 +128,29 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
         self.moe_index = moe_index
         self.expert_load = expert_load
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I, H], down [E, H, I])
+
+    def prepare_triton(self) -> None:
+        """Stack the experts' weights for the Triton kernels (``experts.stack_expert_weights``: the experts' own
+        weights become views of the stacked tensors, no extra memory).
+
+        Raises:
+            ValueError: quantized experts (GGUF blocks, int8), or a dtype the kernels do not take.
+        """
+        self._stacked = stack_expert_weights(self.experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)  # (T, k) float32, (T, k) int64
         counts = expert_counts(ids, self.num_experts)  # (E,)
         if self.expert_load is not None:
             self.expert_load.record(self.moe_index, counts)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if self.use_triton:
+            if self._stacked is None:
+                assert not (x.is_cuda and torch.cuda.is_current_stream_capturing()), "prepare_triton before capture"
+                self.prepare_triton()
+            w_gate_up, w_down = self._stacked
+            out = _triton_experts().triton_grouped_expert_step(x, weights, ids, w_gate_up, w_down, counts)
+        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = dense_expert_step(x, weights, ids, self.experts)  # no data-dependent shapes in a graph
         else:
             out = grouped_expert_step(x, weights, ids, self.experts, counts)  # (T, hidden)

@@ -3,7 +3,8 @@
 Differences from the CPU ModelRunner it extends: step inputs go through preallocated pinned
 buffers with one non-blocking copy (``input_buffers``); attention runs in the Triton kernels on
 device-side metadata, and RMSNorm, SiLU-and-multiply and RoPE in fused Triton kernels
-(``layers/triton_elementwise.py``); decode-only steps run at padded batch sizes over static buffers
+(``layers/triton_elementwise.py``), MoE experts in the grouped expert kernels (``moe/triton_experts.py``);
+decode-only steps run at padded batch sizes over static buffers
 (``padded_decode``) and replay a CUDA graph per size (``cuda_graph``) unless ``enforce_eager``;
 the KV pool is sized by a profiling forward (``gpu_memory``); sampled tokens come back in one
 transfer. With a ``lora_manager`` the adapters run in the Triton shrink/expand kernels
@@ -47,11 +48,18 @@ ATTENTION_BACKENDS = ("triton", "torch")
 
 def enable_triton_kernels(model: torch.nn.Module) -> int:
     """Switch every layer of ``model`` that has a Triton path (its class declares ``use_triton``:
-    Attention, RMSNorm, SiluAndMul, the RoPE of LlamaAttention) onto it; returns how many."""
+    Attention, RMSNorm, SiluAndMul, the RoPE of LlamaAttention, SparseMoeBlock) onto it, and let those
+    that need it prepare their weights (``prepare_triton``: a MoE block stacks its experts'); returns how many.
+
+    Raises:
+        ValueError: from ``prepare_triton`` (e.g. quantized expert weights, which the kernels refuse).
+    """
     count = 0
     for module in model.modules():
         if hasattr(type(module), "use_triton"):
             module.use_triton = True
+            if hasattr(module, "prepare_triton"):
+                module.prepare_triton()
             count += 1
     return count
 
