@@ -132,6 +132,19 @@ def test_server_api_fuzz(case, apps):
             assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_answers_conform_to_both_schemas(apps, path):
+    """A streamed generation answers text/event-stream, which both schemas document beside JSON (the fuzzer
+    drew "stream": true on the router once and found it undocumented)."""
+    body = ({"prompt": "Hello", "max_tokens": 3, "stream": True} if path == "/v1/completions" else
+            {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "stream": True})
+    for schema, app in ((server_schema, apps[0]), (router_schema, apps[1])):
+        case = schema[path]["POST"].Case(body=dict(body, model=MODEL), media_type="application/json")
+        response = case.call_and_validate(base_url=app.url, headers=JSON_HEADERS, checks=CHECKS, timeout=120)
+        assert response.status_code == 200 and response.headers["content-type"][0].startswith("text/event-stream")
+        assert response.text.rstrip().endswith("data: [DONE]")
+
+
 @router_schema.parametrize()
 @FUZZ_SETTINGS
 def test_router_api_fuzz(case, apps):

@@ -32,11 +32,17 @@ ERROR_RESPONSES = {
     "503": "Not serving now (loading, asleep, no healthy worker, queue full, engine stopped): an OpenAI error body",
 }
 _FASTAPI_VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")
+# Routes whose 200 is a server-sent event stream when the body says "stream": true (both apps).
+STREAMING_PATHS = ("/v1/completions", "/v1/chat/completions")
+SSE_CONTENT = {"text/event-stream": {"schema": {
+    "description": "server-sent events: one `data:` line per chunk (the JSON object OpenAI streams), then "
+                   "`data: [DONE]`"}}}
 
 
 def document_error_responses(app: FastAPI) -> None:
     """Make ``app.openapi()`` document, for every operation, the OpenAI error body under ``4XX`` and
-    ``503`` in place of FastAPI's 422 (which neither app sends); built once, on first use."""
+    ``503`` in place of FastAPI's 422 (which neither app sends), and the event stream a generation route
+    answers with ``"stream": true`` (``STREAMING_PATHS``) beside its JSON 200; built once, on first use."""
     build = app.openapi
 
     def openapi() -> dict:
@@ -44,10 +50,12 @@ def document_error_responses(app: FastAPI) -> None:
             return app.openapi_schema
         schema = build()
         ref = {"$ref": f"#/components/schemas/{ERROR_SCHEMA_NAME}"}
-        for operations in schema.get("paths", {}).values():
+        for path, operations in schema.get("paths", {}).items():
             for operation in operations.values():
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)
+                if path in STREAMING_PATHS and "200" in responses:
+                    responses["200"].setdefault("content", {}).update(SSE_CONTENT)
                 for status, description in ERROR_RESPONSES.items():
                     responses.setdefault(status, {"description": description,
                                                   "content": {"application/json": {"schema": ref}}})
