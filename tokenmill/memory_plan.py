@@ -7,21 +7,27 @@ Model facts come from config.json + safetensors headers, or GGUF metadata + tens
     weights     = num_params × bytes(dtype)              (dense in dtype; with --quantization gguf (the
                                                           default for GGUF) the quantized matrices count
                                                           their stored bytes, with int8 the decoder's
-                                                          linear layers count 34 bytes per 32 weights)
+                                                          linear layers count 34 bytes per 32 weights;
+                                                          tensor by tensor, plan_weights.py)
     reserve     = RUNTIME_OVERHEAD + activations
-    activations = T × (4·hidden + 2·q + 2·kv + 3·intermediate) × bytes(dtype)   one step's flat tensors
+    activations = T × (4·hidden + 2·q + 2·kv + 3·mlp) × bytes(dtype)   one step's flat tensors
                 + S × vocab × 4 × 3                      fp32 logits of the sampled rows + 2 sampler copies
                 + heads × C × L × 4 + 2 × L × kv × bytes(dtype)   one prefill chunk's scores and gathered context
     kv budget   = usable − weights − reserve             (or the given kv_cache_memory)
 
 with T = max_num_batched_tokens, S = min(max_num_seqs, T), L = max_model_len, C = min(T, L),
-q = heads × head_dim, kv = kv_heads × head_dim. The KV pool then holds
+q = heads × head_dim, kv = kv_heads × head_dim, mlp = intermediate_size. The KV pool then holds
 floor(kv budget / (block_size × kv_bytes_per_token)) blocks: the engine's own formula
 (``runner.kv_cache_sizing``), so the block count equals ``ModelRunner.num_kv_blocks``.
 
 Multi-head latent attention (DeepSeek-V2/V3, docs/moe.md): a token caches one latent vector per layer instead of
 K and V, so kv_bytes_per_token = layers × (kv_lora_rank + qk_rope_head_dim) × bytes(kv dtype) (the runner's
 one-plane pool), and activations count the absorbed query (heads × latent) as q and the latent as kv.
+
+Mixture of experts (docs/moe.md): mlp is the widest layer's, max(intermediate_size on dense layers, k ×
+moe_intermediate_size + shared experts' width on MoE layers), plus T × 2·k·hidden (the grouped expert step's
+(token, rank) rows and output slots). The plan also gives the active parameters (all but the unchosen experts) and
+the weight bytes a batch-1 decode step reads (``active_weight_bytes``: the bandwidth roofline's numerator).
 
 Hybrid (linear-attention) models (docs/hybrid_models.md): only the full-attention layers count in
 kv_bytes_per_token; each linear layer keeps a fixed state per sequence instead
@@ -45,6 +51,7 @@ from tokenmill.config import ConfigError, check_int, check_number
 from tokenmill.csrc_build import cpu_has_native_bf16
 from tokenmill.engine_args import EngineArgs
 from tokenmill.kv_cache.state_slots import state_bytes_per_sequence, state_pool_sizes
+from tokenmill.plan_weights import MoESizes, TensorInfo, WeightCensus, census
 from tokenmill.runner.kv_cache_sizing import GIB, kv_bytes_per_token, latent_kv_dim, num_blocks_for_budget
 
 MIB = 1024**2
@@ -86,6 +93,18 @@ class ModelShape:
     linear_value_head_dim: int = 0
     # Multi-head latent attention: the latent width (kv_lora_rank + qk_rope_head_dim) cached per token and layer.
     kv_latent_dim: int = 0
+    # Mixture of experts (0 for dense models): routed experts, experts per token, MoE layers (the others keep a
+    # dense MLP of intermediate_size), each routed expert's and the shared experts' intermediate widths.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    num_moe_layers: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    # Parameters a token uses: all but the unchosen routed experts (num_params for a dense model; 0: not read).
+    num_active_params: int = 0
+    # The weights tensor by tensor (plan_weights.py): as held, and as one batch-1 decode step reads them.
+    weights: WeightCensus | None = None
+    decode_weights: WeightCensus | None = None
 
     @property
     def num_kv_layers(self) -> int:
@@ -117,12 +136,32 @@ def _checkpoint_dtype(config, headers: list[dict]) -> str | None:
     return _SAFETENSORS_DTYPES.get(headers[0][first]["dtype"]) if first else None
 
 
-def _shape_from_config(config, path: Path, file_format: str, num_params: int, nbytes: int,
-                       checkpoint_dtype: str | None, quantized: tuple[int, int] = (0, 0)) -> ModelShape:
+def _moe_fields(model_class, config) -> tuple[dict, MoESizes | None]:
+    """ModelShape's MoE fields and the census' MoE sizes, by the engine class's own rules (none for dense)."""
+    from tokenmill.models.sparse_moe import MoECausalLM
+
+    if not issubclass(model_class, MoECausalLM):
+        return {}, None
+    moe, sparse = model_class.moe_config(config), model_class.moe_layers(config)
+    if not any(sparse):
+        return {}, None
+    sizes = MoESizes(moe.router.num_experts, moe.router.top_k, moe.router_float32)
+    return dict(num_experts=sizes.num_experts, num_experts_per_tok=sizes.num_experts_per_tok,
+                num_moe_layers=sum(sparse), moe_intermediate_size=moe.moe_intermediate_size,
+                shared_expert_intermediate_size=moe.shared_expert_intermediate_size), sizes
+
+
+def _shape_from_config(config, path: Path, file_format: str, tensors: list[TensorInfo],
+                       checkpoint_dtype: str | None) -> ModelShape:
     from tokenmill.models.llama import head_dim_of
     from tokenmill.models.registry import get_model_class
 
-    get_model_class(config)  # unsupported architectures fail here, as in the engine
+    model_class = get_model_class(config)  # unsupported architectures fail here, as in the engine
+    moe_fields, moe = _moe_fields(model_class, config)
+    held, decode, active = census(tensors, int8_allowed=file_format == "safetensors", moe=moe,
+                                  tied=bool(getattr(config, "tie_word_embeddings", False)),
+                                  vocab_size=int(config.vocab_size))
+    kept = [t for t in tensors if t.gguf_kept]
     linear: dict = {}
     head_dim = int(head_dim_of(config))
     latent = latent_kv_dim(config)
@@ -143,8 +182,9 @@ def _shape_from_config(config, path: Path, file_format: str, num_params: int, nb
         num_kv_heads=1 if latent else int(config.num_key_value_heads or config.num_attention_heads),
         head_dim=head_dim, intermediate_size=int(config.intermediate_size),
         vocab_size=int(config.vocab_size), max_position_embeddings=int(config.max_position_embeddings),
-        num_params=num_params, checkpoint_bytes=nbytes, checkpoint_dtype=checkpoint_dtype,
-        quantized_params=quantized[0], quantized_bytes=quantized[1], **linear,
+        num_params=held.params, checkpoint_bytes=sum(t.nbytes for t in tensors), checkpoint_dtype=checkpoint_dtype,
+        quantized_params=sum(math.prod(t.shape) for t in kept), quantized_bytes=sum(t.nbytes for t in kept),
+        num_active_params=active, weights=held, decode_weights=decode, **linear, **moe_fields,
     )
 
 
@@ -171,12 +211,9 @@ def read_model_shape(model: str | None) -> ModelShape:
         header = read_gguf_metadata(path)
         config = gguf_to_hf_config(header)
         index = read_tensor_index(header)  # the weights (rope_freqs.weight is config, not a parameter)
-        num_params = sum(math.prod(t.shape) for t in index)
-        nbytes = sum(t.nbytes for t in index)
         kept = kept_quantized_names(index)
-        quantized = (sum(math.prod(t.shape) for t in index if t.name in kept),
-                     sum(t.nbytes for t in index if t.name in kept))
-        return _shape_from_config(config, path, "gguf", num_params, nbytes, None, quantized)
+        tensors = [TensorInfo(t.name, tuple(t.shape), t.nbytes, t.name in kept) for t in index]
+        return _shape_from_config(config, path, "gguf", tensors, None)
     if not path.is_dir():
         raise ValueError(f"model {model!r} is not a local model directory or .gguf file")
     from transformers import AutoConfig
@@ -187,14 +224,10 @@ def read_model_shape(model: str | None) -> ModelShape:
     config = AutoConfig.from_pretrained(str(path))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     headers = [_safetensors_header(f) for f in files]
-    num_params = nbytes = 0
-    for header in headers:
-        for name, info in header.items():
-            if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                continue
-            num_params += math.prod(info["shape"])
-            nbytes += info["data_offsets"][1] - info["data_offsets"][0]
-    return _shape_from_config(config, path, "safetensors", num_params, nbytes, _checkpoint_dtype(config, headers))
+    tensors = [TensorInfo(name, tuple(info["shape"]), info["data_offsets"][1] - info["data_offsets"][0])
+               for header in headers for name, info in header.items()
+               if not (name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"))]
+    return _shape_from_config(config, path, "safetensors", tensors, _checkpoint_dtype(config, headers))
 
 
 @dataclass(frozen=True)
@@ -255,6 +288,7 @@ class MemoryPlan:
     state_bytes_per_sequence: int = 0  # hybrid models: linear-layer state of one sequence
     num_state_slots: int = 0  # live state slots (max_num_seqs, or what state_cache_memory holds) for hybrid models
     num_state_checkpoints: int = 0  # prefix-cache state checkpoints (likewise) for hybrid models
+    active_weight_bytes: int = 0  # weight bytes a batch-1 decode step reads per token (active_weight_bytes())
 
     @property
     def reserve_bytes(self) -> int:
@@ -298,6 +332,14 @@ class MemoryPlan:
         return self.weight_bytes + self.reserve_bytes + self.kv_pool_bytes + self.state_pool_bytes
 
 
+def mlp_width(shape: ModelShape) -> int:
+    """The widest per-token MLP intermediate of any layer: intermediate_size on dense layers, k ×
+    moe_intermediate_size + the shared experts' width on MoE layers (what the grouped expert step holds)."""
+    moe = shape.num_experts_per_tok * shape.moe_intermediate_size + shape.shared_expert_intermediate_size
+    dense = shape.intermediate_size if shape.num_moe_layers < shape.num_layers else 0
+    return max(dense, moe) if shape.num_moe_layers else shape.intermediate_size
+
+
 def activation_bytes(shape: ModelShape, dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
                      max_model_len: int) -> int:
     """The activation reserve of one engine step (see the module docstring for the formula)."""
@@ -305,7 +347,9 @@ def activation_bytes(shape: ModelShape, dtype_bytes: int, max_num_batched_tokens
     sampled, chunk = min(max_num_seqs, t), min(t, length)
     q = shape.num_attention_heads * (shape.kv_latent_dim or shape.head_dim)  # latent attention: absorbed query
     kv = shape.kv_latent_dim or shape.num_kv_heads * shape.head_dim
-    step = t * (4 * shape.hidden_size + 2 * q + 2 * kv + 3 * shape.intermediate_size) * dtype_bytes
+    step = t * (4 * shape.hidden_size + 2 * q + 2 * kv + 3 * mlp_width(shape)) * dtype_bytes
+    if shape.num_moe_layers:  # the grouped expert step's (token, rank) input rows and output slots
+        step += t * 2 * shape.num_experts_per_tok * shape.hidden_size * dtype_bytes
     logits = sampled * shape.vocab_size * 4 * 3
     prefill = shape.num_attention_heads * chunk * length * 4 + 2 * length * kv * dtype_bytes
     if shape.num_linear_layers:  # the linear layers' float32 q and k (per value head), v and output
@@ -333,27 +377,48 @@ def run_dtype(shape: ModelShape, dtype: str) -> str:
     return "float32" if shape.checkpoint_dtype == "float32" or not cpu_has_native_bf16() else "bfloat16"
 
 
-def weight_bytes(shape: ModelShape, dtype: str, quantization: str | None) -> int:
-    """Bytes of the weights as the engine holds them: dense in ``dtype``, but for ``quantization`` "gguf"
-    (the default for a GGUF file) the kept matrices at their stored size, and for "int8" the decoder's
-    linear layers at 34 bytes per 32 weights (int8 codes + a float16 scale per block).
+def resolved_quantization(shape: ModelShape, quantization: str | None) -> str:
+    """The weight format the engine holds ``shape`` in: None is "gguf" for a GGUF file, "none" otherwise.
 
     Raises:
         ValueError: "gguf" for a safetensors model or "int8" for a GGUF file (as the loader refuses them).
     """
-    dense = shape.num_params * DTYPE_BYTES[dtype]
     if quantization == "gguf" and shape.file_format != "gguf":
         raise ValueError("quantization 'gguf' needs a .gguf model file")
     if quantization == "int8" and shape.file_format != "safetensors":
         raise ValueError("quantization 'int8' is for safetensors checkpoints")
-    if shape.file_format == "gguf" and quantization in (None, "gguf"):
-        return dense - shape.quantized_params * DTYPE_BYTES[dtype] + shape.quantized_bytes
-    if quantization == "int8":
-        q, kv = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-        per_layer = shape.hidden_size * (2 * q + 2 * kv) + 3 * shape.hidden_size * shape.intermediate_size
-        linear = shape.num_layers * per_layer
-        return dense - linear * DTYPE_BYTES[dtype] + linear * 34 // 32
-    return dense
+    if quantization is None:
+        return "gguf" if shape.file_format == "gguf" else "none"
+    return quantization
+
+
+def weight_bytes(shape: ModelShape, dtype: str, quantization: str | None) -> int:
+    """Bytes of the weights as the engine holds them: dense in ``dtype`` (DeepSeek's routers in float32), but for
+    ``quantization`` "gguf" (the default for a GGUF file) the kept matrices at their stored size, and for "int8"
+    the decoder's linear layers with in_features a multiple of 32 (experts, routers and shared experts included;
+    not the embedding, LM head or ``kv_b_proj``) at 34 bytes per 32 weights (plan_weights.py).
+
+    Raises:
+        ValueError: "gguf" for a safetensors model or "int8" for a GGUF file (as the loader refuses them).
+    """
+    quantization = resolved_quantization(shape, quantization)
+    if shape.weights is None:  # a shape built by hand: everything dense
+        return shape.num_params * DTYPE_BYTES[dtype]
+    return shape.weights.nbytes(DTYPE_BYTES[dtype], quantization)
+
+
+def active_weight_bytes(shape: ModelShape, dtype: str, quantization: str | None) -> int:
+    """Weight bytes one batch-1 decode step reads per token, held as ``weight_bytes`` holds them: the active
+    parameters (k routed experts per MoE layer, the rest whole) with the embedding table as one row unless the LM
+    head is tied to it (plan_weights.py). The bandwidth roofline of decode is read bandwidth / this.
+
+    Raises:
+        ValueError: as ``weight_bytes``.
+    """
+    quantization = resolved_quantization(shape, quantization)
+    if shape.decode_weights is None:
+        return shape.num_params * DTYPE_BYTES[dtype]
+    return shape.decode_weights.nbytes(DTYPE_BYTES[dtype], quantization)
 
 
 def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
@@ -370,6 +435,7 @@ def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                          f"{shape.max_position_embeddings}")
     weights = weight_bytes(shape, dtype, config.quantization)
+    active_weights = active_weight_bytes(shape, dtype, config.quantization)
     activations = activation_bytes(shape, DTYPE_BYTES[dtype], config.max_num_batched_tokens, config.max_num_seqs,
                                    max_model_len)
     usable = int(config.memory * config.memory_utilization * GIB)
@@ -404,6 +470,7 @@ def plan_memory(shape: ModelShape, config: PlanConfig) -> MemoryPlan:
         usable_bytes=usable, kv_budget_bytes=budget, kv_bytes_per_token=per_token, num_kv_blocks=blocks,
         kv_cache_memory_flag=kv_cache_memory_flag(blocks, config.block_size * per_token, budget),
         state_bytes_per_sequence=state_per_seq, num_state_slots=state_slots, num_state_checkpoints=checkpoints,
+        active_weight_bytes=active_weights,
     )
 
 

@@ -16,6 +16,7 @@ from tokenmill.memory_plan import (
     physical_memory_gib,
     plan_memory,
     read_model_shape,
+    resolved_quantization,
 )
 from tokenmill.runner.kv_cache_sizing import GIB
 
@@ -59,20 +60,29 @@ def plan_record(plan: MemoryPlan) -> dict:
         "state_bytes_per_sequence": plan.state_bytes_per_sequence, "num_state_slots": plan.num_state_slots,
         "num_state_checkpoints": plan.num_state_checkpoints, "state_pool_bytes": plan.state_pool_bytes,
         "num_sequences_both_pools": plan.num_sequences_both_pools,
+        "num_active_params": plan.model.num_active_params, "active_weight_bytes": plan.active_weight_bytes,
     }
 
 
 def format_plan(plan: MemoryPlan, model_arg: str | None = None) -> str:
     """The human-readable plan; ``model_arg`` is the MODEL as given (None: the embedded default)."""
     m, c = plan.model, plan.config
+    quantization = resolved_quantization(m, c.quantization)
     sampled_rows = min(c.max_num_seqs, c.max_num_batched_tokens)
     lines = [
         f"model: {m.path} ({m.architecture}, {m.file_format}, {_gib(m.checkpoint_bytes)} on disk)",
         f"  layers {m.num_layers}, hidden {m.hidden_size}, heads {m.num_attention_heads}, kv heads {m.num_kv_heads}, "
         f"head_dim {m.head_dim}, intermediate {m.intermediate_size}, vocab {m.vocab_size}",
-        f"parameters: {m.num_params:,} x {plan.dtype} = {_gib(plan.weight_bytes)}" if plan.weight_bytes ==
-        m.num_params * DTYPE_BYTES[plan.dtype] else f"parameters: {m.num_params:,}, {_gib(plan.weight_bytes)} with "
-        f"quantized weights ({c.quantization or 'gguf'}; the rest in {plan.dtype})",
+        (f"parameters: {m.num_params:,} x {plan.dtype} = {_gib(plan.weight_bytes)}"
+         + ("" if plan.weight_bytes == m.num_params * DTYPE_BYTES[plan.dtype] else " (routers in float32)"))
+        if quantization == "none" else f"parameters: {m.num_params:,}, {_gib(plan.weight_bytes)} with "
+        f"quantized weights ({quantization}; the rest in {plan.dtype})",
+        *([f"experts: {m.num_experts} routed of moe_intermediate {m.moe_intermediate_size}, "
+           f"{m.num_experts_per_tok} per token, shared experts {m.shared_expert_intermediate_size or 'none'}, on "
+           f"{m.num_moe_layers} of {m.num_layers} layers",
+           f"active parameters: {m.num_active_params:,} per token ({m.num_active_params / m.num_params:.1%} of "
+           f"{m.num_params:,}); a batch-1 decode step reads {_gib(plan.active_weight_bytes)} of weights "
+           f"({plan.active_weight_bytes:,} B; tokens/s <= read bandwidth / this)"] if m.num_moe_layers else []),
         (f"KV bytes per token: {m.num_kv_layers} layers x latent {m.kv_latent_dim} (kv_lora_rank + qk_rope_head_dim) x "
          f"{DTYPE_BYTES[plan.kv_cache_dtype]} B ({plan.kv_cache_dtype}) = {plan.kv_bytes_per_token:,} B; block of "
          f"{c.block_size} tokens = {plan.bytes_per_block:,} B") if m.kv_latent_dim else
