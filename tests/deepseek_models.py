@@ -10,14 +10,14 @@ values per token and layer (a multiple of the CPU prefill kernel's vector width)
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, PretrainedConfig
 
-from tests.tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, smollm2_tokenizer
+from tests.moe_models import save_tiny_checkpoint
+from tests.tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE
 
 DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
 KV_LORA_RANK, QK_ROPE_HEAD_DIM = 32, 16
@@ -60,9 +60,4 @@ def make_deepseek_model(arch: str, out_dir: Path | str, seed: int = 5, **overrid
             bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
             if bias is not None:
                 bias.normal_(0, 0.3)
-    hf.config.dtype = torch.float32
-    hf.save_pretrained(out_dir)
-    smollm2_tokenizer().save_pretrained(out_dir)
-    generation = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID}
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    return hf
+    return save_tiny_checkpoint(hf, out_dir)

@@ -60,6 +60,12 @@ def make_moe_model(arch: str, out_dir: Path, gguf_compatible: bool = False, seed
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(moe_config(arch, gguf_compatible, **overrides), dtype=torch.float32).eval()
+    return save_tiny_checkpoint(hf, out_dir)
+
+
+def save_tiny_checkpoint(hf: torch.nn.Module, out_dir: Path) -> torch.nn.Module:
+    """Save the float32 model ``hf`` with the SmolLM2 tokenizer and a generation config into ``out_dir``;
+    returns ``hf``."""
     hf.config.dtype = torch.float32
     hf.save_pretrained(out_dir)
     smollm2_tokenizer().save_pretrained(out_dir)
