@@ -20,21 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.triton_dot import dot as _dot
 from tokenmill.lora.mapping import LoRAMapping
 
 _MAX_SPLIT_K = 8
-
-
-@triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """a @ b in float32 accumulation, a rounded to b's dtype first. DOT_F32 upcasts the operands
-    (triton's interpreter multiplies bfloat16 operands as raw integers)."""
-    a = a.to(b.dtype)
-    if DOT_F32:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        out = tl.dot(a, b, input_precision=DOT_PRECISION)
-    return out
 
 
 @triton.jit

@@ -27,21 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.triton_dot import dot as _dot
 from tokenmill.moe.experts import combine_in_rank_order, expert_counts
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """a @ b accumulated in float32, a rounded to b's dtype first. DOT_F32 upcasts both operands (triton's
-    interpreter multiplies bfloat16 operands as raw integers)."""
-    a = a.to(b.dtype)
-    if DOT_F32:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        out = tl.dot(a, b, input_precision=DOT_PRECISION)
-    return out
 
 
 @triton.jit
