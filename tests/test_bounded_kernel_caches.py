@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-GROWTH_BOUND_MIB = 64  # before the fix, on an AVX-512 BF16/AMX box: 129 MiB (SDPA), 203 MiB (LoRA)
+GROWTH_BOUND_MIB = 100  # before the fix, on an AVX-512 BF16/AMX box: 129 MiB (SDPA), 203 MiB (LoRA); after: 6-68
 
 PRELUDE = """
 import json, random, psutil, torch
