@@ -71,6 +71,9 @@ class Shape:
     published: str
     model_type: str
     config: dict
+    # The format convert_hf_to_gguf.py writes, from which llama-quantize makes the others ("F16"; "Q8_0" for
+    # shapes whose F16 file would not fit the disk beside the bf16 checkpoint: then --allow-requantize).
+    base: str = "F16"
 
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
@@ -112,6 +115,22 @@ SHAPES: dict[str, Shape] = {
         hidden_size=2560, num_hidden_layers=36, intermediate_size=9728, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
         max_position_embeddings=40960, rope_theta=1000000.0)),
+    # Mixture-of-experts shapes (issue 43): a step reads its tokens' experts only (see ``footprint``).
+    "olmoe-1b-7b": Shape("allenai/OLMoE-1B-7B-0924", "olmoe", dict(
+        hidden_size=2048, num_hidden_layers=16, intermediate_size=1024, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+        vocab_size=50304, tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=4096,
+        rope_theta=10000.0)),
+    "deepseek-v2-lite": Shape("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek_v2", dict(
+        hidden_size=2048, num_hidden_layers=27, intermediate_size=10944, moe_intermediate_size=1408,
+        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy", n_group=1,
+        topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=163840, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+        base="Q8_0"),
 }
 DEFAULT_SHAPES = ("llama3.2-1b", "qwen2.5-1.5b", "smollm2-1.7b", "qwen3-1.7b")
 # Not a shape: the embedded SmolLM2-135M-Instruct Q4_1 file, benchmarked as shipped (SHAPES=embedded).
@@ -175,9 +194,38 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-def build_hf_model(name: str, out_dir: Path, seed: int = 0) -> None:
-    """Write the random-weight HF checkpoint of shape ``name`` (bf16 safetensors, config, tokenizer)."""
+def checkpoint_tensors(name: str, model) -> list[tuple[str, tuple[int, ...]]]:
+    """The (name, shape) of every tensor of ``model``'s checkpoint in the layout ``save_pretrained`` writes:
+    transformers keeps a MoE layer's experts fused (``mlp.experts.gate_up_proj`` [E, 2I, H] and
+    ``mlp.experts.down_proj`` [E, H, I]) and splits them per expert on save (``mlp.experts.{e}.gate_proj /
+    up_proj / down_proj.weight``), which is what llama.cpp's converter reads."""
+    out = []
+    for pname, p in model.named_parameters():
+        shape = tuple(p.shape)
+        if pname.endswith("mlp.experts.gate_up_proj"):
+            head = pname[:-len("gate_up_proj")]
+            half = shape[1] // 2
+            for e in range(shape[0]):
+                out += [(f"{head}{e}.gate_proj.weight", (half, shape[2])), (f"{head}{e}.up_proj.weight", (half, shape[2]))]
+        elif pname.endswith("mlp.experts.down_proj"):
+            head = pname[:-len("down_proj")]
+            out += [(f"{head}{e}.down_proj.weight", shape[1:]) for e in range(shape[0])]
+        elif pname.endswith(("_proj", "experts")) and p.dim() == 3:
+            raise ValueError(f"{name}: fused tensor {pname} {shape} has no known per-expert layout")
+        else:
+            out.append((pname, shape))
+    return out
+
+
+def build_hf_model(name: str, out_dir: Path, seed: int = 0, shard_bytes: int = 2 << 30) -> None:
+    """Write the random-weight HF checkpoint of shape ``name`` (bf16 safetensors, config, tokenizer).
+
+    The model is built on the meta device (no memory) and its tensors are drawn and written shard by shard
+    (``shard_bytes`` each, with the usual ``model.safetensors.index.json``), so a 16 B-parameter shape needs
+    one shard of memory, not 32 GB. Weights normal(0, 0.02), RMSNorm gains 1, the unused vocabulary rows 10x
+    smaller (module docstring)."""
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     shape = SHAPES[name]
@@ -189,56 +237,91 @@ def build_hf_model(name: str, out_dir: Path, seed: int = 0) -> None:
     config = AutoConfig.for_model(shape.model_type, **shape.config, initializer_range=INIT_STD,
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    config.torch_dtype = torch.bfloat16
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tensors = checkpoint_tensors(name, model)
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):  # RMSNorm gains (layer norms, final norm, Qwen3's q/k norms)
-                p.fill_(1.0)
-            else:  # matrices, embeddings, the LM head, Qwen2's q/k/v biases
-                p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=gen))
-                if "embed_tokens" in pname or "lm_head" in pname:
-                    p[n_tok:] *= PAD_ROW_SCALE  # rows of unused [PAD] vocabulary entries
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    weight_map: dict[str, str] = {}
+    files: list[str] = []
+
+    def flush() -> None:
+        index = len(files) + 1
+        fname = f"model-{index:05d}.safetensors"
+        save_file(shards[-1], str(out_dir / fname), metadata={"format": "pt"})
+        files.append(fname)
+        weight_map.update({k: fname for k in shards[-1]})
+        shards[-1] = {}
+
+    n_params = 0
+    for tname, tshape in tensors:
+        if tname.endswith("norm.weight"):  # RMSNorm gains (layer norms, final norm, q/k norms, MLA's latent norms)
+            t = torch.ones(tshape, dtype=torch.bfloat16)
+        else:  # matrices, embeddings, the LM head, routers, Qwen2's q/k/v biases
+            t = torch.empty(tshape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=gen)
+            if "embed_tokens" in tname or "lm_head" in tname:
+                t[n_tok:] *= PAD_ROW_SCALE  # rows of unused [PAD] vocabulary entries
+            t = t.to(torch.bfloat16)
+        n_params += t.numel()
+        if size and size + t.numel() * 2 > shard_bytes:
+            flush()
+            size = 0
+        shards[-1][tname] = t
+        size += t.numel() * 2
+    flush()
+    final = []
+    for i, fname in enumerate(files, 1):  # the usual model-0000i-of-0000n names
+        target = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        (out_dir / fname).rename(out_dir / target)
+        final.append(target)
+    rename = dict(zip(files, final))
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": n_params * 2}, "weight_map": {k: rename[v] for k, v in weight_map.items()}},
+        indent=1) + "\n")
+    config.architectures = [type(model).__name__]  # what save_pretrained records; the converter reads it
+    config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    n_params = sum(p.numel() for p in model.parameters())
     log(f"{name}: {n_params / 1e9:.2f} B parameters (shape of {shape.published}), tokenizer SmolLM2 "
         f"({n_tok} tokens, vocabulary padded to {shape.config['vocab_size']}) -> {out_dir}")
 
 
 def make_shape(name: str, formats: list[str], root: Path | None, threads: int, keep_hf: bool = False) -> list[Path]:
-    """Make (or find) ``name``'s F16 GGUF and each quantized format; returns the quantized files' paths."""
+    """Make (or find) ``name``'s base GGUF (F16, or the shape's ``base``) and each quantized format; returns the
+    requested files' paths."""
     prefix = tools_prefix()
     convert = prefix / "convert" / "convert_hf_to_gguf.py"
     quantize = prefix / "bin" / "llama-quantize"
-    f16 = model_path(name, "F16", root)
+    base_fmt = SHAPES[name].base
+    base = model_path(name, base_fmt, root)
     wanted = [model_path(name, fmt, root) for fmt in formats]
     if all(p.is_file() for p in wanted):
         return wanted
-    if not f16.is_file():
+    if not base.is_file():
         if not convert.is_file():
             raise SystemExit(f"no {convert}: run `bash scripts/build_llama_server.sh` first")
-        hf_dir = f16.parent / "hf"
+        hf_dir = base.parent / "hf"
         if not (hf_dir / "config.json").is_file() or not any(hf_dir.glob("*.safetensors")):
             shutil.rmtree(hf_dir, ignore_errors=True)
             build_hf_model(name, hf_dir)
-        tmp = f16.with_suffix(".tmp")
-        log(f"{name}: converting to F16 with {convert}")
+        tmp = base.with_suffix(".tmp")
+        log(f"{name}: converting to {base_fmt} with {convert}")
         subprocess.run(["nice", "-n", "19", sys.executable, __file__, "convert-hf", str(convert), str(hf_dir),
-                        "--outtype", "f16", "--outfile", str(tmp)], check=True, env=converter_env(prefix))
-        tmp.rename(f16)
+                        "--outtype", base_fmt.lower(), "--outfile", str(tmp)], check=True, env=converter_env(prefix))
+        tmp.rename(base)
         if not keep_hf:
             shutil.rmtree(hf_dir)
     for fmt, out in zip(formats, wanted):
-        if out.is_file() or fmt == "F16":
+        if out.is_file() or fmt == base_fmt:
             continue
         if not quantize.is_file():
             raise SystemExit(f"no {quantize}: run `bash scripts/build_llama_server.sh` first")
         tmp = out.with_suffix(".tmp")
-        log(f"{name}: llama-quantize {fmt}")
-        done = subprocess.run(["nice", "-n", "19", str(quantize), str(f16), str(tmp), fmt, str(threads)],
+        log(f"{name}: llama-quantize {fmt} (from {base_fmt})")
+        requant = ["--allow-requantize"] if base_fmt != "F16" else []
+        done = subprocess.run(["nice", "-n", "19", str(quantize), *requant, str(base), str(tmp), fmt, str(threads)],
                               capture_output=True, text=True)  # a line per tensor: shown only when it fails
         if done.returncode != 0:
             raise SystemExit(f"llama-quantize {fmt} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
@@ -269,27 +352,57 @@ def run_converter(convert: str, argv: list[str]) -> None:
 # ---------------------------------------------------------------- what a decode step reads
 
 def footprint(path: Path) -> dict:
-    """Parameters, bytes read per decode token (see the module docstring) and tensor type mix of a GGUF."""
+    """Parameters, bytes read per decode token (see the module docstring) and tensor type mix of a GGUF.
+
+    Mixture-of-experts files (``<arch>.expert_count`` E and ``<arch>.expert_used_count`` k in the metadata):
+    a token reads k of a layer's E experts, so the stacked expert tensors (``*_exps.weight``) count k/E of
+    their bytes in ``bytes_per_token`` (the active bytes); ``bytes_per_step(fp, b)`` gives a step of b tokens,
+    whose tokens between them use 1 - (1 - k/E)^b of the experts on average (independent uniform routing)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def meta_int(key: str) -> int:
+        field = reader.fields.get(f"{arch}.{key}")
+        return int(field.parts[-1][0]) if field is not None else 0
+
+    n_expert, n_used = meta_int("expert_count"), meta_int("expert_used_count")
     tensors = {t.name: t for t in reader.tensors}
     embd = tensors.get("token_embd.weight")
     tied = "output.weight" not in tensors
-    read = 0
+    dense = experts = 0
     for t in tensors.values():
         if t is embd and not tied:
-            read += int(t.n_bytes) // int(t.shape[-1])  # one row: shape is innermost-first (n_embd, n_vocab)
+            dense += int(t.n_bytes) // int(t.shape[-1])  # one row: shape is innermost-first (n_embd, n_vocab)
+        elif n_expert and "_exps." in t.name:
+            experts += int(t.n_bytes)
         else:
-            read += int(t.n_bytes)
+            dense += int(t.n_bytes)
     types: Counter = Counter()
     type_bytes: Counter = Counter()
     for t in tensors.values():
         types[t.tensor_type.name] += 1
         type_bytes[t.tensor_type.name] += int(t.n_bytes)
     params = sum(int(t.n_elements) for name, t in tensors.items() if name != "rope_freqs.weight")
-    return {"file": str(path), "file_bytes": path.stat().st_size, "params": params, "tied_embeddings": tied,
-            "bytes_per_token": read, "types": dict(types), "type_bytes": dict(type_bytes)}
+    active = params
+    if n_expert:
+        active -= sum(int(t.n_elements) for t in tensors.values() if "_exps." in t.name) * (n_expert - n_used) // n_expert
+    fp = {"file": str(path), "file_bytes": path.stat().st_size, "params": params, "active_params": active,
+          "tied_embeddings": tied, "dense_bytes": dense, "expert_bytes": experts, "expert_count": n_expert,
+          "expert_used_count": n_used, "types": dict(types), "type_bytes": dict(type_bytes)}
+    fp["bytes_per_token"] = bytes_per_step(fp, 1)
+    return fp
+
+
+def bytes_per_step(fp: dict, tokens: int) -> int:
+    """Weight bytes a decode step of ``tokens`` tokens reads (``footprint``): everything but the experts, plus
+    the expected share of the experts that at least one of the tokens routes to."""
+    n, k = fp.get("expert_count", 0), fp.get("expert_used_count", 0)
+    if not n:
+        return fp.get("dense_bytes", fp.get("bytes_per_token", 0))
+    share = k / n if tokens == 1 else 1.0 - (1.0 - k / n) ** tokens
+    return int(fp["dense_bytes"] + share * fp["expert_bytes"])
 
 
 def type_mix(fp: dict) -> str:
@@ -447,7 +560,9 @@ def report(out: Path, shapes: list[str], formats: list[str], workloads: list[str
                 continue
             fp = json.loads((d / "footprint.json").read_text())
             roof = bw / fp["bytes_per_token"] if bw else None
-            print(f"\n{shape} {fmt}: {fp['params'] / 1e9:.2f} B params, file {fp['file_bytes'] / 1e9:.2f} GB, "
+            moe = (f" ({fp['active_params'] / 1e9:.2f} B active: {fp['expert_used_count']} of {fp['expert_count']} "
+                   f"experts)") if fp.get("expert_count") else ""
+            print(f"\n{shape} {fmt}: {fp['params'] / 1e9:.2f} B params{moe}, file {fp['file_bytes'] / 1e9:.2f} GB, "
                   f"{fp['bytes_per_token'] / 1e6:.0f} MB read per token, roofline {_fmt(roof)} tok/s; {type_mix(fp)}")
             print(f"  {'workload':<9} {'runs':>4}  {'tokenmill':>22}  {'llama-server':>22}  {'x':>6}   figure")
             for workload in workloads:
@@ -460,10 +575,15 @@ def report(out: Path, shapes: list[str], formats: list[str], workloads: list[str
                 if workload == "ttft512":
                     rows = [("mean TTFT ms", "mean_ttft_ms", None, False)]
                 for label, key, ratio_key, roofline in rows:
+                    step_roof = roof
+                    if workload == "c32" and bw and fp.get("expert_count"):
+                        # a step of 32 requests reads more experts than one token's; its decode rate per
+                        # request is the step rate, set against that step's bytes
+                        step_roof = bw / bytes_per_step(fp, 32)
                     cells = []
                     for engine in ("tokenmill", "llama-server"):
                         v = _median([r[key] for rec in records for r in rec["runs"] if r["engine"] == engine])
-                        share = f" ({100 * v / roof:3.0f}% roof)" if roofline and roof and v else ""
+                        share = f" ({100 * v / step_roof:3.0f}% roof)" if roofline and step_roof and v else ""
                         cells.append(_fmt(v) + share)
                     if ratio_key:
                         x = _median([rec["ratios"].get(f"{ratio_key} tokenmill/llama-server") for rec in records])

@@ -16,6 +16,7 @@ DISABLE_CPU_KERNELS = "TOKENMILL_DISABLE_CPU_KERNELS"
 CPU_ISA = "TOKENMILL_CPU_ISA"
 DISABLE_AMX = "TOKENMILL_DISABLE_AMX"
 DISABLE_OMP_SPIN_TUNING = "TOKENMILL_DISABLE_OMP_SPIN_TUNING"
+DISABLE_MOE_FUSED = "TOKENMILL_DISABLE_MOE_FUSED"
 STATS_INTERVAL_S = "TOKENMILL_STATS_INTERVAL_S"
 CHECK_INTEGRITY = "TOKENMILL_CHECK_INTEGRITY"
 WORKER_API_KEY = "TOKENMILL_WORKER_API_KEY"
@@ -36,6 +37,8 @@ VARIABLES: dict[str, str] = {
                  "count); read by quantization/csrc/qgemm.c itself when it first multiplies, so no accessor here",
     DISABLE_OMP_SPIN_TUNING: "1: importing tokenmill leaves GOMP_SPINCOUNT alone (libgomp's default spin count) "
                              "instead of setting it to 1000",
+    DISABLE_MOE_FUSED: "1: a mixture-of-experts layer on CPU runs its experts in the torch grouped step instead of "
+                       "the fused C expert step (same bits; for comparisons)",
     STATS_INTERVAL_S: "seconds between the engine's stats lines, a finite number > 0 (default 10; tests shorten it)",
     CHECK_INTEGRITY: "1: each time the engine goes idle it asserts that every KV block and state slot is free again "
                      "and the pool's indexes are consistent (the test suite sets it; a leak fails the step)",
@@ -81,6 +84,11 @@ def cpu_isa() -> str | None:
 def check_integrity() -> bool:
     """True when TOKENMILL_CHECK_INTEGRITY=1: the engine checks its KV pool whenever it goes idle."""
     return _flag(CHECK_INTEGRITY)
+
+
+def disable_moe_fused() -> bool:
+    """True when TOKENMILL_DISABLE_MOE_FUSED=1: MoE layers on CPU keep the torch grouped expert step."""
+    return _flag(DISABLE_MOE_FUSED)
 
 
 def disable_omp_spin_tuning() -> bool:

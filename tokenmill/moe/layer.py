@@ -20,11 +20,20 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.layers import Linear
 from tokenmill.moe.experts import (ExpertMLP, dense_expert_step, expert_counts, grouped_expert_step,
                                    stack_expert_weights)
 from tokenmill.moe.load_stats import ExpertLoad
 from tokenmill.moe.routing import RouterConfig, invariant_sigmoid, select_experts
+
+
+@functools.cache
+def _cpu_experts() -> ModuleType:
+    """``moe.cpu_experts`` (the fused C expert step), imported on first use."""
+    from tokenmill.moe import cpu_experts
+
+    return cpu_experts
 
 
 @functools.cache
@@ -110,7 +119,9 @@ class SparseMoeBlock(nn.Module):
     ``use_triton`` (set by the CUDA runner): the routed experts run in the Triton grouped kernels
     (``triton_experts.py``) on weights stacked once by ``prepare_triton`` (called by the runner, else at the first
     such forward), also while a CUDA graph is captured (no host sync, a grid fixed by the shapes). Without it, a
-    graph capture runs ``dense_expert_step``, any other step ``grouped_expert_step``.
+    graph capture runs ``dense_expert_step``; on CPU, experts in GGUF blocks run in the fused C expert step
+    (``cpu_experts.FusedExperts``, bit for bit the grouped step's result; ``use_cpu_fused`` False, or
+    TOKENMILL_DISABLE_MOE_FUSED=1 at construction, turns it off), any other step in ``grouped_expert_step``.
     """
 
     use_triton = False
@@ -129,6 +140,8 @@ class SparseMoeBlock(nn.Module):
         self.moe_index = moe_index
         self.expert_load = expert_load
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I, H], down [E, H, I])
+        self.use_cpu_fused = not envs.disable_moe_fused()
+        self.cpu_fused = None  # FusedExperts, or why not (str), or None: not yet tried (see cpu_fused_step)
 
     def prepare_triton(self) -> None:
         """Stack the experts' weights for the Triton kernels (``experts.stack_expert_weights``: the experts' own
@@ -138,6 +151,17 @@ class SparseMoeBlock(nn.Module):
             ValueError: quantized experts (GGUF blocks, int8), or a dtype the kernels do not take.
         """
         self._stacked = stack_expert_weights(self.experts)
+
+    def cpu_fused_step(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts in the fused C step ([T, hidden]), or None where it does not apply (dense or
+        LoRA'd experts, no C compiler, or a step the plan puts on other paths: ``cpu_experts``). Described on
+        the first call, again when the experts' blocks moved (RL sleep / weight updates reallocate them)."""
+        fused = self.cpu_fused
+        if fused is None or (not isinstance(fused, str) and fused.key != _first_block_address(self.experts)):
+            fused = self.cpu_fused = _cpu_experts().FusedExperts.describe(self.experts, x.dtype)
+        if isinstance(fused, str):
+            return None
+        return fused(x, weights, ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)  # (T, k) float32, (T, k) int64
@@ -153,7 +177,9 @@ class SparseMoeBlock(nn.Module):
         elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = dense_expert_step(x, weights, ids, self.experts)  # no data-dependent shapes in a graph
         else:
-            out = grouped_expert_step(x, weights, ids, self.experts, counts)  # (T, hidden)
+            out = self.cpu_fused_step(x, weights, ids) if x.device.type == "cpu" and self.use_cpu_fused else None
+            if out is None:
+                out = grouped_expert_step(x, weights, ids, self.experts, counts)  # (T, hidden)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)  # (T, hidden)
             if self.shared_expert_gate is not None:
@@ -163,3 +189,9 @@ class SparseMoeBlock(nn.Module):
                 shared = gate * shared  # (T, 1) * (T, hidden)
             out = out + shared
         return out
+
+
+def _first_block_address(experts: nn.ModuleList) -> int | None:
+    """Where expert 0's first gate_up block lives (None: dense weights)."""
+    quant = experts[0].gate_up_proj.quant
+    return quant.parts[0].data.data_ptr() if quant is not None else None

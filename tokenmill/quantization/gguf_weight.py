@@ -36,6 +36,11 @@ _scratch = threading.local()
 _dispatch_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("tokenmill_dispatch_rows", default=None)
 
 
+def current_dispatch_rows() -> int | None:
+    """The row count set by the enclosing ``dispatch_rows`` block, or None (each product's own rows)."""
+    return _dispatch_rows.get()
+
+
 @contextlib.contextmanager
 def dispatch_rows(rows: int | None) -> Iterator[None]:
     """Within the block, every ``GGUFWeight.matmul`` reads its tables at ``rows`` instead of its own row

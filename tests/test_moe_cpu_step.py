@@ -1,0 +1,147 @@
+"""The fused expert step on CPU (tokenmill/moe/cpu_experts.py, csrc/moe_step.c) against the torch path.
+
+Experts with GGUF blocks in several formats (K-quants, the tiled Q4_0/Q8_0, a gate_up of two formats), float32
+and bfloat16, over the routing edge cases: the fused step must give the grouped torch step's bits (and the
+per-token reference loop's, where both run the same kernels), with experts over threads or products over
+threads, and refuse the steps it does not run.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tests.gguf_quantizers import quantize
+from tokenmill.moe import cpu_experts
+from tokenmill.moe.experts import ExpertMLP, grouped_expert_step, reference_expert_step
+from tokenmill.quantization.formats import QuantizedTensor
+from tokenmill.quantization.gguf_weight import GGUFWeight, dispatch_rows
+
+pytestmark = pytest.mark.skipif(not cpu_experts.available(), reason="no C compiler for the fused expert step")
+
+HIDDEN, INTER, NUM_EXPERTS = 256, 256, 8
+# (gate, up, down) formats: K-quants with a gate_up of two formats; the tiled formats (AMX bf16 where present)
+FORMATS = {"kquants": (Q.Q4_K, Q.Q6_K, Q.Q5_K), "tiled": (Q.Q4_0, Q.Q4_0, Q.Q8_0)}
+
+
+def _blocks(w: torch.Tensor, qtype: Q) -> QuantizedTensor:
+    return QuantizedTensor(int(qtype), tuple(w.shape), torch.from_numpy(quantize(w.numpy(), qtype)))
+
+
+def make_experts(formats: tuple[Q, Q, Q], dtype: torch.dtype, seed: int = 0) -> torch.nn.ModuleList:
+    """NUM_EXPERTS ExpertMLPs whose weights are GGUF blocks of random normal(0, 0.05) matrices, in ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = torch.nn.ModuleList(ExpertMLP(HIDDEN, INTER) for _ in range(NUM_EXPERTS))
+    for expert in experts:
+        gate, up = (torch.randn(INTER, HIDDEN, generator=gen) * 0.05 for _ in range(2))
+        down = torch.randn(HIDDEN, INTER, generator=gen) * 0.05
+        expert.gate_up_proj.load_quantized(GGUFWeight([_blocks(gate, formats[0]), _blocks(up, formats[1])]))
+        expert.down_proj.load_quantized(_blocks(down, formats[2]))
+        expert.to(dtype)
+        expert.act_fn.cpu_kernel_table = (True,)  # the plan's C SiLU at every row count
+    return experts
+
+
+def routing(case: str, tokens: int = 24, k: int = 3, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64) for one routing edge case."""
+    gen = torch.Generator().manual_seed(seed)
+    if case == "one_token":
+        tokens = 1
+    if case == "k_is_all":
+        k = NUM_EXPERTS
+    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:k] for _ in range(tokens)])
+    if case == "all_to_one":
+        ids = torch.stack([torch.tensor([5, *[e for e in range(NUM_EXPERTS) if e != 5][:k - 1]])] * tokens)
+        ids[:, 0] = 5
+    if case == "idle_experts":  # experts 0-3 get no token
+        ids = 4 + torch.stack([torch.randperm(4, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen).softmax(-1)
+    return weights, ids
+
+
+CASES = ("random", "one_token", "k_is_all", "all_to_one", "idle_experts")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", CASES)
+def test_fused_step_gives_the_grouped_steps_bits(fmt, dtype, case):
+    experts = make_experts(FORMATS[fmt], dtype)
+    fused = cpu_experts.FusedExperts.describe(experts, dtype)
+    assert not isinstance(fused, str), fused
+    weights, ids = routing(case)
+    x = (torch.randn(ids.shape[0], HIDDEN, generator=torch.Generator().manual_seed(2)) * 0.5).to(dtype)
+    want = grouped_expert_step(x, weights, ids, experts)
+    assert torch.equal(want, reference_expert_step(x, weights, ids, experts))  # same kernels, row by row
+    for parallel in (True, False, None):
+        got = fused(x, weights, ids, expert_parallel=parallel)
+        assert got is not None and got.dtype == dtype
+        assert torch.equal(got, want), (fmt, case, parallel, (got.float() - want.float()).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_amx_rows_follow_the_plan_table_per_expert(dtype):
+    """With the plan's AMX bf16 table on from 4 rows, experts with 4+ rows take the bf16 tiles (where this CPU
+    has them) and the others the int8 kernel, in both paths alike; and a verify step's dispatch rows override."""
+    experts = make_experts(FORMATS["tiled"], dtype)
+    table = (False,) * 4 + (True,)
+    for e in experts:
+        e.gate_up_proj.quant.amx_bf16_table = table
+        e.down_proj.quant.amx_bf16_table = table
+    fused = cpu_experts.FusedExperts.describe(experts, dtype)
+    weights, ids = routing("random", tokens=12)
+    ids[:8, 0] = 2  # expert 2 gets many rows, the others few
+    x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(3)).to(dtype)
+    assert torch.equal(fused(x, weights, ids), grouped_expert_step(x, weights, ids, experts))
+    with dispatch_rows(1):
+        assert torch.equal(fused(x, weights, ids), grouped_expert_step(x, weights, ids, experts))
+
+
+def test_deterministic_mode_runs_the_invariant_kernels_and_a_token_alone_equals_it_in_a_batch():
+    experts = make_experts(FORMATS["kquants"], torch.bfloat16)
+    for e in experts:
+        e.act_fn.cpu_kernel_table = ()  # deterministic mode needs no plan
+        for m in (e.gate_up_proj, e.down_proj, e.act_fn):
+            m.batch_invariant = True
+        e.gate_up_proj.quant.amx_bf16_table = e.down_proj.quant.amx_bf16_table = (True,)  # ignored
+    fused = cpu_experts.FusedExperts.describe(experts, torch.bfloat16)
+    weights, ids = routing("random", tokens=16)
+    x = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    batch = fused(x, weights, ids)
+    assert torch.equal(batch, grouped_expert_step(x, weights, ids, experts))
+    for t in (0, 7, 15):
+        assert torch.equal(fused(x[t:t + 1], weights[t:t + 1], ids[t:t + 1]), batch[t:t + 1])
+
+
+def test_steps_the_plan_puts_elsewhere_are_refused_and_the_block_falls_back():
+    experts = make_experts(FORMATS["kquants"], torch.float32)
+    fused = cpu_experts.FusedExperts.describe(experts, torch.float32)
+    weights, ids = routing("random")
+    x = torch.randn(ids.shape[0], HIDDEN)
+    for e in experts:  # dequantize + torch GEMM from 2 rows: a step with an expert of 2+ rows is refused
+        e.gate_up_proj.quant.dequantize_table = e.down_proj.quant.dequantize_table = (False, False, True)
+    assert fused(x, weights, ids) is None and fused.refused == 1
+    one = routing("one_token")
+    assert fused(x[:1], *one) is not None  # one row per expert: the kernel
+    for e in experts:
+        e.gate_up_proj.quant.dequantize_table = e.down_proj.quant.dequantize_table = ()
+        e.act_fn.cpu_kernel_table = (False,)  # the plan prefers torch's SiLU: the fused step keeps its C one
+    got, want = fused(x, weights, ids), grouped_expert_step(x, weights, ids, experts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for e in experts:
+        e.act_fn.cpu_kernel_table = ()  # no plan (--no-cpu-kernels): the torch path
+    assert fused(x, weights, ids) is None
+
+
+def test_what_the_fused_step_cannot_run_is_named():
+    dense = torch.nn.ModuleList(ExpertMLP(HIDDEN, INTER) for _ in range(2))
+    assert "dense expert weights" in cpu_experts.FusedExperts.describe(dense, torch.float32)
+    experts = make_experts(FORMATS["tiled"], torch.float32)
+    assert "float32 or bfloat16" in cpu_experts.FusedExperts.describe(experts, torch.float16)
+    fused = cpu_experts.FusedExperts.describe(experts, torch.float32)
+    weights, ids = routing("random")
+    x = torch.randn(ids.shape[0], HIDDEN)
+    with pytest.raises(ValueError, match="expert ids outside"):
+        fused(x, weights, ids + NUM_EXPERTS)
+    with pytest.raises(ValueError, match="model dtype"):
+        fused(x.to(torch.bfloat16), weights, ids)

@@ -1,0 +1,192 @@
+"""The fused expert step on CPU: a MoE layer's routed experts over a step's tokens in one C call (csrc/moe_step.c).
+
+``grouped_expert_step`` (experts.py) runs the same computation as ~5 Python/torch calls per active expert; at
+batch 1 a layer's 8 active experts then cost ~40 dispatches and 16 thread barriers around products of a few
+hundred microseconds. Here one call groups the slots by expert (a counting sort: the torch path's stable
+argsort), runs each active expert's chain (gate_up product, SiLU-and-multiply, down product) with the same
+compiled kernels the experts' ``Linear`` layers call (qgemm's quantized products, AMX bf16 tiles where the plan
+says), the C SiLU kernel, and combines each token's k outputs in rank order in float32, as
+``combine_in_rank_order``. So the result is bit for bit the torch path's wherever the plan puts the experts'
+rows on those kernels (at a few rows the plan may prefer torch's SiLU, which can round the last bit
+differently); a step where some expert's rows would be dequantized for torch's GEMM is refused by the C side
+before it writes anything, and the caller runs the torch path. With no plan (``--no-cpu-kernels``: the SiLU
+table is empty) the torch path runs.
+
+Threads: on decode-sized steps the active experts are spread over the threads, one expert's chain per thread
+with one-thread products (no barrier per product); on larger groups each product runs on all threads
+(``expert_parallel``; the C file's top comment).
+
+Applies to experts whose weights are GGUF blocks (``Linear.quant``: every format qgemm runs, stored or tiled)
+in float32 or bfloat16 models, without bias or LoRA; otherwise ``FusedExperts.describe`` says why not and the
+torch path runs. Imports ``tokenmill.quantization`` and ``tokenmill.layers`` only.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
+from tokenmill.layers import silu_and_mul_kernel
+from tokenmill.quantization import qgemm
+from tokenmill.quantization.gguf_weight import current_dispatch_rows
+
+_SOURCE = Path(__file__).parent / "csrc" / "moe_step.c"
+MAX_SEGMENTS = 4  # ME_MAX_SEGMENTS: format segments per projection
+REFUSED = -3  # me_step: the plan puts some expert's rows on a path the C step does not run
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("num_segments", ctypes.c_int32), ("qtype", ctypes.c_int32 * MAX_SEGMENTS),
+                ("rows", ctypes.c_int64 * MAX_SEGMENTS), ("data", ctypes.c_void_p * MAX_SEGMENTS)]
+
+
+class _Expert(ctypes.Structure):
+    _fields_ = [("gate_up", _Linear), ("down", _Linear)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_experts", ctypes.c_int64), ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+                ("bf16", ctypes.c_int32), ("experts", ctypes.POINTER(_Expert)), ("qlinear", ctypes.c_void_p),
+                ("qlinear_bf16", ctypes.c_void_p), ("silu_and_mul", ctypes.c_void_p)]
+
+
+class _Tables(ctypes.Structure):
+    _fields_ = [("dequantize", ctypes.c_void_p), ("dequantize_len", ctypes.c_int64), ("amx", ctypes.c_void_p),
+                ("amx_len", ctypes.c_int64), ("invariant", ctypes.c_int32), ("product_rows", ctypes.c_int64)]
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    p = ctypes.c_void_p
+    lib.me_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Tables), p, ctypes.c_int64, ctypes.c_int64, p, p,
+                            p, ctypes.c_int, ctypes.c_int]
+    lib.me_step.restype = ctypes.c_int
+
+
+# No SIMD of its own: the kernels it calls (function pointers into their libraries) carry the ISA path.
+library = CLibrary(_SOURCE, "moe_step", _setup, DEFAULT_FLAGS)
+available = library.available
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _describe_linear(module) -> tuple[_Linear, list[torch.Tensor]] | str:
+    quant = getattr(module, "quant", None)
+    if quant is None:
+        return "dense expert weights (the fused step runs GGUF blocks)"
+    if len(quant.parts) > MAX_SEGMENTS:
+        return f"more than {MAX_SEGMENTS} format segments in one projection"
+    if module.bias is not None or getattr(module, "lora", None) is not None:
+        return "a bias or a LoRA adapter on an expert"
+    desc = _Linear(num_segments=len(quant.parts))
+    keep = []
+    for i, part in enumerate(quant.parts):
+        if part.data.dtype != torch.uint8 or not part.data.is_contiguous():
+            return "expert blocks that are not a contiguous uint8 tensor"
+        desc.qtype[i], desc.rows[i], desc.data[i] = part.qtype, part.shape[0], part.data.data_ptr()
+        keep.append(part.data)
+    return desc, keep
+
+
+class _TableBytes:
+    """A plan table (tuple of bools) as a uint8 array the C side reads, rebuilt when the tuple changes."""
+
+    def __init__(self) -> None:
+        self.source: tuple | None = None
+        self.array = torch.zeros(1, dtype=torch.uint8)
+
+    def get(self, table: tuple) -> tuple[int, int]:
+        if table is not self.source:
+            self.source = table
+            self.array = torch.tensor([bool(v) for v in table] or [0], dtype=torch.uint8)
+        return self.array.data_ptr(), len(table)
+
+
+class FusedExperts:
+    """The C description of one layer's routed experts and the call that runs them (module docstring).
+
+    Build with ``FusedExperts.describe(experts, dtype)``; call with (x [T, hidden], weights [T, k] float32,
+    expert ids [T, k] int64) -> [T, hidden] in x's dtype, or None where the C step refused the step (the caller
+    runs ``grouped_expert_step``).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, model: _Model, experts_array: ctypes.Array, keep: list[torch.Tensor],
+                 first: nn.Module) -> None:
+        self._lib = lib
+        self._model = model
+        self._experts_array = experts_array  # the ctypes array model.experts points into
+        self._keep = keep  # the weight blocks the description points into
+        self._first = first  # expert 0: its layers' plan tables and deterministic flags stand for all
+        self._dequantize, self._amx = _TableBytes(), _TableBytes()
+        self.key = keep[0].data_ptr()
+        self.calls = self.refused = 0
+
+    @classmethod
+    def describe(cls, experts: nn.ModuleList, dtype: torch.dtype) -> FusedExperts | str:
+        """The fused step for ``experts`` (``ExpertMLP``s) in a ``dtype`` model, or why it cannot run them."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"dtype {dtype} (float32 or bfloat16 only)"
+        lib = library.built()
+        q = qgemm.library.built()
+        silu = silu_and_mul_kernel.library.built()
+        if lib is None or q is None or silu is None:
+            return "the fused expert step or a kernel it calls cannot be built here"
+        array = (_Expert * len(experts))()
+        keep: list[torch.Tensor] = []
+        for index, expert in enumerate(experts):
+            for name in ("gate_up_proj", "down_proj"):
+                got = _describe_linear(getattr(expert, name))
+                if isinstance(got, str):
+                    return f"expert {index}: {got}"
+                setattr(array[index], name.removesuffix("_proj"), got[0])
+                keep.extend(got[1])
+        first = experts[0]
+        suffix = "bf16" if dtype == torch.bfloat16 else "f32"
+        model = _Model(num_experts=len(experts), hidden=first.down_proj.out_features,
+                       intermediate=first.down_proj.in_features, bf16=int(dtype == torch.bfloat16),
+                       experts=ctypes.cast(array, ctypes.POINTER(_Expert)), qlinear=_address(q.qg_linear),
+                       qlinear_bf16=_address(q.qg_linear_bf16),
+                       silu_and_mul=_address(getattr(silu, f"silu_and_mul_{suffix}")))
+        return cls(lib, model, array, keep, first)
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                 expert_parallel: bool | None = None) -> torch.Tensor | None:
+        """Run the step (class docstring). ``expert_parallel``: None chooses (experts over threads when no active
+        expert has more than 32 rows: ME_PARALLEL_MAX_ROWS), True / False forces it (tests, benchmarks).
+
+        Raises:
+            ValueError: an expert id outside [0, num_experts), or shapes that do not match the experts.
+            MemoryError: scratch memory could not be allocated.
+        """
+        gate_up, act = self._first.gate_up_proj, self._first.act_fn
+        invariant = bool(gate_up.batch_invariant)
+        if not invariant and not act.cpu_kernel_table:
+            return None  # no kernel plan (--no-cpu-kernels, or none applied): the torch path
+        num_tokens, k = expert_ids.shape
+        if x.dtype != (torch.bfloat16 if self._model.bf16 else torch.float32) or x.shape[1] != self._model.hidden:
+            raise ValueError(f"x must be [T, {self._model.hidden}] in the model dtype, got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        ids = expert_ids.to(torch.int64).contiguous()
+        tables = _Tables(invariant=int(invariant), product_rows=current_dispatch_rows() or 0)
+        quant = gate_up.quant
+        tables.dequantize, tables.dequantize_len = self._dequantize.get(quant.dequantize_table)
+        tables.amx, tables.amx_len = self._amx.get(quant.amx_bf16_table)
+        mode = 2 if expert_parallel is None else int(expert_parallel)  # 2: the C side decides by the group sizes
+        out = torch.empty_like(x)
+        rc = self._lib.me_step(ctypes.byref(self._model), ctypes.byref(tables), x.data_ptr(), num_tokens, k,
+                               ids.data_ptr(), weights.data_ptr(), out.data_ptr(), torch.get_num_threads(), mode)
+        self.calls += 1
+        if rc == REFUSED:
+            self.refused += 1
+            return None
+        if rc == -2:
+            raise MemoryError("fused expert step: scratch memory could not be allocated")
+        if rc != 0:
+            raise ValueError(f"fused expert step: bad arguments (expert ids outside [0, {self._model.num_experts}) "
+                             "or experts of another shape)")
+        return out
