@@ -145,3 +145,36 @@ def test_what_the_fused_step_cannot_run_is_named():
         fused(x, weights, ids + NUM_EXPERTS)
     with pytest.raises(ValueError, match="model dtype"):
         fused(x.to(torch.bfloat16), weights, ids)
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral"])
+def test_moe_models_run_the_lean_step_and_the_fused_experts_with_the_torch_paths_tokens(arch, tmp_path):
+    """A tiny MoE model with int8 (Q8_0 block) weights: the lean decode step runs its attention in C and hands each
+    MoE block to its module (the fused experts), and greedy tokens equal those of the torch layers. qwen2_moe keeps
+    a dense MLP layer and a gated shared expert, qwen3_moe alternates dense and MoE layers, OLMoE normalizes the
+    whole q and k projections."""
+    from tests.moe_models import make_moe_model
+    from tokenmill import LLM, SamplingParams
+
+    make_moe_model(arch, tmp_path / arch)
+    llm = LLM(model=str(tmp_path / arch), quantization="int8", dtype="bfloat16", max_model_len=256,
+              kv_cache_memory=0.05)
+    try:
+        model = llm.engine.runner.model
+        lean = model.model.lean_decode
+        assert lean is not None, "the lean step is not installed"
+        blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+        assert blocks
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": [5 + i, 17, 230 + 3 * i, 41, 9]} for i in range(4)]
+        fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert lean.steps > 0
+        assert all(isinstance(b.cpu_fused, cpu_experts.FusedExperts) and b.cpu_fused.calls > b.cpu_fused.refused
+                   for b in blocks)
+        lean.enabled = False
+        for b in blocks:
+            b.use_cpu_fused = False
+        torch_path = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert fast == torch_path
+    finally:
+        llm.engine.close()

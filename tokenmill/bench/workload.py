@@ -141,5 +141,9 @@ def load_tokenizer(path: str | None = None) -> Any:
             if len(ggufs) == 1:
                 file = ggufs[0]
     if file.is_file() and file.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        # the engine's own GGUF tokenizer: also for architectures transformers' GGUF reader refuses (olmoe,
+        # deepseek2), and split as llama.cpp splits the file's pre-tokenizer
+        from tokenmill.models.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(file)
     return AutoTokenizer.from_pretrained(str(file))

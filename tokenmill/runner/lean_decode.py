@@ -46,7 +46,8 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear), ("sliding_window", ctypes.c_int64)]  # 0: none
+                ("down", _Linear), ("sliding_window", ctypes.c_int64),  # 0: none
+                ("qk_norm_whole", ctypes.c_int32), ("mlp_external", ctypes.c_int32)]
 
 
 class _Kernels(ctypes.Structure):
@@ -76,6 +77,9 @@ def _setup(lib: ctypes.CDLL) -> None:
     p = ctypes.c_void_p
     lib.ld_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch), p, p, ctypes.c_int, ctypes.c_int]
     lib.ld_step.restype = ctypes.c_int
+    lib.ld_step_range.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch), p, p, p, ctypes.c_int64,
+                                  ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.ld_step_range.restype = ctypes.c_int
 
 
 # The step's library. It holds no SIMD code of its own: the kernels it calls carry the ISA path.
@@ -232,6 +236,8 @@ class LeanDecode:
         self.mixed_steps = 0  # of which steps with prompt chunks
         self.prefill_kernel = prefill_kernel  # whether prompt chunks may run here (the C prefill kernel takes them)
         self.thread_choice: dict[int, ThreadChoice] = {}  # by batch size, up to MAX_ADAPTIVE_ROWS
+        # range ends of ld_step_range: after each layer whose MLP runs in Python (MoE), empty for plain models
+        self._external = tuple(i + 1 for i in range(desc.num_layers) if self._layers[i].mlp_external)
 
     def _kv_pointers(self, kv_caches) -> ctypes.Array | None:
         first = kv_caches[0][0]
@@ -281,7 +287,11 @@ class LeanDecode:
             choice = self.thread_choice.setdefault(num_tokens, ThreadChoice())
         threads = self.threads or (pool if choice is None else choice.pick(pool))
         start = time.perf_counter()
-        rc = self._lib.ld_step(ctypes.byref(self._desc), ctypes.byref(batch), ptrs, hidden.data_ptr(), threads, amx)
+        if self._external:  # MoE layers: C up to each one's MLP block, which runs here
+            hidden, rc = self._run_ranges(model, batch, ptrs, hidden, threads, amx)
+        else:
+            rc = self._lib.ld_step(ctypes.byref(self._desc), ctypes.byref(batch), ptrs, hidden.data_ptr(), threads,
+                                   amx)
         if choice is not None and rc == 0:
             choice.record(threads, time.perf_counter() - start)
         if rc == -2:
@@ -292,6 +302,27 @@ class LeanDecode:
         self.mixed_steps += mixed
         return model.norm(hidden)
 
+    def _run_ranges(self, model, batch: _Batch, ptrs, hidden: torch.Tensor, threads: int,
+                    amx: int) -> tuple[torch.Tensor, int]:
+        """The step with external-MLP layers (MoE): C from one such layer's successor through the next one's
+        attention block, then that layer's MLP module on the returned RMSNorm(h), added to h as
+        LlamaDecoderLayer does (``out = mlp(norm(h)); out.add_(h)``). Returns (hidden, ld_step_range's code)."""
+        xn = torch.empty_like(hidden)
+        first = 0
+        for end in (*self._external, self._desc.num_layers):
+            if end <= first:
+                continue
+            rc = self._lib.ld_step_range(ctypes.byref(self._desc), ctypes.byref(batch), ptrs, hidden.data_ptr(),
+                                         xn.data_ptr(), first, end, threads, amx)
+            if rc != 0:
+                return hidden, rc
+            if self._layers[end - 1].mlp_external:
+                out = model.layers[end - 1].mlp(xn)  # (T, hidden)
+                out.add_(hidden)
+                hidden = out.contiguous()
+            first = end
+        return hidden, 0
+
 
 def _describe(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list[torch.Tensor]] | str:
     """The C description of ``layers`` (LlamaDecoderLayers) and the tensors it points into, or why the lean
@@ -300,13 +331,21 @@ def _describe(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list[torch.Tens
     descs = (_Layer * len(layers))()
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        parts = [_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        external = not hasattr(mlp, "gate_up_proj")  # a MoE block: the step leaves it to its module
+        projections = (attn.qkv_proj, attn.o_proj) if external else (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                     mlp.down_proj)
+        parts = [_linear(m, dtype) for m in projections]
         if any(p is None for p in parts):
             return f"layer {i} has a dense projection (the lean step runs quantized GGUF/int8 weights only)"
         for _, tensors in parts:
             keep.extend(tensors)
         d = descs[i]
-        d.qkv, d.o, d.gate_up, d.down = (p[0] for p in parts)
+        d.qkv, d.o = parts[0][0], parts[1][0]
+        if external:
+            d.mlp_external = 1
+        else:
+            d.gate_up, d.down = parts[2][0], parts[3][0]
+        d.qk_norm_whole = int(bool(getattr(attn, "qk_norm_whole", False)))
         d.input_norm = layer.input_layernorm.weight.data_ptr()
         d.post_norm = layer.post_attention_layernorm.weight.data_ptr()
         d.sliding_window = attn.attn.sliding_window or 0  # the kernels take it as the torch path's layers do
@@ -332,6 +371,7 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
     Llama-family stack, or a library that cannot be built). Uninstalls a previous one first.
     """
     from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+    from tokenmill.moe import SparseMoeBlock
 
     inner = getattr(model, "model", None)
     if not isinstance(inner, LlamaModel):
@@ -341,7 +381,7 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
         return f"dtype {dtype} (float32 or bfloat16 only)"
     layers = list(inner.layers)
     if not layers or any(type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention
-                         or type(layer.mlp) is not LlamaMLP for layer in layers):
+                         or type(layer.mlp) not in (LlamaMLP, SparseMoeBlock) for layer in layers):
         return "decoder layers other than LlamaDecoderLayer"
     attn0 = layers[0].self_attn
     if any(layer.self_attn.attn.logit_softcap is not None for layer in layers):
@@ -367,7 +407,8 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
         kernels[0].prefill = None
     desc = _Model(num_layers=len(layers), hidden=inner.embed_tokens.embedding_dim, num_heads=attn0.num_heads,
                   num_kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim,
-                  intermediate=layers[0].mlp.down_proj.in_features, block_size=block_size,
+                  intermediate=max([layer.mlp.down_proj.in_features for layer in layers
+                                    if type(layer.mlp) is LlamaMLP] or [1]), block_size=block_size,
                   max_position=cache.shape[0], eps=eps, scale=attn0.attn.scale, bf16=int(dtype == torch.bfloat16),
                   cos_sin=cache.data_ptr(), layers=described[0], kernels=kernels[0])
     inner.lean_decode = LeanDecode(lib, desc, described, cache, dtype, layers[0].self_attn.qkv_proj.quant, kernels[1],

@@ -12,6 +12,11 @@
  *                                                   both with the layer's sliding window, if any
  *   h = (a @ Wo^T (+ b)) + h
  *   h = (silu(gate) * up) @ Wdown^T (+ b) + h       over RMSNorm(h); silu_and_mul kernel
+ * OLMoE normalizes the whole q and the whole k projection instead of each head (qk_norm_whole). A layer whose
+ * feed-forward is not this MLP (a mixture-of-experts block: mlp_external) ends a call of ld_step_range after
+ * its attention block: the caller gets RMSNorm(h) in xn_out, runs the block (tokenmill/moe: its experts in
+ * one C call of their own) and adds it to h, as the torch path's layer does, then calls again for the layers
+ * after it.
  * The kernels are the ones the torch path's layers call in default CPU mode, passed in as function
  * pointers into their own libraries (the very same machine code), and every tensor the torch path
  * holds is held here in the model dtype; the elementwise steps (bias, RoPE, residual adds) round each
@@ -73,8 +78,10 @@ typedef struct {
     const void* post_norm;   /* [hidden] */
     const void* q_norm;      /* [head_dim] or NULL (Qwen3's per-head norms) */
     const void* k_norm;
-    ld_linear qkv, o, gate_up, down;
+    ld_linear qkv, o, gate_up, down;        /* gate_up, down: unused (empty) where mlp_external */
     int64_t sliding_window;  /* the layer's window (a query at p sees keys p - window < j <= p), or 0: none */
+    int32_t qk_norm_whole;   /* q_norm [H * D] over the whole q projection, k_norm [KVH * D] over k (OLMoE) */
+    int32_t mlp_external;    /* the caller runs this layer's feed-forward (see the top of the file) */
 } ld_layer;
 
 typedef struct {
@@ -213,23 +220,28 @@ static int ld_batch_ok(const ld_model* m, const ld_batch* s) {
     return ok;
 }
 
-/* One step of every layer for the T tokens of ``s`` (see the top of the file). Returns 0; -1 for a bad
- * argument (a layout ld_batch_ok refuses, an odd head_dim, a layer of the wrong shape), checked before
- * anything is written, or the prefill kernel refusing its shapes (head_dim not a multiple of its vector
- * width: the layer's KV rows are then written, with the values the torch path writes); -2 when memory
- * cannot be allocated (here, or inside a product: the KV rows of the layers before may then hold this
- * step's values). */
-int ld_step(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden, int num_threads, int amx_bf16) {
+/* One step of layers [first, last) for the T tokens of ``s`` (see the top of the file). Every layer but the
+ * last must run its own MLP; when the last one is mlp_external, its post-attention RMSNorm(h) goes to xn_out
+ * [T, hidden] and its MLP block is left to the caller. Returns 0; -1 for a bad argument (a layout ld_batch_ok
+ * refuses, an odd head_dim, a layer of the wrong shape, a range that does not end where it must, no xn_out
+ * for an external MLP), checked before anything is written, or the prefill kernel refusing its shapes
+ * (head_dim not a multiple of its vector width: the layer's KV rows are then written, with the values the
+ * torch path writes); -2 when memory cannot be allocated (here, or inside a product: the KV rows of the layers
+ * before may then hold this step's values). */
+int ld_step_range(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden, void* xn_out, int64_t first,
+                  int64_t last, int num_threads, int amx_bf16) {
     const int bf16 = m->bf16;
     const size_t elt = bf16 ? 2 : 4;
     const int64_t Hd = m->hidden, H = m->num_heads, KVH = m->num_kv_heads, D = m->head_dim, I = m->intermediate;
     const int64_t q_size = H * D, kv_size = KVH * D, nqkv = q_size + 2 * kv_size;
     const int64_t B = s->num_tokens, Bd = s->num_decodes;
-    if (D % 2 || !ld_batch_ok(m, s)) return -1;
-    for (int64_t l = 0; l < m->num_layers; l++) {
+    if (D % 2 || first < 0 || last > m->num_layers || first >= last || !ld_batch_ok(m, s)) return -1;
+    for (int64_t l = first; l < last; l++) {
         const ld_layer* L = &m->layers[l];
-        if (ld_linear_out(&L->qkv) != nqkv || ld_linear_out(&L->o) != Hd || ld_linear_out(&L->gate_up) != 2 * I ||
-            ld_linear_out(&L->down) != Hd || L->sliding_window < 0 || L->sliding_window > INT32_MAX) return -1;
+        if (ld_linear_out(&L->qkv) != nqkv || ld_linear_out(&L->o) != Hd || L->sliding_window < 0 ||
+            L->sliding_window > INT32_MAX) return -1;
+        if (L->mlp_external ? (l != last - 1 || xn_out == NULL)
+                            : (ld_linear_out(&L->gate_up) != 2 * I || ld_linear_out(&L->down) != Hd)) return -1;
     }
     /* decode queries gathered into rows of their own (and their outputs scattered back) unless they are
      * the step's tokens in order */
@@ -246,7 +258,7 @@ int ld_step(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden,
     int rc = 0;
     if (!xn || !qkv || !q || !attn || !out || !gu || !act || (gather && !dq)) { rc = -2; goto done; }
     const ld_kernels* k = &m->kernels;
-    for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
+    for (int64_t l = first; l < last && rc == 0; l++) {
         const ld_layer* L = &m->layers[l];
         char* k_cache = kv[2 * l];
         char* v_cache = kv[2 * l + 1];
@@ -257,7 +269,11 @@ int ld_step(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden,
         for (int64_t b = 0; b < B; b++) { /* q | k of row b, contiguous: [H + KVH, D] */
             char* src = qkv + elt * (size_t)(b * nqkv);
             char* qb = q + elt * (size_t)(b * (q_size + kv_size));
-            if (L->q_norm) { /* Qwen3: RMSNorm over head_dim, per q head and per k head */
+            if (L->q_norm && L->qk_norm_whole) { /* OLMoE: one RMSNorm over all of q, one over all of k */
+                k->rms_norm(src, L->q_norm, qb, 1, q_size, m->eps, num_threads);
+                k->rms_norm(src + elt * (size_t)q_size, L->k_norm, qb + elt * (size_t)q_size, 1, kv_size, m->eps,
+                            num_threads);
+            } else if (L->q_norm) { /* Qwen3: RMSNorm over head_dim, per q head and per k head */
                 k->rms_norm(src, L->q_norm, qb, H, D, m->eps, num_threads);
                 k->rms_norm(src + elt * (size_t)q_size, L->k_norm, qb + elt * (size_t)q_size, KVH, D, m->eps,
                             num_threads);
@@ -295,6 +311,10 @@ int ld_step(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden,
         if ((rc = ld_linear_run(m, &L->o, xn, B, q_size, out, num_threads, amx_bf16))) break;
         ld_residual(hidden, out, B * Hd, bf16);
         /* MLP block */
+        if (L->mlp_external) { /* the caller's: its input, RMSNorm(h) */
+            k->rms_norm(hidden, L->post_norm, xn_out, B, Hd, m->eps, num_threads);
+            break;
+        }
         k->rms_norm(hidden, L->post_norm, xn, B, Hd, m->eps, num_threads);
         if ((rc = ld_linear_run(m, &L->gate_up, xn, B, Hd, gu, num_threads, amx_bf16))) break;
         k->silu_and_mul(gu, act, B, I, num_threads);
@@ -305,4 +325,9 @@ int ld_step(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden,
 done:
     free(xn); free(qkv); free(q); free(attn); free(out); free(gu); free(act); free(dq);
     return rc;
+}
+
+/* Every layer in one call (models whose layers all run their own MLP): ld_step_range over [0, num_layers). */
+int ld_step(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden, int num_threads, int amx_bf16) {
+    return ld_step_range(m, s, kv, hidden, NULL, 0, m->num_layers, num_threads, amx_bf16);
 }
