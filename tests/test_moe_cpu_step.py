@@ -167,14 +167,46 @@ def test_moe_models_run_the_lean_step_and_the_fused_experts_with_the_torch_paths
         assert blocks
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         prompts = [{"prompt_token_ids": [5 + i, 17, 230 + 3 * i, 41, 9]} for i in range(4)]
+        model.expert_load.reset()
         fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        fast_load = model.expert_load.snapshot()
         assert lean.steps > 0
-        assert all(isinstance(b.cpu_fused, cpu_experts.FusedExperts) and b.cpu_fused.calls > b.cpu_fused.refused
-                   for b in blocks)
+        assert all(isinstance(b.cpu_fused, cpu_experts.FusedExperts) for b in blocks)
+        if arch == "qwen2_moe":  # a shared expert: each block's module runs between the C ranges
+            assert lean.moe_steps == 0 and all(b.cpu_fused.calls > b.cpu_fused.refused for b in blocks)
+        else:  # the whole step in C: router, routing, fused experts
+            assert lean.moe_steps > 0
         lean.enabled = False
         for b in blocks:
             b.use_cpu_fused = False
+        model.expert_load.reset()
         torch_path = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert fast == torch_path
+        # the expert-load metrics count the same tokens per expert whichever path ran the blocks
+        assert fast_load.tokens_per_expert == model.expert_load.snapshot().tokens_per_expert
+        assert fast_load.sum > 0
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("rule", ["softmax_topk", "renormalized", "softmax_after_topk"])
+def test_c_routing_is_select_experts_up_to_float_rounding_with_ties_to_the_lowest_index(rule):
+    from tokenmill.moe.routing import RouterConfig, select_experts
+
+    config = RouterConfig(num_experts=16, top_k=4, norm_topk_prob=rule == "renormalized",
+                          softmax_after_topk=rule == "softmax_after_topk")
+    assert cpu_experts.c_routable(config)
+    logits = torch.randn(40, 16, generator=torch.Generator().manual_seed(5)) * 3
+    logits[3] = 1.0  # every expert tied: the four lowest indexes, in order
+    logits[7, [2, 9, 11]] = 20.0  # a tie at the top
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        got_w, got_ids = cpu_experts.route(x, config)
+        want_w, want_ids = select_experts(x, config)
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, rtol=2e-6, atol=1e-7)
+    assert got_ids[3].tolist() == [0, 1, 2, 3] and got_ids[7, :3].tolist() == [2, 9, 11]
+    from tokenmill.moe.routing import RouterConfig as RC
+
+    assert not cpu_experts.c_routable(RC(num_experts=16, top_k=2, scoring="sigmoid", correction_bias=True,
+                                         norm_topk_prob=True))

@@ -60,6 +60,9 @@ class _Tables(ctypes.Structure):
 
 def _setup(lib: ctypes.CDLL) -> None:
     p = ctypes.c_void_p
+    lib.me_route.argtypes = [p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                             p, p]
+    lib.me_route.restype = ctypes.c_int
     lib.me_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Tables), p, ctypes.c_int64, ctypes.c_int64, p, p,
                             p, ctypes.c_int, ctypes.c_int]
     lib.me_step.restype = ctypes.c_int
@@ -72,6 +75,40 @@ available = library.available
 
 def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def c_routable(config) -> bool:
+    """Whether ``me_route`` implements this ``RouterConfig``: softmax scores without groups, correction bias or
+    scaling (Mixtral, Qwen2/3-MoE, OLMoE; not DeepSeek)."""
+    return (config.scoring == "softmax" and config.num_groups == 1 and not config.correction_bias
+            and config.routed_scaling_factor == 1.0)
+
+
+def route(logits: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_experts`` for a ``c_routable`` config, in C (csrc/moe_step.c ``me_route``): logits [T, E] in
+    float32 or bfloat16 -> (weights [T, k] float32, expert ids [T, k] int64) in rank order. The fused step's
+    blocks route with it on CPU, as the lean decode step does, so both choose the same experts with the same bits.
+
+    Raises:
+        ValueError: logits of another width or dtype.
+        MemoryError: scratch memory could not be allocated.
+    """
+    if logits.dim() != 2 or logits.shape[1] != config.num_experts or logits.dtype not in (torch.float32,
+                                                                                            torch.bfloat16):
+        raise ValueError(f"router logits must be float32/bf16 [T, {config.num_experts}], got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    logits = logits.contiguous()
+    num_tokens, k = logits.shape[0], config.top_k
+    weights = torch.empty(num_tokens, k, dtype=torch.float32)
+    ids = torch.empty(num_tokens, k, dtype=torch.int64)
+    rc = library.get().me_route(logits.data_ptr(), int(logits.dtype == torch.bfloat16), num_tokens,
+                                config.num_experts, k, int(config.norm_topk_prob), int(config.softmax_after_topk),
+                                weights.data_ptr(), ids.data_ptr())
+    if rc == -2:
+        raise MemoryError("me_route: scratch memory could not be allocated")
+    if rc != 0:
+        raise ValueError(f"me_route: bad sizes (T {num_tokens}, E {config.num_experts}, k {k})")
+    return weights, ids
 
 
 def _describe_linear(module) -> tuple[_Linear, list[torch.Tensor]] | str:
@@ -153,6 +190,30 @@ class FusedExperts:
                        silu_and_mul=_address(getattr(silu, f"silu_and_mul_{suffix}")))
         return cls(lib, model, array, keep, first)
 
+    @property
+    def address(self) -> int:
+        """Where the C description (me_model) lives: the lean decode step passes it to me_step."""
+        return ctypes.addressof(self._model)
+
+    def tables(self, invariant: bool = False) -> _Tables:
+        """The me_tables of this step: the plan's dequantize and AMX bf16 tables of the experts' layers (expert 0's
+        stand for all: the plan gives every quantized layer the same ones), and the enclosing ``dispatch_rows``."""
+        tables = _Tables(invariant=int(invariant), product_rows=current_dispatch_rows() or 0)
+        quant = self._first.gate_up_proj.quant
+        tables.dequantize, tables.dequantize_len = self._dequantize.get(quant.dequantize_table)
+        tables.amx, tables.amx_len = self._amx.get(quant.amx_bf16_table)
+        return tables
+
+    def may_refuse(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens could be refused (the plan dequantizes for torch's GEMM at some
+        expert row count up to ``num_tokens``, or at the enclosing ``dispatch_rows``)."""
+        table = self._first.gate_up_proj.quant.dequantize_table
+        if not table:
+            return False
+        rows = current_dispatch_rows()
+        counts = [rows] if rows else range(1, num_tokens + 1)
+        return any(table[min(n, len(table) - 1)] for n in counts)
+
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                  expert_parallel: bool | None = None) -> torch.Tensor | None:
         """Run the step (class docstring). ``expert_parallel``: None chooses (experts over threads when no active
@@ -172,10 +233,7 @@ class FusedExperts:
         x = x.contiguous()
         weights = weights.to(torch.float32).contiguous()
         ids = expert_ids.to(torch.int64).contiguous()
-        tables = _Tables(invariant=int(invariant), product_rows=current_dispatch_rows() or 0)
-        quant = gate_up.quant
-        tables.dequantize, tables.dequantize_len = self._dequantize.get(quant.dequantize_table)
-        tables.amx, tables.amx_len = self._amx.get(quant.amx_bf16_table)
+        tables = self.tables(invariant)
         mode = 2 if expert_parallel is None else int(expert_parallel)  # 2: the C side decides by the group sizes
         out = torch.empty_like(x)
         rc = self._lib.me_step(ctypes.byref(self._model), ctypes.byref(tables), x.data_ptr(), num_tokens, k,

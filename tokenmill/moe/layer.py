@@ -141,7 +141,7 @@ class SparseMoeBlock(nn.Module):
         self.expert_load = expert_load
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I, H], down [E, H, I])
         self.use_cpu_fused = not envs.disable_moe_fused()
-        self.cpu_fused = None  # FusedExperts, or why not (str), or None: not yet tried (see cpu_fused_step)
+        self.cpu_fused = None  # FusedExperts, or why not (str), or None: not yet tried (see fused_experts)
 
     def prepare_triton(self) -> None:
         """Stack the experts' weights for the Triton kernels (``experts.stack_expert_weights``: the experts' own
@@ -152,19 +152,35 @@ class SparseMoeBlock(nn.Module):
         """
         self._stacked = stack_expert_weights(self.experts)
 
-    def cpu_fused_step(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-        """The routed experts in the fused C step ([T, hidden]), or None where it does not apply (dense or
-        LoRA'd experts, no C compiler, or a step the plan puts on other paths: ``cpu_experts``). Described on
-        the first call, again when the experts' blocks moved (RL sleep / weight updates reallocate them)."""
+    def fused_experts(self, x: torch.Tensor):
+        """The fused C expert step for this block (``cpu_experts.FusedExperts``), or None where it does not apply
+        (not on CPU, turned off, dense or LoRA'd experts, no C compiler). Described on the first call, again when
+        the experts' blocks moved (RL sleep / weight updates reallocate them)."""
+        if x.device.type != "cpu" or not self.use_cpu_fused:
+            return None
         fused = self.cpu_fused
         if fused is None or (not isinstance(fused, str) and fused.key != _first_block_address(self.experts)):
             fused = self.cpu_fused = _cpu_experts().FusedExperts.describe(self.experts, x.dtype)
-        if isinstance(fused, str):
-            return None
-        return fused(x, weights, ids)
+        return None if isinstance(fused, str) else fused
+
+    def routes_in_c(self, x: torch.Tensor) -> bool:
+        """Whether this step routes with ``cpu_experts.route``: wherever the experts run in the fused C step
+        (``fused_experts``), for a softmax router it implements (``cpu_experts.c_routable``) without float32
+        router logits (DeepSeek's). Every step of such a block routes there, the first one included."""
+        return (self.fused_experts(x) is not None and not self.gate.float32
+                and _cpu_experts().c_routable(self.gate.config))
+
+    def cpu_fused_step(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts in the fused C step ([T, hidden]), or None where it does not apply (see
+        ``fused_experts``) or the plan puts this step's expert rows on other paths (``cpu_experts``)."""
+        fused = self.fused_experts(x)
+        return None if fused is None else fused(x, weights, ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate.route(x)  # (T, k) float32, (T, k) int64
+        if self.routes_in_c(x):  # the fused experts' blocks route in C (cpu_experts.route), as the lean step does
+            weights, ids = _cpu_experts().route(self.gate(x), self.gate.config)
+        else:
+            weights, ids = self.gate.route(x)  # (T, k) float32, (T, k) int64
         counts = expert_counts(ids, self.num_experts)  # (E,)
         if self.expert_load is not None:
             self.expert_load.record(self.moe_index, counts)
@@ -177,7 +193,7 @@ class SparseMoeBlock(nn.Module):
         elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = dense_expert_step(x, weights, ids, self.experts)  # no data-dependent shapes in a graph
         else:
-            out = self.cpu_fused_step(x, weights, ids) if x.device.type == "cpu" and self.use_cpu_fused else None
+            out = self.cpu_fused_step(x, weights, ids)
             if out is None:
                 out = grouped_expert_step(x, weights, ids, self.experts, counts)  # (T, hidden)
         if self.shared_expert is not None:

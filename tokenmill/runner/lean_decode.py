@@ -47,12 +47,17 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
                 ("down", _Linear), ("sliding_window", ctypes.c_int64),  # 0: none
-                ("qk_norm_whole", ctypes.c_int32), ("mlp_external", ctypes.c_int32)]
+                ("qk_norm_whole", ctypes.c_int32), ("mlp_external", ctypes.c_int32),
+                # a MoE block run in C (ld_layer.moe_in_c)
+                ("moe_in_c", ctypes.c_int32), ("norm_topk", ctypes.c_int32), ("softmax_after_topk", ctypes.c_int32),
+                ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("moe_slot", ctypes.c_int64),
+                ("moe_model", ctypes.c_void_p), ("router_q", _Linear), ("router", ctypes.c_void_p)]
 
 
 class _Kernels(ctypes.Structure):
     _fields_ = [("qlinear", ctypes.c_void_p), ("rms_norm", ctypes.c_void_p), ("silu_and_mul", ctypes.c_void_p),
-                ("attention", ctypes.c_void_p), ("qlinear_bf16", ctypes.c_void_p), ("prefill", ctypes.c_void_p)]
+                ("attention", ctypes.c_void_p), ("qlinear_bf16", ctypes.c_void_p), ("prefill", ctypes.c_void_p),
+                ("moe_step", ctypes.c_void_p), ("moe_route", ctypes.c_void_p), ("dense_linear", ctypes.c_void_p)]
 
 
 class _Batch(ctypes.Structure):
@@ -70,7 +75,8 @@ class _Model(ctypes.Structure):
                 ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("max_position", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("bf16", ctypes.c_int32), ("cos_sin", ctypes.c_void_p),
-                ("layers", ctypes.POINTER(_Layer)), ("kernels", _Kernels)]
+                ("layers", ctypes.POINTER(_Layer)), ("kernels", _Kernels), ("moe_c", ctypes.c_int32),
+                ("moe_tables", ctypes.c_void_p), ("moe_counts", ctypes.c_void_p)]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -109,6 +115,12 @@ def kernel_set(dtype: torch.dtype, isa: str | None = None) -> tuple[_Kernels, st
                        attention=_address(getattr(attn, f"paged_decode_{suffix}")),
                        qlinear_bf16=_address(q.qg_linear_bf16),
                        prefill=_address(getattr(prefill, f"paged_prefill_{suffix}")) if prefill is not None else None)
+    from tokenmill.moe import cpu_experts
+
+    moe = cpu_experts.library.built() if isa is None else cpu_experts.library.load(isa)
+    if moe is not None:
+        kernels.moe_step, kernels.moe_route = _address(moe.me_step), _address(moe.me_route)
+        kernels.dense_linear = _address(getattr(bi, f"bi_linear_{suffix}"))
     return kernels, q.qg_isa().decode()
 
 
@@ -234,10 +246,47 @@ class LeanDecode:
         self._kv_ptrs = None
         self.steps = 0  # steps run here (tests check that the lean path was taken)
         self.mixed_steps = 0  # of which steps with prompt chunks
+        self.moe_steps = 0  # of which steps that ran their MoE blocks in C (ld_layer.moe_in_c)
         self.prefill_kernel = prefill_kernel  # whether prompt chunks may run here (the C prefill kernel takes them)
         self.thread_choice: dict[int, ThreadChoice] = {}  # by batch size, up to MAX_ADAPTIVE_ROWS
-        # range ends of ld_step_range: after each layer whose MLP runs in Python (MoE), empty for plain models
-        self._external = tuple(i + 1 for i in range(desc.num_layers) if self._layers[i].mlp_external)
+        self._moe_layout()
+
+    def _moe_layout(self) -> None:
+        """Range ends and MoE bookkeeping from the description: ``_external`` ends a range after every external
+        layer (the blocks' modules run them), ``_external_c`` only after those the step cannot run itself (when a
+        step runs the moe_in_c blocks in C); ``_moe_slots`` the layers of the moe_in_c blocks, by moe_slot."""
+        layers = [self._layers[i] for i in range(self._desc.num_layers)]
+        self._external = tuple(i + 1 for i, d in enumerate(layers) if d.mlp_external)
+        self._external_c = tuple(i + 1 for i, d in enumerate(layers) if d.mlp_external and not d.moe_in_c)
+        slots = sorted((d.moe_slot, i) for i, d in enumerate(layers) if d.moe_in_c)
+        self._moe_slots = [i for _, i in slots]
+        width = max([layers[i].num_experts for i in self._moe_slots] or [1])
+        self._moe_counts = torch.zeros(max(len(slots), 1), width, dtype=torch.int64)
+        self._desc.moe_counts = self._moe_counts.data_ptr()
+        self._moe_tables = None  # me_tables of the step, kept alive over the C call
+
+    def _moe_in_c(self, model, num_tokens: int) -> bool:
+        """Whether this step runs the moe_in_c blocks in C: the router's product at this many rows is the C GEMM
+        (or GGUF blocks) and no expert's rows can be refused (``FusedExperts.may_refuse``), as their modules run."""
+        if not self._moe_slots:
+            return False
+        block = model.layers[self._moe_slots[0]].mlp
+        fused, gate = block.cpu_fused, block.gate
+        table = gate.cpu_gemm_table
+        if gate.quant is None and not (gate.batch_invariant or (table and table[min(num_tokens, len(table) - 1)])):
+            return False
+        if fused is None or isinstance(fused, str) or fused.may_refuse(num_tokens):
+            return False
+        self._moe_tables = fused.tables()
+        self._desc.moe_tables = ctypes.addressof(self._moe_tables)
+        return True
+
+    def _record_moe(self, model) -> None:
+        """The step's tokens per expert of the MoE layers run in C, into their blocks' expert-load counters."""
+        for slot, index in enumerate(self._moe_slots):
+            block = model.layers[index].mlp
+            if block.expert_load is not None:
+                block.expert_load.record(block.moe_index, self._moe_counts[slot, :block.num_experts])
 
     def _kv_pointers(self, kv_caches) -> ctypes.Array | None:
         first = kv_caches[0][0]
@@ -276,6 +325,7 @@ class LeanDecode:
             self._layers, self._keep = described
             self._desc.layers = ctypes.cast(self._layers, ctypes.POINTER(_Layer))
             self._weights_key = _weights_key(model.layers)
+            self._moe_layout()
         ptrs = self._kv_pointers(kv_caches)
         if ptrs is None:
             return None
@@ -287,8 +337,16 @@ class LeanDecode:
             choice = self.thread_choice.setdefault(num_tokens, ThreadChoice())
         threads = self.threads or (pool if choice is None else choice.pick(pool))
         start = time.perf_counter()
-        if self._external:  # MoE layers: C up to each one's MLP block, which runs here
-            hidden, rc = self._run_ranges(model, batch, ptrs, hidden, threads, amx)
+        if self._external:  # MoE layers: in C where it can (moe_c), else C up to each block, which runs here
+            moe_c = self._moe_in_c(model, num_tokens)
+            self._desc.moe_c = int(moe_c)
+            if moe_c:
+                self._moe_counts.zero_()
+            hidden, rc = self._run_ranges(model, batch, ptrs, hidden, threads, amx,
+                                          self._external_c if moe_c else self._external)
+            if rc == 0 and moe_c:
+                self._record_moe(model)
+                self.moe_steps += 1
         else:
             rc = self._lib.ld_step(ctypes.byref(self._desc), ctypes.byref(batch), ptrs, hidden.data_ptr(), threads,
                                    amx)
@@ -303,20 +361,21 @@ class LeanDecode:
         return model.norm(hidden)
 
     def _run_ranges(self, model, batch: _Batch, ptrs, hidden: torch.Tensor, threads: int,
-                    amx: int) -> tuple[torch.Tensor, int]:
+                    amx: int, ends: tuple[int, ...]) -> tuple[torch.Tensor, int]:
         """The step with external-MLP layers (MoE): C from one such layer's successor through the next one's
         attention block, then that layer's MLP module on the returned RMSNorm(h), added to h as
         LlamaDecoderLayer does (``out = mlp(norm(h)); out.add_(h)``). Returns (hidden, ld_step_range's code)."""
         xn = torch.empty_like(hidden)
         first = 0
-        for end in (*self._external, self._desc.num_layers):
+        for end in (*ends, self._desc.num_layers):
             if end <= first:
                 continue
             rc = self._lib.ld_step_range(ctypes.byref(self._desc), ctypes.byref(batch), ptrs, hidden.data_ptr(),
                                          xn.data_ptr(), first, end, threads, amx)
             if rc != 0:
                 return hidden, rc
-            if self._layers[end - 1].mlp_external:
+            ran_in_c = self._desc.moe_c and self._layers[end - 1].moe_in_c
+            if self._layers[end - 1].mlp_external and not ran_in_c:
                 out = model.layers[end - 1].mlp(xn)  # (T, hidden)
                 out.add_(hidden)
                 hidden = out.contiguous()
@@ -327,7 +386,8 @@ class LeanDecode:
 def _describe(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list[torch.Tensor]] | str:
     """The C description of ``layers`` (LlamaDecoderLayers) and the tensors it points into, or why the lean
     step cannot run them."""
-    keep: list[torch.Tensor] = []
+    keep: list = []
+    keep_blocks: list = []  # the MoE blocks run in C, in moe_slot order
     descs = (_Layer * len(layers))()
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -343,6 +403,10 @@ def _describe(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list[torch.Tens
         d.qkv, d.o = parts[0][0], parts[1][0]
         if external:
             d.mlp_external = 1
+            in_c = _describe_moe(mlp, dtype, d, len(keep_blocks))
+            if in_c is not None:
+                keep.extend(in_c)
+                keep_blocks.append(mlp)
         else:
             d.gate_up, d.down = parts[2][0], parts[3][0]
         d.qk_norm_whole = int(bool(getattr(attn, "qk_norm_whole", False)))
@@ -354,6 +418,37 @@ def _describe(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list[torch.Tens
         keep.extend(n.weight.data for n in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm,
                                             attn.k_norm) if n is not None)
     return descs, keep
+
+
+def _describe_moe(block, dtype: torch.dtype, d: _Layer, slot: int) -> list | None:
+    """Fill ``d``'s MoE fields when the step can run ``block`` (a SparseMoeBlock) itself, as its module runs on
+    CPU: experts in the fused C step, a softmax router ``cpu_experts.route`` implements, no shared expert, a
+    router that is GGUF blocks or a dense weight of the model dtype (no bias, no LoRA). Returns what the
+    description points into (kept alive by the caller), or None (the block's module runs it)."""
+    from tokenmill.moe import cpu_experts
+
+    probe = torch.empty(0, block.moe_config.hidden_size, dtype=dtype)
+    fused = block.fused_experts(probe)
+    gate = block.gate
+    if (fused is None or not block.routes_in_c(probe) or block.shared_expert is not None or gate.bias is not None
+            or gate.lora is not None or not cpu_experts.library.available()):
+        return None
+    keep: list = [fused]
+    if gate.quant is not None:
+        router = _linear(gate, dtype)
+        if router is None:
+            return None
+        d.router_q = router[0]
+        keep.extend(router[1])
+    else:
+        if gate.weight.dtype != dtype or not gate.weight.is_contiguous():
+            return None
+        d.router = gate.weight.data_ptr()
+        keep.append(gate.weight.data)
+    config = gate.config
+    d.moe_in_c, d.norm_topk, d.softmax_after_topk = 1, int(config.norm_topk_prob), int(config.softmax_after_topk)
+    d.num_experts, d.top_k, d.moe_slot, d.moe_model = config.num_experts, config.top_k, slot, fused.address
+    return keep
 
 
 def _weights_key(layers) -> tuple[int, int]:

@@ -27,6 +27,7 @@
  * every kernel computes a row with the same instructions whatever its thread count.
  * Built at run time by tokenmill/moe/cpu_experts.py; tests/test_moe_cpu_step.py holds it to the torch path.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -229,4 +230,56 @@ int me_step(const me_model* m, const me_tables* tables, const void* x, int64_t T
 done:
     free(count); free(start); free(slot_of); free(pos_of); free(active); free(rows); free(grouped);
     return rc;
+}
+
+/* Softmax routing of T tokens over E experts (moe/routing.py's select_experts for a softmax router without
+ * groups, bias or scaling): logits [T, E] in the model dtype (bf16: 1) -> weights [T, k] float32 and ids [T, k],
+ * in rank order (descending, exact ties to the lowest index). softmax_after_topk 0: softmax over all E in
+ * float32 (max subtracted, expf, the sum in index order, one division each), the k best probabilities;
+ * 1: the k best logits, softmax over them. norm_topk: the k weights divided by their sum (rank order).
+ * The CPU torch path routes a block through this function whenever its experts run in the fused step, so the
+ * lean decode step (which calls it too) and the torch path choose the same experts with the same weights.
+ * Returns 0, or -1 for bad sizes or -2 when memory cannot be allocated. */
+int me_route(const void* logits, int bf16, int64_t T, int64_t E, int64_t k, int norm_topk, int softmax_after_topk,
+             float* weights, int64_t* ids) {
+    if (T < 0 || E < 1 || k < 1 || k > E) return -1;
+    float* p = malloc(sizeof(float) * (size_t)E);
+    unsigned char* taken = malloc((size_t)E);
+    if (!p || !taken) { free(p); free(taken); return -2; }
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t e = 0; e < E; e++)
+            p[e] = bf16 ? bf16_to_f32(((const uint16_t*)logits)[t * E + e]) : ((const float*)logits)[t * E + e];
+        if (!softmax_after_topk) {
+            float mx = p[0];
+            for (int64_t e = 1; e < E; e++) if (p[e] > mx) mx = p[e];
+            float sum = 0.0f;
+            for (int64_t e = 0; e < E; e++) { p[e] = expf(p[e] - mx); sum += p[e]; }
+            for (int64_t e = 0; e < E; e++) p[e] = p[e] / sum;
+        }
+        memset(taken, 0, (size_t)E);
+        float* w = weights + t * k;
+        int64_t* id = ids + t * k;
+        for (int64_t r = 0; r < k; r++) { /* the best not yet taken; a strict > keeps the lowest index on ties */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            taken[best] = 1;
+            id[r] = best;
+            w[r] = p[best];
+        }
+        if (softmax_after_topk) { /* softmax over the k chosen logits (w[0] is their max) */
+            const float mx = w[0];
+            float sum = 0.0f;
+            for (int64_t r = 0; r < k; r++) { w[r] = expf(w[r] - mx); sum += w[r]; }
+            for (int64_t r = 0; r < k; r++) w[r] = w[r] / sum;
+        }
+        if (norm_topk) {
+            float sum = 0.0f;
+            for (int64_t r = 0; r < k; r++) sum += w[r];
+            for (int64_t r = 0; r < k; r++) w[r] = w[r] / sum;
+        }
+    }
+    free(p);
+    free(taken);
+    return 0;
 }

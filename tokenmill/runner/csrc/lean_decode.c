@@ -16,7 +16,12 @@
  * feed-forward is not this MLP (a mixture-of-experts block: mlp_external) ends a call of ld_step_range after
  * its attention block: the caller gets RMSNorm(h) in xn_out, runs the block (tokenmill/moe: its experts in
  * one C call of their own) and adds it to h, as the torch path's layer does, then calls again for the layers
- * after it.
+ * after it. A MoE block with routed experts only and a softmax router (moe_in_c) runs here instead when the
+ * step sets moe_c, as its module runs on CPU (moe/layer.py):
+ *   logits = xn @ Wrouter^T                         the dense C GEMM (bi_linear) or a quantized product
+ *   weights, ids = me_route(logits)                 softmax routing (moe_step.c)
+ *   h = me_step(xn, ids, weights) + h               the fused expert step (moe_step.c)
+ * and the tokens per expert are added to moe_counts (the caller records them in the expert-load metrics).
  * The kernels are the ones the torch path's layers call in default CPU mode, passed in as function
  * pointers into their own libraries (the very same machine code), and every tensor the torch path
  * holds is held here in the model dtype; the elementwise steps (bias, RoPE, residual adds) round each
@@ -56,6 +61,15 @@ typedef int (*ld_prefill_fn)(const void* q, const void* k_cache, const void* v_c
                              int num_spans, void* out, int num_heads, int num_kv_heads, int head_dim, int block_size,
                              float scale, int window, float softcap, int num_threads);
 
+/* The MoE kernels (tokenmill/moe/csrc/moe_step.c's me_step and me_route) and the dense C GEMM the router's
+ * Linear runs (batch_invariant.c's bi_linear_*), for MoE layers run here (ld_layer.moe_in_c). */
+typedef int (*ld_moe_step_fn)(const void* model, const void* tables, const void* x, int64_t T, int64_t k,
+                              const int64_t* ids, const float* w, void* out, int num_threads, int expert_parallel);
+typedef int (*ld_moe_route_fn)(const void* logits, int bf16, int64_t T, int64_t E, int64_t k, int norm_topk,
+                               int softmax_after_topk, float* weights, int64_t* ids);
+typedef void (*ld_dense_linear_fn)(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N,
+                                   int64_t K, int num_threads);
+
 typedef struct {
     ld_qlinear_fn qlinear;
     ld_rms_norm_fn rms_norm;            /* the model dtype's variant */
@@ -63,6 +77,9 @@ typedef struct {
     ld_attention_fn attention;
     ld_qlinear_bf16_fn qlinear_bf16;    /* qg_linear_bf16 (AMX bf16 tiles; -2 where it does not apply), or NULL */
     ld_prefill_fn prefill;              /* paged_prefill_* (the model dtype's), or NULL: no prompt chunks */
+    ld_moe_step_fn moe_step;            /* or NULL (no MoE layer runs here) */
+    ld_moe_route_fn moe_route;
+    ld_dense_linear_fn dense_linear;    /* bi_linear_* of the model dtype */
 } ld_kernels;
 
 typedef struct {
@@ -82,6 +99,14 @@ typedef struct {
     int64_t sliding_window;  /* the layer's window (a query at p sees keys p - window < j <= p), or 0: none */
     int32_t qk_norm_whole;   /* q_norm [H * D] over the whole q projection, k_norm [KVH * D] over k (OLMoE) */
     int32_t mlp_external;    /* the caller runs this layer's feed-forward (see the top of the file) */
+    /* An external MoE block this step may run itself (when ld_model.moe_c is set): router, routing, experts. */
+    int32_t moe_in_c;
+    int32_t norm_topk, softmax_after_topk;
+    int64_t num_experts, top_k;
+    int64_t moe_slot;        /* its row of ld_model.moe_counts */
+    const void* moe_model;   /* the experts (moe_step.c's me_model) */
+    ld_linear router_q;      /* the router [E, hidden] as GGUF blocks, or num_segments 0 and: */
+    const void* router;      /* [E, hidden] in the model dtype (the dense C GEMM) */
 } ld_layer;
 
 typedef struct {
@@ -92,6 +117,9 @@ typedef struct {
     const float* cos_sin;      /* [max_position, head_dim]: cos half | sin half, float32 */
     const ld_layer* layers;    /* [num_layers] */
     ld_kernels kernels;
+    int32_t moe_c;             /* this step: run the moe_in_c layers' blocks here (else they end a range) */
+    const void* moe_tables;    /* the experts' plan tables for me_step (moe_step.c's me_tables) */
+    int64_t* moe_counts;       /* [MoE layers here, E] tokens per expert of this step, added to */
 } ld_model;
 
 /* A step's T tokens and how they attend (the runner's AttentionMetadata, vLLM's vocabulary): Bd decode
@@ -220,6 +248,11 @@ static int ld_batch_ok(const ld_model* m, const ld_batch* s) {
     return ok;
 }
 
+/* Whether the MoE kernels a moe_in_c layer needs are there. */
+static int k_ok(const ld_model* m) {
+    return m->kernels.moe_step && m->kernels.moe_route && m->kernels.dense_linear && m->moe_tables && m->moe_counts;
+}
+
 /* One step of layers [first, last) for the T tokens of ``s`` (see the top of the file). Every layer but the
  * last must run its own MLP; when the last one is mlp_external, its post-attention RMSNorm(h) goes to xn_out
  * [T, hidden] and its MLP block is left to the caller. Returns 0; -1 for a bad argument (a layout ld_batch_ok
@@ -227,7 +260,8 @@ static int ld_batch_ok(const ld_model* m, const ld_batch* s) {
  * for an external MLP), checked before anything is written, or the prefill kernel refusing its shapes
  * (head_dim not a multiple of its vector width: the layer's KV rows are then written, with the values the
  * torch path writes); -2 when memory cannot be allocated (here, or inside a product: the KV rows of the layers
- * before may then hold this step's values). */
+ * before may then hold this step's values); -3 when a MoE layer's experts would take another path in the plan
+ * (the caller runs the step on the torch path, which rewrites the KV rows with the same values). */
 int ld_step_range(const ld_model* m, const ld_batch* s, void* const* kv, void* hidden, void* xn_out, int64_t first,
                   int64_t last, int num_threads, int amx_bf16) {
     const int bf16 = m->bf16;
@@ -236,12 +270,20 @@ int ld_step_range(const ld_model* m, const ld_batch* s, void* const* kv, void* h
     const int64_t q_size = H * D, kv_size = KVH * D, nqkv = q_size + 2 * kv_size;
     const int64_t B = s->num_tokens, Bd = s->num_decodes;
     if (D % 2 || first < 0 || last > m->num_layers || first >= last || !ld_batch_ok(m, s)) return -1;
+    int64_t max_e = 0, max_k = 0; /* the widest MoE layer run here: routing scratch */
     for (int64_t l = first; l < last; l++) {
         const ld_layer* L = &m->layers[l];
         if (ld_linear_out(&L->qkv) != nqkv || ld_linear_out(&L->o) != Hd || L->sliding_window < 0 ||
             L->sliding_window > INT32_MAX) return -1;
-        if (L->mlp_external ? (l != last - 1 || xn_out == NULL)
-                            : (ld_linear_out(&L->gate_up) != 2 * I || ld_linear_out(&L->down) != Hd)) return -1;
+        const int in_c = L->mlp_external && L->moe_in_c && m->moe_c;
+        if (in_c ? (L->top_k < 1 || L->top_k > L->num_experts || !k_ok(m) ||
+                    (L->router_q.num_segments ? ld_linear_out(&L->router_q) != L->num_experts : L->router == NULL))
+                 : L->mlp_external ? (l != last - 1 || xn_out == NULL)
+                                   : (ld_linear_out(&L->gate_up) != 2 * I || ld_linear_out(&L->down) != Hd)) return -1;
+        if (in_c) {
+            if (L->num_experts > max_e) max_e = L->num_experts;
+            if (L->top_k > max_k) max_k = L->top_k;
+        }
     }
     /* decode queries gathered into rows of their own (and their outputs scattered back) unless they are
      * the step's tokens in order */
@@ -255,8 +297,14 @@ int ld_step_range(const ld_model* m, const ld_batch* s, void* const* kv, void* h
     char* gu = malloc(elt * (size_t)(B * 2 * I));
     char* act = malloc(elt * (size_t)(B * I));
     char* dq = gather ? malloc(elt * (size_t)(2 * Bd * q_size)) : NULL; /* gathered decode queries | outputs */
+    char* logits = max_e ? malloc(elt * (size_t)(B * max_e)) : NULL;   /* MoE routing */
+    float* rw = max_e ? malloc(sizeof(float) * (size_t)(B * max_k)) : NULL;
+    int64_t* rid = max_e ? malloc(sizeof(int64_t) * (size_t)(B * max_k)) : NULL;
     int rc = 0;
-    if (!xn || !qkv || !q || !attn || !out || !gu || !act || (gather && !dq)) { rc = -2; goto done; }
+    if (!xn || !qkv || !q || !attn || !out || !gu || !act || (gather && !dq) || (max_e && (!logits || !rw || !rid))) {
+        rc = -2;
+        goto done;
+    }
     const ld_kernels* k = &m->kernels;
     for (int64_t l = first; l < last && rc == 0; l++) {
         const ld_layer* L = &m->layers[l];
@@ -311,6 +359,22 @@ int ld_step_range(const ld_model* m, const ld_batch* s, void* const* kv, void* h
         if ((rc = ld_linear_run(m, &L->o, xn, B, q_size, out, num_threads, amx_bf16))) break;
         ld_residual(hidden, out, B * Hd, bf16);
         /* MLP block */
+        if (L->mlp_external && L->moe_in_c && m->moe_c) { /* the MoE block, as its module runs it */
+            const int64_t E = L->num_experts, K = L->top_k;
+            k->rms_norm(hidden, L->post_norm, xn, B, Hd, m->eps, num_threads);
+            if (L->router_q.num_segments) {
+                if ((rc = ld_linear_run(m, &L->router_q, xn, B, Hd, logits, num_threads, amx_bf16))) break;
+            } else {
+                k->dense_linear(xn, L->router, NULL, logits, B, E, Hd, num_threads);
+            }
+            if ((rc = k->moe_route(logits, bf16, B, E, K, L->norm_topk, L->softmax_after_topk, rw, rid))) break;
+            for (int64_t i = 0; i < B * K; i++) m->moe_counts[L->moe_slot * E + rid[i]]++;
+            rc = k->moe_step(L->moe_model, m->moe_tables, xn, B, K, rid, rw, out, num_threads, 2);
+            if (rc == -3) goto done; /* the plan puts some expert's rows on the torch path: the caller's */
+            if (rc) break;
+            ld_residual(hidden, out, B * Hd, bf16);
+            continue;
+        }
         if (L->mlp_external) { /* the caller's: its input, RMSNorm(h) */
             k->rms_norm(hidden, L->post_norm, xn_out, B, Hd, m->eps, num_threads);
             break;
@@ -324,6 +388,7 @@ int ld_step_range(const ld_model* m, const ld_batch* s, void* const* kv, void* h
     if (rc != 0) rc = -2; /* a product refused: only an allocation inside the kernel can fail here */
 done:
     free(xn); free(qkv); free(q); free(attn); free(out); free(gu); free(act); free(dq);
+    free(logits); free(rw); free(rid);
     return rc;
 }
 
