@@ -4,11 +4,13 @@ Popular models are benchmarked by their *shape*: a model with random weights and
 config of, e.g., Llama-3.2-1B runs exactly the matrices, norms, RoPE and vocabulary of the real one,
 so its decode speed is the real model's (nothing is downloaded from a model hub). The steps:
 
-``make``       For each shape: build the model with transformers from the published config
-               (``SHAPES`` below), weights normal(0, 0.02), norms 1, ``save_pretrained`` in bf16 with
+``make``       For each shape: the transformers model of the published config (``SHAPES`` below) on the
+               meta device, its checkpoint written tensor by tensor in ``save_pretrained``'s layout (bf16
+               safetensors shards, per-expert tensors for MoE shapes), weights normal(0, 0.02), norms 1, with
                the SmolLM2 tokenizer (taken from the embedded GGUF; none of these models' own tokenizers
-               is available offline); convert it with llama.cpp's own ``convert_hf_to_gguf.py`` to F16,
-               then quantize it with ``llama-quantize`` to each format. Files go to
+               is available offline); convert it with llama.cpp's own ``convert_hf_to_gguf.py`` to F16 (Q8_0
+               for shapes too large for an F16 file beside the checkpoint: DeepSeek-V2-Lite), then quantize
+               it with ``llama-quantize`` to each format. Files go to
                ``$TOKENMILL_CACHE_DIR/real_models/<shape>/<shape>-<FORMAT>.gguf`` (default
                ``~/.cache/tokenmill``), outside the repository, and are made once: an existing file is
                reused, a half-written one never has the final name.
@@ -17,7 +19,9 @@ so its decode speed is the real model's (nothing is downloaded from a model hub)
 ``footprint``  What a GGUF's batch-1 decode step reads: the bytes of every tensor in the file (all
                layers' matrices, norms, biases, the LM head) except the token embedding when the file has
                a separate ``output.weight`` (then one embedding row is read per token); with tied
-               embeddings the embedding *is* the LM head and is counted whole. The KV cache is not
+               embeddings the embedding *is* the LM head and is counted whole. Mixture-of-experts files
+               count k of E experts per token (the active bytes), and a 32-request step the share of the
+               experts 32 tokens route to (``bytes_per_step``). The KV cache is not
                counted (under 1% of the weights at these prompt lengths). Also the tensor type mix.
 ``run``        For each shape, format and workload, ``REPEATS`` runs of ``tokenmill bench compare
                --peer llama-server`` (tokenmill then llama-server in each run, so the engines alternate),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Popular models' real shapes, every common quantized format, tokenmill against llama.cpp's llama-server
 # (issue 40, item 5). Random-weight models with the published configs of Llama-3.2-1B, Qwen2.5-1.5B,
-# SmolLM2-1.7B and Qwen3-1.7B (more by name: `.venv/bin/python benchmarks/real_models.py shapes`) are
+# SmolLM2-1.7B and Qwen3-1.7B (more by name, the MoE shapes olmoe-1b-7b and deepseek-v2-lite among them:
+# `.venv/bin/python benchmarks/real_models.py shapes`) are
 # made with transformers, converted by llama.cpp's own convert_hf_to_gguf.py to F16 and quantized by its
 # llama-quantize to Q4_K_M, Q5_K_M, Q6_K, Q8_0 and Q4_0, once, under
 # ${TOKENMILL_CACHE_DIR:-~/.cache/tokenmill}/real_models/<shape>/<shape>-<FORMAT>.gguf (about 10 GB per

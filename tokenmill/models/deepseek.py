@@ -73,7 +73,10 @@ class LatentProjection(nn.Module):
 
     Not a ``Linear`` on purpose: it is never applied to the latent (which would expand the cache), so int8
     quantization and LoRA, which act on ``Linear``s, leave it alone. ``batch_invariant`` (deterministic mode) runs
-    each head's product in the batch-invariant GEMM.
+    each head's product in the batch-invariant GEMM. Otherwise the products read contiguous copies of W_UK
+    [H, qk_nope, r] and W_UV^T [H, r, v] (``_absorbed``, made once per weight version: the strided views cost a
+    copy inside every bmm, 0.6 ms a layer at batch 1 on DeepSeek-V2-Lite's shape; the copies hold as many bytes
+    as the weight).
     """
 
     def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int) -> None:
@@ -86,6 +89,18 @@ class LatentProjection(nn.Module):
     def _heads(self) -> torch.Tensor:
         return self.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.in_features)
 
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, qk_nope, r], W_UV^T [H, r, v]), contiguous; made again when the weight is replaced or
+        written in place (a weight update: its storage or ``_version`` changes)."""
+        key = (self.weight.data_ptr(), self.weight._version, self.weight.device, self.weight.dtype)
+        cached = getattr(self, "_absorbed_cache", None)
+        if cached is None or cached[0] != key:
+            heads = self._heads().detach()
+            w_uk = heads[:, : self.qk_nope_head_dim].contiguous()
+            w_uv_t = heads[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()
+            cached = self._absorbed_cache = (key, w_uk, w_uv_t)
+        return cached[1], cached[2]
+
     def absorb_query(self, q_nope: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """q_nope [T, H, qk_nope] -> [T, H, kv_lora_rank]: each head's q_nope · W_UK (so q_nope · k_nope =
         result · c_kv)."""
@@ -93,14 +108,14 @@ class LatentProjection(nn.Module):
         if invariant:
             return torch.stack([bi_linear(q_nope[:, h], w_uk[h].t().contiguous()) for h in range(self.num_heads)],
                                dim=1)
-        return bounded_bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (H, T, r) -> (T, H, r)
+        return bounded_bmm(q_nope.transpose(0, 1), self._absorbed()[0]).transpose(0, 1)  # (H, T, r) -> (T, H, r)
 
     def expand_values(self, out_latent: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """Attention output in latent space [T, H, kv_lora_rank] -> [T, H, v_head_dim] (times each head's W_UV)."""
         w_uv = self._heads()[:, self.qk_nope_head_dim :]  # (H, v, r)
         if invariant:
             return torch.stack([bi_linear(out_latent[:, h], w_uv[h]) for h in range(self.num_heads)], dim=1)
-        return bounded_bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # (T, H, v)
+        return bounded_bmm(out_latent.transpose(0, 1), self._absorbed()[1]).transpose(0, 1)  # (T, H, v)
 
 
 class LatentAttention(nn.Module):

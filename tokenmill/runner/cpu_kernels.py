@@ -182,7 +182,9 @@ def _race_layer(layer: nn.Module, x: torch.Tensor, attribute: str, c_setting, to
 
 def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) -> dict:
     """Time every kernel against torch on ``model``'s weights and layers; returns the plan's fields."""
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head and m.quant is None]
+    # dense weights in the model dtype (DeepSeek's float32 router takes float32 activations: not this race's)
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head and m.quant is None
+               and m.weight is not None and m.weight.dtype == dtype]
     by_shape = {}
     for m in linears:
         by_shape.setdefault(tuple(m.weight.shape), m.weight)
