@@ -147,13 +147,34 @@ def test_what_the_fused_step_cannot_run_is_named():
         fused(x.to(torch.bfloat16), weights, ids)
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral"])
-def test_moe_models_run_the_lean_step_and_the_fused_experts_with_the_torch_paths_tokens(arch, tmp_path):
-    """A tiny MoE model with int8 (Q8_0 block) weights: the lean decode step runs its attention in C and hands each
-    MoE block to its module (the fused experts), and greedy tokens equal those of the torch layers. qwen2_moe keeps
-    a dense MLP layer and a gated shared expert, qwen3_moe alternates dense and MoE layers, OLMoE normalizes the
-    whole q and k projections."""
+def _dense_routers(llm) -> None:
+    """Replace every MoE router's Q8_0 blocks by a dense weight of the model dtype on the C GEMM (as a GGUF file's
+    F32 ``ffn_gate_inp`` loads) and install the lean step again: its router then runs the dense C GEMM."""
+    from tokenmill.runner.lean_decode import install_lean_decode
+
+    model = llm.engine.runner.model
+    dtype = llm.engine.runner.loaded.dtype
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and gate.quant is not None:
+            gate.weight = torch.nn.Parameter(gate.quant.dequantize(dtype), requires_grad=False)
+            gate.quant = None
+            gate.cpu_gemm_table = (True,)
+    block_size = model.model.lean_decode._desc.block_size
+    assert install_lean_decode(model, dtype, block_size) is None
+
+
+@pytest.mark.parametrize("arch,router", [("olmoe", "q8_0"), ("qwen2_moe", "q8_0"), ("qwen3_moe", "q8_0"),
+                                         ("mixtral", "q8_0"), ("olmoe", "dense"), ("qwen3_moe", "dense")])
+def test_moe_models_run_the_lean_step_with_the_module_paths_bits(arch, router, tmp_path):
+    """A tiny MoE model with int8 (Q8_0 block) weights: the lean decode step runs its MoE layers in its C call
+    (router, C routing, fused experts; qwen2_moe's gated shared expert: the block's module between C ranges)
+    and gives the bits of the torch layers running the same kernels (hidden states and KV rows of a decode
+    step of 6 sequences), the same greedy tokens and expert-load counts as the torch path with torch's routing
+    and grouped step. qwen2_moe keeps a dense MLP layer, qwen3_moe alternates dense and MoE layers, OLMoE
+    normalizes the whole q and k projections; "dense": the routers as a GGUF file's F32 router loads."""
     from tests.moe_models import make_moe_model
+    from tests.test_lean_decode import assert_same_bits, decode_step_both_ways, torch_path_on_c_kernels
     from tokenmill import LLM, SamplingParams
 
     make_moe_model(arch, tmp_path / arch)
@@ -161,24 +182,30 @@ def test_moe_models_run_the_lean_step_and_the_fused_experts_with_the_torch_paths
               kv_cache_memory=0.05)
     try:
         model = llm.engine.runner.model
+        if router == "dense":
+            _dense_routers(llm)
         lean = model.model.lean_decode
         assert lean is not None, "the lean step is not installed"
         blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
         assert blocks
+        torch_path_on_c_kernels(model)
+        moe_steps = lean.moe_steps
+        assert_same_bits(*decode_step_both_ways(llm, [3, 9, 17, 30, 5, 12], seed=2))
+        in_c = arch != "qwen2_moe"  # a gated shared expert: its blocks run as modules
+        assert (lean.moe_steps > moe_steps) == in_c
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         prompts = [{"prompt_token_ids": [5 + i, 17, 230 + 3 * i, 41, 9]} for i in range(4)]
         model.expert_load.reset()
+        steps = lean.steps
         fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         fast_load = model.expert_load.snapshot()
-        assert lean.steps > 0
+        assert lean.steps > steps
         assert all(isinstance(b.cpu_fused, cpu_experts.FusedExperts) for b in blocks)
-        if arch == "qwen2_moe":  # a shared expert: each block's module runs between the C ranges
-            assert lean.moe_steps == 0 and all(b.cpu_fused.calls > b.cpu_fused.refused for b in blocks)
-        else:  # the whole step in C: router, routing, fused experts
-            assert lean.moe_steps > 0
+        if not in_c:
+            assert all(b.cpu_fused.calls > b.cpu_fused.refused for b in blocks)
         lean.enabled = False
         for b in blocks:
-            b.use_cpu_fused = False
+            b.use_cpu_fused = False  # torch's routing and the grouped step
         model.expert_load.reset()
         torch_path = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert fast == torch_path
@@ -187,6 +214,16 @@ def test_moe_models_run_the_lean_step_and_the_fused_experts_with_the_torch_paths
         assert fast_load.sum > 0
     finally:
         llm.engine.close()
+
+
+def test_mismatched_shapes_are_refused_before_the_c_step():
+    experts = make_experts(FORMATS["tiled"], torch.float32)
+    fused = cpu_experts.FusedExperts.describe(experts, torch.float32)
+    weights, ids = routing("random", tokens=4)
+    with pytest.raises(ValueError, match="T = 2"):
+        fused(torch.randn(2, HIDDEN), weights, ids)
+    with pytest.raises(ValueError, match=r"\[T, k\]"):
+        fused(torch.randn(4, HIDDEN), weights[:, :2], ids)
 
 
 @pytest.mark.parametrize("rule", ["softmax_topk", "renormalized", "softmax_after_topk"])

@@ -37,8 +37,9 @@ VARIABLES: dict[str, str] = {
                  "count); read by quantization/csrc/qgemm.c itself when it first multiplies, so no accessor here",
     DISABLE_OMP_SPIN_TUNING: "1: importing tokenmill leaves GOMP_SPINCOUNT alone (libgomp's default spin count) "
                              "instead of setting it to 1000",
-    DISABLE_MOE_FUSED: "1: a mixture-of-experts layer on CPU runs its experts in the torch grouped step instead of "
-                       "the fused C expert step (same bits; for comparisons)",
+    DISABLE_MOE_FUSED: "1: a mixture-of-experts layer on CPU routes with torch (select_experts) and runs its experts "
+                       "in the torch grouped step instead of the C routing and fused C expert step (the same experts; "
+                       "weights and outputs may differ in the last bits; for comparisons)",
     STATS_INTERVAL_S: "seconds between the engine's stats lines, a finite number > 0 (default 10; tests shorten it)",
     CHECK_INTEGRITY: "1: each time the engine goes idle it asserts that every KV block and state slot is free again "
                      "and the pool's indexes are consistent (the test suite sets it; a leak fails the step)",

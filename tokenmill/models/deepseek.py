@@ -101,6 +101,10 @@ class LatentProjection(nn.Module):
             cached = self._absorbed_cache = (key, w_uk, w_uv_t)
         return cached[1], cached[2]
 
+    def drop_derived_weights(self) -> None:
+        """Free the absorbed copies (RL sleep frees the weights; they are made again on the next use)."""
+        self._absorbed_cache = None
+
     def absorb_query(self, q_nope: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """q_nope [T, H, qk_nope] -> [T, H, kv_lora_rank]: each head's q_nope · W_UK (so q_nope · k_nope =
         result · c_kv)."""

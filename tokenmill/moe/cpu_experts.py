@@ -190,6 +190,11 @@ class FusedExperts:
                        silu_and_mul=_address(getattr(silu, f"silu_and_mul_{suffix}")))
         return cls(lib, model, array, keep, first)
 
+    def applies(self) -> bool:
+        """Whether the fused step runs this model's steps: deterministic mode, or a kernel plan is applied (its
+        SiLU table is set; ``--no-cpu-kernels`` leaves every layer, this step included, on torch)."""
+        return bool(self._first.gate_up_proj.batch_invariant) or bool(self._first.act_fn.cpu_kernel_table)
+
     @property
     def address(self) -> int:
         """Where the C description (me_model) lives: the lean decode step passes it to me_step."""
@@ -223,13 +228,16 @@ class FusedExperts:
             ValueError: an expert id outside [0, num_experts), or shapes that do not match the experts.
             MemoryError: scratch memory could not be allocated.
         """
-        gate_up, act = self._first.gate_up_proj, self._first.act_fn
-        invariant = bool(gate_up.batch_invariant)
-        if not invariant and not act.cpu_kernel_table:
+        if not self.applies():
             return None  # no kernel plan (--no-cpu-kernels, or none applied): the torch path
-        num_tokens, k = expert_ids.shape
-        if x.dtype != (torch.bfloat16 if self._model.bf16 else torch.float32) or x.shape[1] != self._model.hidden:
+        invariant = bool(self._first.gate_up_proj.batch_invariant)
+        if (x.dim() != 2 or x.dtype != (torch.bfloat16 if self._model.bf16 else torch.float32)
+                or x.shape[1] != self._model.hidden):
             raise ValueError(f"x must be [T, {self._model.hidden}] in the model dtype, got {x.dtype} {tuple(x.shape)}")
+        if expert_ids.dim() != 2 or tuple(weights.shape) != tuple(expert_ids.shape) or expert_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"weights and expert ids must both be [T, k] with T = {x.shape[0]} (x's rows), got "
+                             f"{tuple(weights.shape)} and {tuple(expert_ids.shape)}")
+        num_tokens, k = expert_ids.shape
         x = x.contiguous()
         weights = weights.to(torch.float32).contiguous()
         ids = expert_ids.to(torch.int64).contiguous()

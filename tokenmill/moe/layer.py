@@ -165,9 +165,12 @@ class SparseMoeBlock(nn.Module):
 
     def routes_in_c(self, x: torch.Tensor) -> bool:
         """Whether this step routes with ``cpu_experts.route``: wherever the experts run in the fused C step
-        (``fused_experts``), for a softmax router it implements (``cpu_experts.c_routable``) without float32
-        router logits (DeepSeek's). Every step of such a block routes there, the first one included."""
-        return (self.fused_experts(x) is not None and not self.gate.float32
+        (``fused_experts``, with a kernel plan or in deterministic mode: ``FusedExperts.applies``), for a softmax
+        router it implements (``cpu_experts.c_routable``) without float32 router logits (DeepSeek's). Every step
+        of such a block routes there, the first one included; turning the fused step off (``use_cpu_fused``,
+        TOKENMILL_DISABLE_MOE_FUSED, ``--no-cpu-kernels``) routes with ``select_experts`` again."""
+        fused = self.fused_experts(x)
+        return (fused is not None and fused.applies() and not self.gate.float32
                 and _cpu_experts().c_routable(self.gate.config))
 
     def cpu_fused_step(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:

@@ -338,6 +338,10 @@ class RLEngineOps:
             state.host_weights = {name: p.detach().to("cpu", copy=p.device.type != "cpu") for name, p in params.items()}
         for p in params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for module in self.loaded.model.modules():  # copies derived from the weights (DeepSeek's absorbed MLA)
+            drop = getattr(module, "drop_derived_weights", None)
+            if drop is not None:
+                drop()
         state.weights_freed = True
 
     def _allocate_weights(self) -> None:

@@ -76,7 +76,7 @@ class _Model(ctypes.Structure):
                 ("block_size", ctypes.c_int64), ("max_position", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("bf16", ctypes.c_int32), ("cos_sin", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer)), ("kernels", _Kernels), ("moe_c", ctypes.c_int32),
-                ("moe_tables", ctypes.c_void_p), ("moe_counts", ctypes.c_void_p)]
+                ("moe_tables", ctypes.c_void_p), ("moe_counts", ctypes.c_void_p), ("moe_counts_stride", ctypes.c_int64)]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -262,7 +262,7 @@ class LeanDecode:
         self._moe_slots = [i for _, i in slots]
         width = max([layers[i].num_experts for i in self._moe_slots] or [1])
         self._moe_counts = torch.zeros(max(len(slots), 1), width, dtype=torch.int64)
-        self._desc.moe_counts = self._moe_counts.data_ptr()
+        self._desc.moe_counts, self._desc.moe_counts_stride = self._moe_counts.data_ptr(), width
         self._moe_tables = None  # me_tables of the step, kept alive over the C call
 
     def _moe_in_c(self, model, num_tokens: int) -> bool:
@@ -344,6 +344,9 @@ class LeanDecode:
                 self._moe_counts.zero_()
             hidden, rc = self._run_ranges(model, batch, ptrs, hidden, threads, amx,
                                           self._external_c if moe_c else self._external)
+            # (a -3 from a later MoE layer sends the step to the torch path: the blocks that ran as modules before
+            # it have recorded their counts once already, which the torch path records again; FusedExperts.may_refuse
+            # keeps such steps off this path)
             if rc == 0 and moe_c:
                 self._record_moe(model)
                 self.moe_steps += 1

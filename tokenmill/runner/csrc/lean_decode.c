@@ -119,7 +119,8 @@ typedef struct {
     ld_kernels kernels;
     int32_t moe_c;             /* this step: run the moe_in_c layers' blocks here (else they end a range) */
     const void* moe_tables;    /* the experts' plan tables for me_step (moe_step.c's me_tables) */
-    int64_t* moe_counts;       /* [MoE layers here, E] tokens per expert of this step, added to */
+    int64_t* moe_counts;       /* [MoE layers here, moe_counts_stride] tokens per expert of this step, added to */
+    int64_t moe_counts_stride; /* >= every moe_in_c layer's num_experts */
 } ld_model;
 
 /* A step's T tokens and how they attend (the runner's AttentionMetadata, vLLM's vocabulary): Bd decode
@@ -276,7 +277,7 @@ int ld_step_range(const ld_model* m, const ld_batch* s, void* const* kv, void* h
         if (ld_linear_out(&L->qkv) != nqkv || ld_linear_out(&L->o) != Hd || L->sliding_window < 0 ||
             L->sliding_window > INT32_MAX) return -1;
         const int in_c = L->mlp_external && L->moe_in_c && m->moe_c;
-        if (in_c ? (L->top_k < 1 || L->top_k > L->num_experts || !k_ok(m) ||
+        if (in_c ? (L->top_k < 1 || L->top_k > L->num_experts || L->num_experts > m->moe_counts_stride || !k_ok(m) ||
                     (L->router_q.num_segments ? ld_linear_out(&L->router_q) != L->num_experts : L->router == NULL))
                  : L->mlp_external ? (l != last - 1 || xn_out == NULL)
                                    : (ld_linear_out(&L->gate_up) != 2 * I || ld_linear_out(&L->down) != Hd)) return -1;
@@ -368,7 +369,7 @@ int ld_step_range(const ld_model* m, const ld_batch* s, void* const* kv, void* h
                 k->dense_linear(xn, L->router, NULL, logits, B, E, Hd, num_threads);
             }
             if ((rc = k->moe_route(logits, bf16, B, E, K, L->norm_topk, L->softmax_after_topk, rw, rid))) break;
-            for (int64_t i = 0; i < B * K; i++) m->moe_counts[L->moe_slot * E + rid[i]]++;
+            for (int64_t i = 0; i < B * K; i++) m->moe_counts[L->moe_slot * m->moe_counts_stride + rid[i]]++;
             rc = k->moe_step(L->moe_model, m->moe_tables, xn, B, K, rid, rw, out, num_threads, 2);
             if (rc == -3) goto done; /* the plan puts some expert's rows on the torch path: the caller's */
             if (rc) break;
