@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ triton_language = pytest.importorskip("triton.language")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from tests.triton_interpreter import rerun_in_interpreter  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.runner.cuda_runner import CudaModelRunner  # noqa: E402
@@ -34,12 +33,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the 
 
 @pytest.mark.skipif(INTERPRETED, reason="the test runs in this process")
 def test_in_fresh_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    rerun_in_interpreter(__file__, timeout=900)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="triton imported before TRITON_INTERPRET=1: see test_in_fresh_interpreter")

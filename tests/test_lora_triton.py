@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,6 +25,7 @@ triton_language = pytest.importorskip("triton.language")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from tests.triton_interpreter import rerun_in_interpreter  # noqa: E402
 from tests.test_lora_ops import MODULE, packed_slots, random_adapter, slices_of, slot_weights  # noqa: E402
 from tokenmill.layers.linear import MergedLinear  # noqa: E402
 from tokenmill.lora.mapping import LoRAMapping, build_lora_mapping  # noqa: E402
@@ -40,12 +39,7 @@ needs_kernels = pytest.mark.skipif(not RUNNABLE, reason="triton imported before 
 
 @pytest.mark.skipif(RUNNABLE, reason="the tests run in this process")
 def test_in_fresh_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    rerun_in_interpreter(__file__)
 
 
 def exact_delta_rows(y, x, slots, mapping: LoRAMapping) -> tuple[torch.Tensor, torch.Tensor]:

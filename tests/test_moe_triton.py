@@ -25,6 +25,7 @@ triton_language = pytest.importorskip("triton.language")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from tests.triton_interpreter import rerun_in_interpreter  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.moe import (ExpertMLP, RouterConfig, SparseMoeBlock, grouped_expert_step,  # noqa: E402
                            reference_expert_step, select_experts)
@@ -40,12 +41,7 @@ E, H, INTER, T = 8, 40, 24, 24  # experts, hidden, intermediate (neither a power
 
 @pytest.mark.skipif(RUNNABLE, reason="the tests run in this process")
 def test_in_fresh_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    rerun_in_interpreter(__file__)
 
 
 def _experts(dtype: torch.dtype, seed: int = 0) -> torch.nn.ModuleList:

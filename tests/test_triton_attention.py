@@ -23,6 +23,7 @@ triton_language = pytest.importorskip("triton.language")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from tests.triton_interpreter import rerun_in_interpreter  # noqa: E402
 from tokenmill.attention import build_attention_metadata  # noqa: E402
 from tokenmill.attention import triton_attention  # noqa: E402
 from tokenmill.attention.torch_paged import paged_attention, write_kv  # noqa: E402
@@ -44,12 +45,7 @@ PREFIX_LENS = (0, 5, 16, 40)
 
 @pytest.mark.skipif(INTERPRETED, reason="the kernel tests run in this process")
 def test_kernels_in_fresh_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    rerun_in_interpreter(__file__)
 
 
 def make_step(query_lens, num_cached, block_size, num_kv_heads, head_dim, dtype, rng, spare_blocks=7):

@@ -10,8 +10,6 @@ converts float32 to bfloat16 by truncation, not rounding, at every cast).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ triton_language = pytest.importorskip("triton.language")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from tests.triton_interpreter import rerun_in_interpreter  # noqa: E402
 from tokenmill.layers import RMSNorm, SiluAndMul, apply_rotary_emb  # noqa: E402
 from tokenmill.layers.triton_elementwise import triton_rms_norm, triton_rotary, triton_silu_and_mul  # noqa: E402
 
@@ -34,12 +33,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 @pytest.mark.skipif(RUNNABLE, reason="the tests run in this process")
 def test_in_fresh_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    rerun_in_interpreter(__file__)
 
 
 def assert_close_to_layer(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor | None = None) -> None:

@@ -216,8 +216,9 @@ class FusedExperts:
         if not table:
             return False
         rows = current_dispatch_rows()
-        counts = [rows] if rows else range(1, num_tokens + 1)
-        return any(table[min(n, len(table) - 1)] for n in counts)
+        if rows:
+            return bool(table[min(rows, len(table) - 1)])
+        return any(table[1:num_tokens + 1])  # the entries of 1 .. num_tokens rows (the last one stands for more)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                  expert_parallel: bool | None = None) -> torch.Tensor | None:

@@ -163,24 +163,20 @@ class SparseMoeBlock(nn.Module):
             fused = self.cpu_fused = _cpu_experts().FusedExperts.describe(self.experts, x.dtype)
         return None if isinstance(fused, str) else fused
 
-    def routes_in_c(self, x: torch.Tensor) -> bool:
+    def routes_in_c(self, x: torch.Tensor, fused=None) -> bool:
         """Whether this step routes with ``cpu_experts.route``: wherever the experts run in the fused C step
         (``fused_experts``, with a kernel plan or in deterministic mode: ``FusedExperts.applies``), for a softmax
         router it implements (``cpu_experts.c_routable``) without float32 router logits (DeepSeek's). Every step
         of such a block routes there, the first one included; turning the fused step off (``use_cpu_fused``,
-        TOKENMILL_DISABLE_MOE_FUSED, ``--no-cpu-kernels``) routes with ``select_experts`` again."""
-        fused = self.fused_experts(x)
+        TOKENMILL_DISABLE_MOE_FUSED, ``--no-cpu-kernels``) routes with ``select_experts`` again. ``fused``: this
+        step's ``fused_experts(x)`` when the caller has it."""
+        fused = fused if fused is not None else self.fused_experts(x)
         return (fused is not None and fused.applies() and not self.gate.float32
                 and _cpu_experts().c_routable(self.gate.config))
 
-    def cpu_fused_step(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-        """The routed experts in the fused C step ([T, hidden]), or None where it does not apply (see
-        ``fused_experts``) or the plan puts this step's expert rows on other paths (``cpu_experts``)."""
-        fused = self.fused_experts(x)
-        return None if fused is None else fused(x, weights, ids)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.routes_in_c(x):  # the fused experts' blocks route in C (cpu_experts.route), as the lean step does
+        fused = self.fused_experts(x)  # None off CPU and where the experts cannot run in the fused C step
+        if self.routes_in_c(x, fused):  # blocks with fused experts route in C (cpu_experts.route), as the lean step does
             weights, ids = _cpu_experts().route(self.gate(x), self.gate.config)
         else:
             weights, ids = self.gate.route(x)  # (T, k) float32, (T, k) int64
@@ -196,7 +192,7 @@ class SparseMoeBlock(nn.Module):
         elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = dense_expert_step(x, weights, ids, self.experts)  # no data-dependent shapes in a graph
         else:
-            out = self.cpu_fused_step(x, weights, ids)
+            out = fused(x, weights, ids) if fused is not None else None
             if out is None:
                 out = grouped_expert_step(x, weights, ids, self.experts, counts)  # (T, hidden)
         if self.shared_expert is not None:
