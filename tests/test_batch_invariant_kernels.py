@@ -181,6 +181,33 @@ def test_every_isa_build_is_accurate_and_invariant(isa):
         check_row_invariance(lambda t: bi._rms_norm(lib, t, g, 1e-6), x)
 
 
+@pytest.mark.parametrize("isa", csrc_build.ISAS)
+def test_linear_heads_gives_each_heads_bi_linear_bits(isa):
+    """bi_linear_heads (multi-head latent attention's absorbed products): every head's result has the bits of
+    bi_linear on that head alone, for decode-sized batches (one parallel region over heads and column blocks),
+    batches past one row chunk (a call per head), one or two threads, and heads read in place from a wider
+    per-head layout (W_UV inside kv_b_proj's weight)."""
+    lib = lib_for(isa)
+    threads = torch.get_num_threads()
+    try:
+        for dtype in DTYPES:
+            for h, m, n, k in [(4, 1, 32, 16), (16, 3, 128, 512), (3, 300, 40, 512), (2, 5, 17, 33)]:
+                gen = torch.Generator().manual_seed(h * m + n)
+                x = torch.randn(h, m, k, generator=gen).to(dtype)
+                wide = torch.randn(h, n + 7, k, generator=gen).to(dtype)
+                w = wide[:, 7:]  # each head a contiguous [n, k] slab, head stride (n + 7) * k
+                want = torch.stack([bi._linear(lib, x[i], w[i].contiguous(), None) for i in range(h)])
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    assert_same_bits(bi._linear_heads(lib, x, w), want)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="slab"):
+        bi._linear_heads(lib, torch.randn(2, 1, 8), torch.randn(2, 8, 4).transpose(1, 2))
+    with pytest.raises(ValueError, match=r"\[H, M, K\]"):
+        bi._linear_heads(lib, torch.randn(2, 1, 8), torch.randn(3, 4, 8))
+
+
 @pytest.mark.parametrize("isa", CANONICAL_ISAS[1:])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_simd_paths_equal_the_portable_path_bit_for_bit(isa, dtype):

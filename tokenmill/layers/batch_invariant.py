@@ -24,6 +24,9 @@ def _setup(lib: ctypes.CDLL) -> None:
     for name in ("bi_linear_bf16", "bi_linear_bf16_f32out", "bi_linear_f32"):
         getattr(lib, name).argtypes = [p, p, p, p, i64, i64, i64, i32]
         getattr(lib, name).restype = None
+    for name in ("bi_linear_heads_bf16", "bi_linear_heads_f32"):
+        getattr(lib, name).argtypes = [p, p, p, i64, i64, i64, i64, i64, i32]
+        getattr(lib, name).restype = None
     for name in ("bi_rms_norm_bf16", "bi_rms_norm_f32"):
         getattr(lib, name).argtypes = [p, p, p, i64, i64, ctypes.c_float, i32]
         getattr(lib, name).restype = None
@@ -111,6 +114,45 @@ def _linear(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
         M, N, K, torch.get_num_threads(),
     )
+    return out
+
+
+def bi_linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One product per head, in one C call: y[h] = x[h] @ weight[h].T, each head with the bits of
+    ``bi_linear(x[h], weight[h].contiguous())`` (row-invariant likewise).
+
+    x: [H, M, K] (made contiguous if it is not); weight: [H, N, K] whose every head is a contiguous [N, K]
+    slab (any head stride: a view of a wider per-head layout reads in place); both bfloat16 or both float32,
+    on CPU. Decode-sized M runs all heads in one parallel region (csrc ``linear_heads``). Multi-head latent
+    attention's absorbed products use it (models/deepseek.py).
+
+    Returns [H, M, N] in x's dtype.
+
+    Raises:
+        ValueError: wrong dimensions, mismatched H or K, dtypes that differ or are not bfloat16/float32, a
+            non-CPU tensor, or heads that are not contiguous slabs.
+        RuntimeError: the kernels are not available.
+    """
+    return _linear_heads(library.get(), x, weight)
+
+
+def _linear_heads(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[0] != weight.shape[0] or x.shape[2] != weight.shape[2]:
+        raise ValueError(f"bi_linear_heads: x must be [H, M, K] and weight [H, N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"bi_linear_heads: x and weight must both be bfloat16 or both float32, got {x.dtype} and "
+                         f"{weight.dtype}")
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError("bi_linear_heads: tensors must be on the CPU")
+    (H, M, K), N = x.shape, weight.shape[1]
+    if weight.stride(2) != 1 or (N > 1 and weight.stride(1) != K) or weight.stride(0) < N * K:
+        raise ValueError("bi_linear_heads: each head of weight must be a contiguous [N, K] slab")
+    x = x.contiguous()
+    out = torch.empty((H, M, N), dtype=x.dtype)
+    if H and M and N:
+        fn = lib.bi_linear_heads_f32 if x.dtype == torch.float32 else lib.bi_linear_heads_bf16
+        fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), H, M, N, K, weight.stride(0), torch.get_num_threads())
     return out
 
 

@@ -40,7 +40,7 @@ from transformers import PretrainedConfig
 from tokenmill.attention import Attention, AttentionMetadata
 from tokenmill.attention.layer import KVCache
 from tokenmill.layers import Linear, RMSNorm, apply_rotary_emb
-from tokenmill.layers.batch_invariant import bi_linear
+from tokenmill.layers import batch_invariant
 from tokenmill.layers.gemm_shapes import bounded_bmm
 from tokenmill.layers.rotary_embedding import rope_parameters
 from tokenmill.models.errors import UnsupportedModelError
@@ -72,11 +72,13 @@ class LatentProjection(nn.Module):
     W_UK (its first qk_nope rows) then W_UV (its v rows), as the checkpoint stores it.
 
     Not a ``Linear`` on purpose: it is never applied to the latent (which would expand the cache), so int8
-    quantization and LoRA, which act on ``Linear``s, leave it alone. ``batch_invariant`` (deterministic mode) runs
-    each head's product in the batch-invariant GEMM. Otherwise the products read contiguous copies of W_UK
-    [H, qk_nope, r] and W_UV^T [H, r, v] (``_absorbed``, made once per weight version: the strided views cost a
-    copy inside every bmm, 0.6 ms a layer at batch 1 on DeepSeek-V2-Lite's shape; the copies hold as many bytes
-    as the weight).
+    quantization and LoRA, which act on ``Linear``s, leave it alone. On CPU both products run all heads in one
+    call of the batch-invariant C GEMM (``bi_linear_heads``: each head's result has the bits of ``bi_linear`` on
+    it alone, so deterministic mode and the default path agree, and the lean decode step calls the same kernel):
+    ``expand_values`` reads W_UV in place, ``absorb_query`` a contiguous copy of W_UK^T [H, r, qk_nope]
+    (``uk_t``, made once per weight version; as many bytes as W_UK). torch's bf16 bmm took 0.5 ms a layer at
+    batch 1 on DeepSeek-V2-Lite's shape, several times the weights' read time. Elsewhere (no C kernels, other
+    devices, other dtypes) torch's bmm.
     """
 
     def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int) -> None:
@@ -89,37 +91,46 @@ class LatentProjection(nn.Module):
     def _heads(self) -> torch.Tensor:
         return self.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.in_features)
 
-    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, qk_nope, r], W_UV^T [H, r, v]), contiguous; made again when the weight is replaced or
-        written in place (a weight update: its storage or ``_version`` changes)."""
+    def uv_heads(self) -> torch.Tensor:
+        """W_UV [H, v, r]: a view of the weight (each head a contiguous slab, head stride (qk_nope + v) * r)."""
+        return self._heads()[:, self.qk_nope_head_dim :]
+
+    def uk_t(self) -> torch.Tensor:
+        """W_UK^T [H, r, qk_nope], contiguous; made again when the weight is replaced or written in place (a
+        weight update: its storage or ``_version`` changes)."""
         key = (self.weight.data_ptr(), self.weight._version, self.weight.device, self.weight.dtype)
         cached = getattr(self, "_absorbed_cache", None)
         if cached is None or cached[0] != key:
-            heads = self._heads().detach()
-            w_uk = heads[:, : self.qk_nope_head_dim].contiguous()
-            w_uv_t = heads[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()
-            cached = self._absorbed_cache = (key, w_uk, w_uv_t)
-        return cached[1], cached[2]
+            w_uk_t = self._heads().detach()[:, : self.qk_nope_head_dim].transpose(1, 2).contiguous()
+            cached = self._absorbed_cache = (key, w_uk_t)
+        return cached[1]
 
     def drop_derived_weights(self) -> None:
-        """Free the absorbed copies (RL sleep frees the weights; they are made again on the next use)."""
+        """Free the absorbed copy (RL sleep frees the weights; it is made again on the next use)."""
         self._absorbed_cache = None
+
+    def _c_kernel(self, x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and self.weight.dtype == x.dtype and batch_invariant.available())
 
     def absorb_query(self, q_nope: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """q_nope [T, H, qk_nope] -> [T, H, kv_lora_rank]: each head's q_nope · W_UK (so q_nope · k_nope =
-        result · c_kv)."""
-        w_uk = self._heads()[:, : self.qk_nope_head_dim]  # (H, qk_nope, r)
+        result · c_kv). ``invariant`` (deterministic mode) needs the C kernel, which every CPU path uses."""
+        x = q_nope.transpose(0, 1)  # (H, T, nope)
+        if self._c_kernel(q_nope):
+            return batch_invariant.bi_linear_heads(x, self.uk_t()).transpose(0, 1)  # (H, T, r) -> (T, H, r)
         if invariant:
-            return torch.stack([bi_linear(q_nope[:, h], w_uk[h].t().contiguous()) for h in range(self.num_heads)],
-                               dim=1)
-        return bounded_bmm(q_nope.transpose(0, 1), self._absorbed()[0]).transpose(0, 1)  # (H, T, r) -> (T, H, r)
+            raise RuntimeError("deterministic mode needs the batch-invariant C kernels")
+        return bounded_bmm(x, self._heads()[:, : self.qk_nope_head_dim]).transpose(0, 1)
 
     def expand_values(self, out_latent: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """Attention output in latent space [T, H, kv_lora_rank] -> [T, H, v_head_dim] (times each head's W_UV)."""
-        w_uv = self._heads()[:, self.qk_nope_head_dim :]  # (H, v, r)
+        x = out_latent.transpose(0, 1)  # (H, T, r)
+        if self._c_kernel(out_latent):
+            return batch_invariant.bi_linear_heads(x, self.uv_heads()).transpose(0, 1)  # (T, H, v)
         if invariant:
-            return torch.stack([bi_linear(out_latent[:, h], w_uv[h]) for h in range(self.num_heads)], dim=1)
-        return bounded_bmm(out_latent.transpose(0, 1), self._absorbed()[1]).transpose(0, 1)  # (T, H, v)
+            raise RuntimeError("deterministic mode needs the batch-invariant C kernels")
+        return bounded_bmm(x, self.uv_heads().transpose(1, 2)).transpose(0, 1)
 
 
 class LatentAttention(nn.Module):

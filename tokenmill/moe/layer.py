@@ -22,6 +22,7 @@ from torch import nn
 
 from tokenmill import envs
 from tokenmill.layers import Linear
+from tokenmill.layers.batch_invariant import bi_linear
 from tokenmill.moe.experts import (ExpertMLP, dense_expert_step, expert_counts, grouped_expert_step,
                                    stack_expert_weights)
 from tokenmill.moe.load_stats import ExpertLoad
@@ -105,6 +106,14 @@ class Router(Linear):
             nn.Parameter(torch.zeros(config.router.num_experts, dtype=torch.float32), requires_grad=False)
             if config.router.correction_bias else None)
 
+    def c_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> logits [T, E] for ``cpu_experts.route``: a float32 weight (``router_float32``) takes
+        float32 inputs in the batch-invariant C GEMM (``bi_linear``, as the lean decode step computes them), any
+        other router its ``forward``."""
+        if self.float32 and self.quant is None and self.lora is None and self.bias is None:
+            return bi_linear(x.float(), self.weight)
+        return self(x)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64), in rank order."""
         logits = self(x.float() if self.float32 and self.quant is None else x)  # (T, E)
@@ -171,13 +180,12 @@ class SparseMoeBlock(nn.Module):
         TOKENMILL_DISABLE_MOE_FUSED, ``--no-cpu-kernels``) routes with ``select_experts`` again. ``fused``: this
         step's ``fused_experts(x)`` when the caller has it."""
         fused = fused if fused is not None else self.fused_experts(x)
-        return (fused is not None and fused.applies() and not self.gate.float32
-                and _cpu_experts().c_routable(self.gate.config))
+        return (fused is not None and fused.applies() and _cpu_experts().c_routable(self.gate.config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.fused_experts(x)  # None off CPU and where the experts cannot run in the fused C step
         if self.routes_in_c(x, fused):  # blocks with fused experts route in C (cpu_experts.route), as the lean step does
-            weights, ids = _cpu_experts().route(self.gate(x), self.gate.config)
+            weights, ids = _cpu_experts().route(self.gate.c_logits(x), self.gate.config)
         else:
             weights, ids = self.gate.route(x)  # (T, k) float32, (T, k) int64
         counts = expert_counts(ids, self.num_experts)  # (E,)

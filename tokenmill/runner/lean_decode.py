@@ -51,13 +51,18 @@ class _Layer(ctypes.Structure):
                 # a MoE block run in C (ld_layer.moe_in_c)
                 ("moe_in_c", ctypes.c_int32), ("norm_topk", ctypes.c_int32), ("softmax_after_topk", ctypes.c_int32),
                 ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("moe_slot", ctypes.c_int64),
-                ("moe_model", ctypes.c_void_p), ("router_q", _Linear), ("router", ctypes.c_void_p)]
+                ("moe_model", ctypes.c_void_p), ("router_q", _Linear), ("router", ctypes.c_void_p),
+                ("router_f32", ctypes.c_int32), ("shared_gate_up", _Linear), ("shared_down", _Linear),
+                # multi-head latent attention (ld_model.mla)
+                ("q_a", _Linear), ("kv_a", _Linear), ("q_a_norm", ctypes.c_void_p), ("kv_a_norm", ctypes.c_void_p),
+                ("w_uk_t", ctypes.c_void_p), ("w_uv", ctypes.c_void_p), ("uv_stride", ctypes.c_int64)]
 
 
 class _Kernels(ctypes.Structure):
     _fields_ = [("qlinear", ctypes.c_void_p), ("rms_norm", ctypes.c_void_p), ("silu_and_mul", ctypes.c_void_p),
                 ("attention", ctypes.c_void_p), ("qlinear_bf16", ctypes.c_void_p), ("prefill", ctypes.c_void_p),
-                ("moe_step", ctypes.c_void_p), ("moe_route", ctypes.c_void_p), ("dense_linear", ctypes.c_void_p)]
+                ("moe_step", ctypes.c_void_p), ("moe_route", ctypes.c_void_p), ("dense_linear", ctypes.c_void_p),
+                ("dense_linear_f32", ctypes.c_void_p), ("linear_heads", ctypes.c_void_p)]
 
 
 class _Batch(ctypes.Structure):
@@ -76,7 +81,10 @@ class _Model(ctypes.Structure):
                 ("block_size", ctypes.c_int64), ("max_position", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("bf16", ctypes.c_int32), ("cos_sin", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer)), ("kernels", _Kernels), ("moe_c", ctypes.c_int32),
-                ("moe_tables", ctypes.c_void_p), ("moe_counts", ctypes.c_void_p), ("moe_counts_stride", ctypes.c_int64)]
+                ("moe_tables", ctypes.c_void_p), ("moe_counts", ctypes.c_void_p), ("moe_counts_stride", ctypes.c_int64),
+                ("mla", ctypes.c_int32), ("rope_interleave", ctypes.c_int32), ("kv_lora_rank", ctypes.c_int64),
+                ("qk_nope", ctypes.c_int64), ("qk_rope", ctypes.c_int64), ("v_head", ctypes.c_int64),
+                ("q_lora_rank", ctypes.c_int64), ("latent_eps", ctypes.c_float)]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -121,6 +129,8 @@ def kernel_set(dtype: torch.dtype, isa: str | None = None) -> tuple[_Kernels, st
     if moe is not None:
         kernels.moe_step, kernels.moe_route = _address(moe.me_step), _address(moe.me_route)
         kernels.dense_linear = _address(getattr(bi, f"bi_linear_{suffix}"))
+        kernels.dense_linear_f32 = _address(bi.bi_linear_f32)
+    kernels.linear_heads = _address(getattr(bi, f"bi_linear_heads_{suffix}"))
     return kernels, q.qg_isa().decode()
 
 
@@ -273,7 +283,8 @@ class LeanDecode:
         block = model.layers[self._moe_slots[0]].mlp
         fused, gate = block.cpu_fused, block.gate
         table = gate.cpu_gemm_table
-        if gate.quant is None and not (gate.batch_invariant or (table and table[min(num_tokens, len(table) - 1)])):
+        if (gate.quant is None and not gate.float32  # a float32 router always runs the C GEMM (Router.c_logits)
+                and not (gate.batch_invariant or (table and table[min(num_tokens, len(table) - 1)]))):
             return False
         if fused is None or isinstance(fused, str) or fused.may_refuse(num_tokens):
             return False
@@ -395,8 +406,9 @@ def _describe(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list[torch.Tens
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         external = not hasattr(mlp, "gate_up_proj")  # a MoE block: the step leaves it to its module
-        projections = (attn.qkv_proj, attn.o_proj) if external else (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                     mlp.down_proj)
+        latent = hasattr(attn, "kv_b_proj")  # multi-head latent attention (models/deepseek.py)
+        q_proj = (attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj) if latent else attn.qkv_proj
+        projections = (q_proj, attn.o_proj) if external else (q_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         parts = [_linear(m, dtype) for m in projections]
         if any(p is None for p in parts):
             return f"layer {i} has a dense projection (the lean step runs quantized GGUF/int8 weights only)"
@@ -404,6 +416,10 @@ def _describe(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list[torch.Tens
             keep.extend(tensors)
         d = descs[i]
         d.qkv, d.o = parts[0][0], parts[1][0]
+        if latent:
+            why = _describe_latent(attn, dtype, d, keep)
+            if why is not None:
+                return f"layer {i}: {why}"
         if external:
             d.mlp_external = 1
             in_c = _describe_moe(mlp, dtype, d, len(keep_blocks))
@@ -416,11 +432,35 @@ def _describe(layers, dtype: torch.dtype) -> tuple[ctypes.Array, list[torch.Tens
         d.input_norm = layer.input_layernorm.weight.data_ptr()
         d.post_norm = layer.post_attention_layernorm.weight.data_ptr()
         d.sliding_window = attn.attn.sliding_window or 0  # the kernels take it as the torch path's layers do
-        if attn.q_norm is not None:
-            d.q_norm, d.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
-        keep.extend(n.weight.data for n in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm,
-                                            attn.k_norm) if n is not None)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is not None:
+            d.q_norm, d.k_norm = q_norm.weight.data_ptr(), k_norm.weight.data_ptr()
+        keep.extend(n.weight.data for n in (layer.input_layernorm, layer.post_attention_layernorm, q_norm,
+                                            k_norm) if n is not None)
     return descs, keep
+
+
+def _describe_latent(attn, dtype: torch.dtype, d: _Layer, keep: list) -> str | None:
+    """Fill ``d``'s multi-head latent attention fields from ``attn`` (a LatentAttention): q_a / kv_a products,
+    the latent norms, W_UK^T and W_UV (``LatentProjection``, in the model dtype). Returns why not, or None."""
+    projections = [attn.kv_a_proj_with_mqa] + ([attn.q_a_proj] if attn.q_lora_rank is not None else [])
+    parts = [_linear(m, dtype) for m in projections]
+    if any(p is None for p in parts):
+        return "a dense latent projection (the lean step runs quantized GGUF/int8 weights only)"
+    for _, tensors in parts:
+        keep.extend(tensors)
+    d.kv_a = parts[0][0]
+    if attn.q_lora_rank is not None:
+        d.q_a, d.q_a_norm = parts[1][0], attn.q_a_layernorm.weight.data_ptr()
+        keep.append(attn.q_a_layernorm.weight.data)
+    proj = attn.kv_b_proj
+    if proj.weight.dtype != dtype or not proj.weight.is_contiguous():
+        return "kv_b_proj is not a contiguous weight of the model dtype"
+    w_uk_t, w_uv = proj.uk_t(), proj.uv_heads()
+    d.kv_a_norm, d.w_uk_t, d.w_uv, d.uv_stride = (attn.kv_a_layernorm.weight.data_ptr(), w_uk_t.data_ptr(),
+                                                  w_uv.data_ptr(), w_uv.stride(0))
+    keep.extend((attn.kv_a_layernorm.weight.data, w_uk_t, proj.weight.data))
+    return None
 
 
 def _describe_moe(block, dtype: torch.dtype, d: _Layer, slot: int) -> list | None:
@@ -433,10 +473,16 @@ def _describe_moe(block, dtype: torch.dtype, d: _Layer, slot: int) -> list | Non
     probe = torch.empty(0, block.moe_config.hidden_size, dtype=dtype)
     fused = block.fused_experts(probe)
     gate = block.gate
-    if (fused is None or not block.routes_in_c(probe) or block.shared_expert is not None or gate.bias is not None
-            or gate.lora is not None or not cpu_experts.library.available()):
+    if (fused is None or not block.routes_in_c(probe) or block.shared_expert_gate is not None
+            or gate.bias is not None or gate.lora is not None or not cpu_experts.library.available()):
         return None
     keep: list = [fused]
+    if block.shared_expert is not None:  # an ungated shared expert (DeepSeek), added to the routed output
+        shared = [_linear(m, dtype) for m in (block.shared_expert.gate_up_proj, block.shared_expert.down_proj)]
+        if any(p is None for p in shared):
+            return None
+        d.shared_gate_up, d.shared_down = shared[0][0], shared[1][0]
+        keep.extend(t for _, tensors in shared for t in tensors)
     if gate.quant is not None:
         router = _linear(gate, dtype)
         if router is None:
@@ -444,9 +490,10 @@ def _describe_moe(block, dtype: torch.dtype, d: _Layer, slot: int) -> list | Non
         d.router_q = router[0]
         keep.extend(router[1])
     else:
-        if gate.weight.dtype != dtype or not gate.weight.is_contiguous():
+        f32 = gate.float32  # Router.c_logits: float32 inputs and weight
+        if gate.weight.dtype != (torch.float32 if f32 else dtype) or not gate.weight.is_contiguous():
             return None
-        d.router = gate.weight.data_ptr()
+        d.router, d.router_f32 = gate.weight.data_ptr(), int(f32)
         keep.append(gate.weight.data)
     config = gate.config
     d.moe_in_c, d.norm_topk, d.softmax_after_topk = 1, int(config.norm_topk_prob), int(config.softmax_after_topk)
@@ -468,6 +515,7 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
     a dtype other than float32 / bfloat16, norms with different eps, a model that is not a plain
     Llama-family stack, or a library that cannot be built). Uninstalls a previous one first.
     """
+    from tokenmill.models.deepseek import LatentAttention
     from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
     from tokenmill.moe import SparseMoeBlock
 
@@ -478,19 +526,30 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype} (float32 or bfloat16 only)"
     layers = list(inner.layers)
-    if not layers or any(type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention
-                         or type(layer.mlp) not in (LlamaMLP, SparseMoeBlock) for layer in layers):
+    attn_type = type(layers[0].self_attn) if layers else None
+    if (not layers or attn_type not in (LlamaAttention, LatentAttention)
+            or any(type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not attn_type
+                   or type(layer.mlp) not in (LlamaMLP, SparseMoeBlock) for layer in layers)):
         return "decoder layers other than LlamaDecoderLayer"
     attn0 = layers[0].self_attn
+    mla = attn_type is LatentAttention
     if any(layer.self_attn.attn.logit_softcap is not None for layer in layers):
         return "attention logit soft-capping (the lean step does not cap)"
     eps = layers[0].input_layernorm.variance_epsilon
     norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
-                                             layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]
-    if any(n.variance_epsilon != eps or n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms):
+                                             getattr(layer.self_attn, "q_norm", None),
+                                             getattr(layer.self_attn, "k_norm", None)) if n is not None]
+    latent_norms = [n for layer in layers if mla for n in (layer.self_attn.kv_a_layernorm,
+                                                           getattr(layer.self_attn, "q_a_layernorm", None))
+                    if n is not None]
+    latent_eps = latent_norms[0].variance_epsilon if latent_norms else eps
+    if (any(n.variance_epsilon != eps for n in norms) or any(n.variance_epsilon != latent_eps for n in latent_norms)
+            or any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms + latent_norms)):
         return "RMSNorms with different eps or dtypes"
+    head_dim = attn0.latent_dim if mla else attn0.head_dim  # the cached vector's width (MLA: one KV head)
     cache = inner.rotary_emb.cos_sin_cache
-    if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1] != attn0.head_dim:
+    if (cache.dtype != torch.float32 or not cache.is_contiguous()
+            or cache.shape[1] != (attn0.qk_rope_head_dim if mla else attn0.head_dim)):
         return "a RoPE cache the lean step cannot read"
     described = _describe(layers, dtype)
     if isinstance(described, str):
@@ -500,15 +559,21 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
     if lib is None or kernels is None:
         return "the lean decode library or a kernel it calls cannot be built here"
     prefill = cpu_prefill.library.built() if isa is None else cpu_prefill.library.load(isa)
-    prefill_kernel = prefill is not None and attn0.head_dim % prefill.paged_prefill_vector_width() == 0
+    prefill_kernel = prefill is not None and head_dim % prefill.paged_prefill_vector_width() == 0
     if not prefill_kernel:
         kernels[0].prefill = None
     desc = _Model(num_layers=len(layers), hidden=inner.embed_tokens.embedding_dim, num_heads=attn0.num_heads,
-                  num_kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim,
+                  num_kv_heads=1 if mla else attn0.num_kv_heads, head_dim=head_dim,
                   intermediate=max([layer.mlp.down_proj.in_features for layer in layers
                                     if type(layer.mlp) is LlamaMLP] or [1]), block_size=block_size,
                   max_position=cache.shape[0], eps=eps, scale=attn0.attn.scale, bf16=int(dtype == torch.bfloat16),
                   cos_sin=cache.data_ptr(), layers=described[0], kernels=kernels[0])
-    inner.lean_decode = LeanDecode(lib, desc, described, cache, dtype, layers[0].self_attn.qkv_proj.quant, kernels[1],
-                                   _weights_key(layers), prefill_kernel)
+    if mla:
+        desc.mla, desc.rope_interleave, desc.latent_eps = 1, int(attn0.rope_interleave), latent_eps
+        desc.kv_lora_rank, desc.qk_nope, desc.qk_rope = (attn0.kv_lora_rank, attn0.qk_nope_head_dim,
+                                                         attn0.qk_rope_head_dim)
+        desc.v_head, desc.q_lora_rank = attn0.v_head_dim, int(attn0.q_lora_rank or 0)
+    probe = (attn0.kv_a_proj_with_mqa if mla else attn0.qkv_proj).quant
+    inner.lean_decode = LeanDecode(lib, desc, described, cache, dtype, probe, kernels[1], _weights_key(layers),
+                                   prefill_kernel)
     return None

@@ -635,6 +635,64 @@ void bi_linear_f32(const float *x, const float *w, const float *bias, float *y, 
     linear(x, w, bias, y, 0, 0, M, N, K, num_threads);
 }
 
+/* H independent products, one per head: y[h] [M, N] = x[h] [M, K] @ W_h^T, W_h [N, K] at w + h * w_head_stride
+ * elements (x [H, M, K] and y [H, M, N] contiguous; no bias). Each element is computed in the canonical order
+ * above, so head h's result has the bits of linear() on x[h] and W_h alone (bi_linear per head), whatever H,
+ * M or the thread count. Decode-sized M (one row chunk) runs in one parallel region over the H x column-block
+ * units (each thread a contiguous range of them: the heads' weights stream once, with one fork and join for
+ * all heads); larger M runs linear() per head. Multi-head latent attention's absorbed products (W_UK, W_UV per
+ * head: models/deepseek.py) run here. */
+static void linear_heads(const void *x, const void *w, void *y, int is_bf16, int out_bf16, int64_t H, int64_t M,
+                         int64_t N, int64_t K, int64_t w_head_stride, int num_threads) {
+    if (H <= 0 || M <= 0 || N <= 0) return;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t elt = is_bf16 ? 2 : 4, oelt = out_bf16 ? 2 : 4;
+    const int64_t mc = chunk_rows(K, PREPARE_X ? 4 : elt);
+    if (M > mc) {
+        for (int64_t h = 0; h < H; h++)
+            linear((const char *)x + h * M * K * elt, (const char *)w + h * w_head_stride * elt, NULL,
+                   (char *)y + h * M * N * oelt, is_bf16, out_bf16, M, N, K, num_threads);
+        return;
+    }
+    const int64_t kp = (K + 15) / 16 * 16, num_blocks = (N + BLOCK_N - 1) / BLOCK_N, units = H * num_blocks;
+#if PREPARE_X
+    float *xp = xp_scratch(H * M * kp);
+    if (xp == NULL) abort();
+    for (int64_t h = 0; h < H; h++) prepare_x((const char *)x + h * M * K * elt, is_bf16, 0, M, K, kp, xp + h * M * kp);
+#endif
+    int parallel = num_threads > 1 && H * M * N * K >= MIN_PARALLEL_MACS && units > 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+        void *pad = NULL;
+        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        int64_t u0 = units * t / T, u1 = units * (t + 1) / T;
+        while (u0 < u1) {
+            const int64_t h = u0 / num_blocks, b1 = (h + 1) * num_blocks < u1 ? (h + 1) * num_blocks : u1;
+            linear_args a = {(const char *)x + h * M * K * elt, (const char *)w + h * w_head_stride * elt, NULL,
+                             (char *)y + h * M * N * oelt, is_bf16, out_bf16, M, N, K, NULL, kp};
+#if PREPARE_X
+            a.xp = xp + h * M * kp;
+#endif
+            int64_t n0 = (u0 - h * num_blocks) * BLOCK_N, n1 = (b1 - h * num_blocks) * BLOCK_N;
+            if (n1 > N) n1 = N;
+            if (n0 < n1) linear_cols(&a, 0, M, n0, n1, &pad);
+            free(pad); /* the partial block's padded copy is this head's */
+            pad = NULL;
+            u0 = b1;
+        }
+    }
+}
+
+void bi_linear_heads_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t H, int64_t M, int64_t N,
+                          int64_t K, int64_t w_head_stride, int num_threads) {
+    linear_heads(x, w, y, 1, 1, H, M, N, K, w_head_stride, num_threads);
+}
+
+void bi_linear_heads_f32(const float *x, const float *w, float *y, int64_t H, int64_t M, int64_t N, int64_t K,
+                         int64_t w_head_stride, int num_threads) {
+    linear_heads(x, w, y, 0, 0, H, M, N, K, w_head_stride, num_threads);
+}
+
 /* ---------------------------------------------------------------- RMSNorm */
 
 static void rms_norm(const void *x, const void *w, void *y, int is_bf16, int64_t M, int64_t H, float eps,
