@@ -438,11 +438,12 @@ int ld_step_range(const ld_model* m, const ld_batch* s, void* const* kv, void* h
     /* decode queries gathered into rows of their own (and their outputs scattered back) unless they are
      * the step's tokens in order */
     const int gather = s->decode_idx != NULL && Bd > 0;
-    const int64_t wide = Hd > q_size ? Hd : q_size;
+    /* (MLA layers use xn for the normed input only, qkv for a shared expert's output, and their own scratch) */
+    const int64_t wide = m->mla ? Hd : Hd > q_size ? Hd : q_size;
     char* xn = malloc(elt * (size_t)(B * wide));            /* normed input / attention output */
-    char* qkv = malloc(elt * (size_t)(B * (nqkv > Hd ? nqkv : Hd))); /* also a shared expert's output */
-    char* q = malloc(elt * (size_t)(B * (q_size + kv_size))); /* q | k per row, contiguous (norms, RoPE) */
-    char* attn = malloc(elt * (size_t)(B * q_size));
+    char* qkv = malloc(elt * (size_t)(B * (m->mla ? Hd : nqkv > Hd ? nqkv : Hd))); /* also a shared expert's output */
+    char* q = malloc(elt * (size_t)(m->mla ? 1 : B * (q_size + kv_size))); /* q | k per row (norms, RoPE) */
+    char* attn = malloc(elt * (size_t)(m->mla ? 1 : B * q_size));
     char* out = malloc(elt * (size_t)(B * Hd));
     char* gu = malloc(elt * (size_t)(B * 2 * inter));
     char* act = malloc(elt * (size_t)(B * inter));
