@@ -155,8 +155,9 @@ def _segments(loaded) -> list:
 
 
 def test_tiled_blocks_come_back_from_the_tile_cache_exactly(cache_dir):
-    """The second load maps the tiled segments the first one repacked (views of tiles-*.bin, no repack) with
-    the same bytes; a damaged tiles file is rebuilt, and a segment that differs is repacked."""
+    """The first load (an empty cache) writes each repacked segment through to tiles-*.bin and keeps a view of
+    the file's mapping, not the repacked copy; the second load maps the same segments (no repack) with the same
+    bytes; a damaged tiles file is rebuilt, and a segment that differs is repacked."""
     import logging
 
     from tokenmill.models.loader import load_model
@@ -166,19 +167,23 @@ def test_tiled_blocks_come_back_from_the_tile_cache_exactly(cache_dir):
 
     if not tiled_formats():
         pytest.skip(f"this build ({qgemm.library.built() and qgemm.isa()}) keeps the stored layout: nothing to cache")
+    import gc
+
     path = default_model_path()
-    first = _segments(load_model(str(path), dtype="float32"))
+    assert not list(gguf_cache.entry_dir(path).glob("tiles-*.bin"))  # a fresh cache
+    loaded = _segments(load_model(str(path), dtype="float32"))
     tiles = next(gguf_cache.entry_dir(path).glob("tiles-*.bin"))
-    second = _segments(load_model(str(path), dtype="float32"))
-    tiled = [i for i, s in enumerate(first) if is_tiled(s.qtype)]
+    tiled = [i for i, s in enumerate(loaded) if is_tiled(s.qtype)]
     assert tiled, "the embedded model has tiled segments on this build"
+    spans = _mappings_of(tiles)
+    assert all(any(lo <= loaded[i].data.data_ptr() < hi for lo, hi in spans) for i in tiled)  # written through
+    first = [qgemm.QuantizedTensor(s.qtype, s.shape, s.data.clone()) for s in loaded]
+    second = _segments(load_model(str(path), dtype="float32"))
     assert [s.qtype for s in first] == [s.qtype for s in second]
     assert all(torch.equal(a.data, b.data) for a, b in zip(first, second))
     spans = _mappings_of(tiles)
     assert all(any(lo <= second[i].data.data_ptr() < hi for lo, hi in spans) for i in tiled)  # mapped, not made
-    del second  # its pages are the file's: cutting the file under them would fault
-    import gc
-
+    del second, loaded  # their pages are the file's: cutting the file under them would fault
     gc.collect()
     with open(tiles, "r+b") as f:  # cut in half: its index points past the end, so it is repacked and rewritten
         f.truncate(tiles.stat().st_size // 2)
