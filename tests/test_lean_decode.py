@@ -44,6 +44,8 @@ def torch_path_on_c_kernels(model) -> None:
             module.cpu_decode_kernel = module.cpu_prefill_kernel = True
         elif isinstance(module, Linear) and module.quant is not None:
             module.quant.dequantize_table = ()
+        elif hasattr(type(module), "cpu_heads_table"):  # MLA's per-head products (models/deepseek.py)
+            module.cpu_heads_table = (True,)
 
 
 def step_both_ways(llm, context_lens: list[int], query_lens: list[int], seed: int = 0):

@@ -45,6 +45,24 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
+def release_freed_heap() -> bool:
+    """Hand the C heap's freed memory back to the system (glibc ``malloc_trim(0)``).
+
+    Loading a GGUF file frees many megabyte-sized temporaries (merged gate/up blocks before their repack) from
+    threads' malloc arenas, which glibc keeps for reuse rather than unmapping: after a first load of
+    DeepSeek-V2-Lite Q8_0 (16.7 GB) the engine held 12 GB of freed anonymous memory beside its weights. The
+    loader calls this once at the end. Returns whether it ran (False off glibc); never raises.
+    """
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True
+
+
 def advise_huge_pages(tensor: torch.Tensor) -> int:
     """Ask Linux to back ``tensor``'s storage with transparent huge pages (madvise MADV_HUGEPAGE over the
     whole 2 MiB pages inside it). Call it before the memory is first written: pages already faulted in

@@ -72,14 +72,21 @@ class LatentProjection(nn.Module):
     W_UK (its first qk_nope rows) then W_UV (its v rows), as the checkpoint stores it.
 
     Not a ``Linear`` on purpose: it is never applied to the latent (which would expand the cache), so int8
-    quantization and LoRA, which act on ``Linear``s, leave it alone. On CPU both products run all heads in one
-    call of the batch-invariant C GEMM (``bi_linear_heads``: each head's result has the bits of ``bi_linear`` on
-    it alone, so deterministic mode and the default path agree, and the lean decode step calls the same kernel):
-    ``expand_values`` reads W_UV in place, ``absorb_query`` a contiguous copy of W_UK^T [H, r, qk_nope]
-    (``uk_t``, made once per weight version; as many bytes as W_UK). torch's bf16 bmm took 0.5 ms a layer at
-    batch 1 on DeepSeek-V2-Lite's shape, several times the weights' read time. Elsewhere (no C kernels, other
-    devices, other dtypes) torch's bmm.
+    quantization and LoRA, which act on ``Linear``s, leave it alone. Two ways to run the per-head products:
+    - the batch-invariant C GEMM over all heads in one call (``bi_linear_heads``: each head's result has the bits
+      of ``bi_linear`` on it alone), in deterministic mode and at the row counts where ``cpu_heads_table`` (set
+      from the measured kernel plan, ``runner/cpu_kernels.py``; indexed by ``min(rows, len - 1)``) says so. The
+      lean decode step always calls it, so the torch path gives the lean step's bits where the table picks it.
+      ``expand_values`` reads W_UV in place, ``absorb_query`` a contiguous copy of W_UK^T [H, r, qk_nope];
+    - torch's bmm elsewhere (many rows, where AMX tiles win; no plan; other devices), on contiguous copies of
+      W_UK [H, qk_nope, r] and W_UV^T [H, r, v] (the strided views cost a copy inside every bmm).
+    The copies (``_derived``) are made on first use and again when the weight is replaced or written in place (a
+    weight update: its storage or ``_version`` changes); each holds as many bytes as its half of the weight.
+    At batch 1 on DeepSeek-V2-Lite's shape the C kernel takes 0.10 ms a layer for both products, torch's bf16
+    bmm 0.19 ms (2 threads); at 32 rows 0.9 against 0.3 ms.
     """
+
+    cpu_heads_table: tuple[bool, ...] = ()
 
     def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int) -> None:
         super().__init__()
@@ -87,6 +94,7 @@ class LatentProjection(nn.Module):
         self.qk_nope_head_dim, self.v_head_dim = qk_nope_head_dim, v_head_dim
         self.out_features = num_heads * (qk_nope_head_dim + v_head_dim)
         self.weight = nn.Parameter(torch.empty(self.out_features, kv_lora_rank), requires_grad=False)
+        self._derived_cache: dict[str, tuple[tuple, torch.Tensor]] = {}
 
     def _heads(self) -> torch.Tensor:
         return self.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.in_features)
@@ -95,42 +103,52 @@ class LatentProjection(nn.Module):
         """W_UV [H, v, r]: a view of the weight (each head a contiguous slab, head stride (qk_nope + v) * r)."""
         return self._heads()[:, self.qk_nope_head_dim :]
 
-    def uk_t(self) -> torch.Tensor:
-        """W_UK^T [H, r, qk_nope], contiguous; made again when the weight is replaced or written in place (a
-        weight update: its storage or ``_version`` changes)."""
+    def _derived(self, name: str) -> torch.Tensor:
+        """A contiguous per-head copy of the weight: "uk_t" W_UK^T [H, r, nope], "uk" W_UK [H, nope, r], "uv_t"
+        W_UV^T [H, r, v]; made again when the weight's storage or version changes."""
         key = (self.weight.data_ptr(), self.weight._version, self.weight.device, self.weight.dtype)
-        cached = getattr(self, "_absorbed_cache", None)
+        cached = self._derived_cache.get(name)
         if cached is None or cached[0] != key:
-            w_uk_t = self._heads().detach()[:, : self.qk_nope_head_dim].transpose(1, 2).contiguous()
-            cached = self._absorbed_cache = (key, w_uk_t)
+            heads = self._heads().detach()
+            uk, uv = heads[:, : self.qk_nope_head_dim], heads[:, self.qk_nope_head_dim :]
+            tensor = {"uk_t": lambda: uk.transpose(1, 2), "uk": lambda: uk, "uv_t": lambda: uv.transpose(1, 2)}[name]()
+            cached = self._derived_cache[name] = (key, tensor.contiguous())
         return cached[1]
 
-    def drop_derived_weights(self) -> None:
-        """Free the absorbed copy (RL sleep frees the weights; it is made again on the next use)."""
-        self._absorbed_cache = None
+    def uk_t(self) -> torch.Tensor:
+        """W_UK^T [H, r, qk_nope], contiguous (what ``bi_linear_heads`` reads; the lean step points at it)."""
+        return self._derived("uk_t")
 
-    def _c_kernel(self, x: torch.Tensor) -> bool:
-        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-                and self.weight.dtype == x.dtype and batch_invariant.available())
+    def drop_derived_weights(self) -> None:
+        """Free the copies (RL sleep frees the weights; they are made again on the next use)."""
+        self._derived_cache = {}
+
+    def _c_kernel(self, x: torch.Tensor, invariant: bool) -> bool:
+        """Whether the C kernel runs ``x`` [T, H, *]: deterministic mode (then required), or the plan's choice
+        at T rows."""
+        if invariant:
+            if not batch_invariant.available():
+                raise RuntimeError("deterministic mode needs the batch-invariant C kernels")
+            return True
+        table = self.cpu_heads_table
+        return (bool(table) and table[min(x.shape[0], len(table) - 1)] and x.device.type == "cpu"
+                and x.dtype in (torch.float32, torch.bfloat16) and self.weight.dtype == x.dtype
+                and batch_invariant.available())
 
     def absorb_query(self, q_nope: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """q_nope [T, H, qk_nope] -> [T, H, kv_lora_rank]: each head's q_nope · W_UK (so q_nope · k_nope =
-        result · c_kv). ``invariant`` (deterministic mode) needs the C kernel, which every CPU path uses."""
+        result · c_kv). ``invariant``: deterministic mode (the C kernel)."""
         x = q_nope.transpose(0, 1)  # (H, T, nope)
-        if self._c_kernel(q_nope):
+        if self._c_kernel(q_nope, invariant):
             return batch_invariant.bi_linear_heads(x, self.uk_t()).transpose(0, 1)  # (H, T, r) -> (T, H, r)
-        if invariant:
-            raise RuntimeError("deterministic mode needs the batch-invariant C kernels")
-        return bounded_bmm(x, self._heads()[:, : self.qk_nope_head_dim]).transpose(0, 1)
+        return bounded_bmm(x, self._derived("uk")).transpose(0, 1)
 
     def expand_values(self, out_latent: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """Attention output in latent space [T, H, kv_lora_rank] -> [T, H, v_head_dim] (times each head's W_UV)."""
         x = out_latent.transpose(0, 1)  # (H, T, r)
-        if self._c_kernel(out_latent):
+        if self._c_kernel(out_latent, invariant):
             return batch_invariant.bi_linear_heads(x, self.uv_heads()).transpose(0, 1)  # (T, H, v)
-        if invariant:
-            raise RuntimeError("deterministic mode needs the batch-invariant C kernels")
-        return bounded_bmm(x, self.uv_heads().transpose(1, 2)).transpose(0, 1)
+        return bounded_bmm(x, self._derived("uv_t")).transpose(0, 1)
 
 
 class LatentAttention(nn.Module):

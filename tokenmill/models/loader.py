@@ -23,6 +23,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from tokenmill.csrc_build import NATIVE_BF16_FLAGS_TEXT, cpu_has_native_bf16
+from tokenmill.huge_pages import release_freed_heap
 from tokenmill.models.default_model import default_model_path
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.registry import get_model_class
@@ -359,5 +360,7 @@ def load_model(
             f"hub model, download it first (e.g. `huggingface-cli download {model} --local-dir ./{Path(str(model)).name}`) "
             "and pass that directory."
         )
+    if device.type == "cpu":
+        release_freed_heap()  # the load's freed temporaries back to the system
     loaded.load_seconds = time.perf_counter() - start
     return loaded

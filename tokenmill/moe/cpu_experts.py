@@ -79,7 +79,8 @@ def _address(fn) -> int:
 
 def c_routable(config) -> bool:
     """Whether ``me_route`` implements this ``RouterConfig``: softmax scores without groups, correction bias or
-    scaling (Mixtral, Qwen2/3-MoE, OLMoE; not DeepSeek)."""
+    scaling (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2-Lite's greedy top-k; not V2's grouped or V3's sigmoid
+    routing)."""
     return (config.scoring == "softmax" and config.num_groups == 1 and not config.correction_bias
             and config.routed_scaling_factor == 1.0)
 

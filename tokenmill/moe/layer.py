@@ -112,7 +112,7 @@ class Router(Linear):
         other router its ``forward``."""
         if self.float32 and self.quant is None and self.lora is None and self.bias is None:
             return bi_linear(x.float(), self.weight)
-        return self(x)
+        return self(x.float() if self.float32 and self.quant is None else x)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64), in rank order."""

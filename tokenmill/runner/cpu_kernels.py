@@ -49,7 +49,8 @@ ROW_LADDER: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _DECODE_BATCHES = (1, 8, 32)  # paged decode attention: sequences per call, 512 context tokens each
 _PREFILL_LENGTHS = (128, 512, 2048)  # paged prefill attention: one fresh prompt of each length
 _AMX_BF16_MIN_ROWS = 16  # qgemm's AMX bf16 product is timed from this many rows (fewer: the int8 kernel)
-_DISPATCH_VERSION = 7  # bump when the measurement or the file format changes (7: SDPA without oneDNN, prefill attention by length)
+_DISPATCH_VERSION = 8  # bump when the measurement or the file format changes (7: SDPA without oneDNN, prefill attention by length;
+# 8: MLA's per-head products, latent_heads)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class KernelPlan:
     AMX bf16 tiles rather than quantizing them for the int8 kernel (empty: no AMX bf16 here, or float32
     activations; never in deterministic mode); ``amx_bf16_logits``: the same for a quantized LM head,
     timed apart (its huge weight is expanded per call, so it needs more rows to win);
+    ``latent_heads``: per ROW_LADDER point, True where multi-head latent attention's per-head products run in
+    the batch-invariant C GEMM (``bi_linear_heads``) rather than torch's bmm (empty: no such layers);
     ``source``: "measured", "cache" or "off" (``--no-cpu-kernels``,
     TOKENMILL_DISABLE_CPU_KERNELS=1, no compiler, or a dtype the kernels do not take).
     """
@@ -86,6 +89,7 @@ class KernelPlan:
     prefill_attention_max_context: int = 0
     amx_bf16: tuple[bool, ...] = ()
     amx_bf16_logits: tuple[bool, ...] = ()
+    latent_heads: tuple[bool, ...] = ()
     source: str = "off"
 
     def describe(self) -> str:
@@ -105,6 +109,8 @@ class KernelPlan:
             parts.append("quantized weights: " + ("kernel" if text == "C" else "dequantized + torch GEMM"
                                                   if text == "torch" else text.replace("C at", "kernel at")
                                                   .replace("torch otherwise", "dequantized + torch GEMM otherwise")))
+        if self.latent_heads:
+            parts.append(f"MLA heads {_rows_text(self.latent_heads)}")
         for name, ladder in (("AMX bf16 products", self.amx_bf16), ("LM head on AMX bf16", self.amx_bf16_logits)):
             if any(ladder):
                 points = [rows for rows, use in zip(ROW_LADDER, ladder) if use]
@@ -237,7 +243,30 @@ def _measure(model: nn.Module, dtype: torch.dtype, lm_head: nn.Module | None) ->
     return {"gemm": tuple(gemm), "rms_norm": tuple(rms), "silu_and_mul": tuple(silu), "paged_decode": decode,
             "logits": logits, "quantized": quantized, "prefill_attention": prefill,
             "prefill_attention_max_context": prefill_max_context, "amx_bf16": amx_bf16,
-            "amx_bf16_logits": amx_bf16_logits}
+            "amx_bf16_logits": amx_bf16_logits, "latent_heads": _measure_latent_heads(model, dtype)}
+
+
+def _measure_latent_heads(model: nn.Module, dtype: torch.dtype) -> tuple[bool, ...]:
+    """Multi-head latent attention's two per-head products (models/deepseek.py ``LatentProjection``: W_UK
+    absorbed into the query, W_UV expanding the output) in ``bi_linear_heads`` against torch's bmm, on the
+    model's first such layer, per ROW_LADDER point (empty: no such layers, or another weight dtype)."""
+    proj = next((m for m in model.modules() if hasattr(type(m), "cpu_heads_table")), None)
+    if proj is None or proj.weight.dtype != dtype:
+        return ()
+    decisions = []
+    for rows in ROW_LADDER:
+        q = torch.randn(rows, proj.num_heads, proj.qk_nope_head_dim).to(dtype)
+        o = torch.randn(rows, proj.num_heads, proj.in_features).to(dtype)
+
+        def run(table):
+            proj.cpu_heads_table = table
+            return proj.absorb_query(q), proj.expand_values(o)
+
+        try:
+            decisions.append(_race(lambda: run((True,)), lambda: run(())))
+        finally:
+            proj.cpu_heads_table = ()
+    return tuple(decisions)
 
 
 def _measure_amx_bf16(linears: list[Linear], dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> tuple[bool, ...]:
@@ -395,7 +424,7 @@ def _cache_key(model: nn.Module, dtype: torch.dtype) -> str:
 
 def _plan_from_json(fields: object, isa: str) -> KernelPlan:
     """A cached plan, checked field by field. Raises ValueError for anything but what ``asdict`` wrote."""
-    ladders = ("gemm", "rms_norm", "silu_and_mul", "quantized", "amx_bf16", "amx_bf16_logits")
+    ladders = ("gemm", "rms_norm", "silu_and_mul", "quantized", "amx_bf16", "amx_bf16_logits", "latent_heads")
     flags = ("paged_decode", "logits", "prefill_attention")
     if not isinstance(fields, dict) or set(fields) != {"isa", "dtype", *ladders, *flags, "prefill_attention_max_context"}:
         raise ValueError("not a kernel plan")
@@ -482,7 +511,10 @@ def apply_plan(model: nn.Module, plan: KernelPlan, lm_head: nn.Module | None = N
     silu = row_table(plan.silu_and_mul) if plan.silu_and_mul else ()
     dequantize = tuple(not c for c in row_table(plan.quantized)) if plan.quantized else ()
     amx_bf16, amx_bf16_logits = _amx_table(plan.amx_bf16), _amx_table(plan.amx_bf16_logits)
+    heads = row_table(plan.latent_heads) if plan.latent_heads else ()
     for module in model.modules():
+        if hasattr(type(module), "cpu_heads_table"):  # MLA's LatentProjection (models/deepseek.py)
+            module.cpu_heads_table = heads
         if isinstance(module, Linear) and module.quant is not None:  # the LM head: few rows, a huge weight
             module.quant.dequantize_table = () if module is lm_head else dequantize
             module.quant.amx_bf16_table = amx_bf16_logits if module is lm_head else amx_bf16

@@ -465,9 +465,10 @@ def _describe_latent(attn, dtype: torch.dtype, d: _Layer, keep: list) -> str | N
 
 def _describe_moe(block, dtype: torch.dtype, d: _Layer, slot: int) -> list | None:
     """Fill ``d``'s MoE fields when the step can run ``block`` (a SparseMoeBlock) itself, as its module runs on
-    CPU: experts in the fused C step, a softmax router ``cpu_experts.route`` implements, no shared expert, a
-    router that is GGUF blocks or a dense weight of the model dtype (no bias, no LoRA). Returns what the
-    description points into (kept alive by the caller), or None (the block's module runs it)."""
+    CPU: experts in the fused C step, a softmax router ``cpu_experts.route`` implements, at most an ungated
+    shared expert in GGUF/int8 blocks, a router that is GGUF blocks or a dense weight of the model dtype (or
+    float32 for a ``router_float32`` block; no bias, no LoRA). Returns what the description points into (kept
+    alive by the caller), or None (the block's module runs it)."""
     from tokenmill.moe import cpu_experts
 
     probe = torch.empty(0, block.moe_config.hidden_size, dtype=dtype)

@@ -642,13 +642,15 @@ void bi_linear_f32(const float *x, const float *w, const float *bias, float *y, 
  * units (each thread a contiguous range of them: the heads' weights stream once, with one fork and join for
  * all heads); larger M runs linear() per head. Multi-head latent attention's absorbed products (W_UK, W_UV per
  * head: models/deepseek.py) run here. */
+#define HEADS_XP_BYTES (4 << 20) /* AVX2 / NEON: the most prepared x linear_heads keeps (per calling thread) */
 static void linear_heads(const void *x, const void *w, void *y, int is_bf16, int out_bf16, int64_t H, int64_t M,
                          int64_t N, int64_t K, int64_t w_head_stride, int num_threads) {
     if (H <= 0 || M <= 0 || N <= 0) return;
     if (num_threads < 1) num_threads = 1;
     const int64_t elt = is_bf16 ? 2 : 4, oelt = out_bf16 ? 2 : 4;
     const int64_t mc = chunk_rows(K, PREPARE_X ? 4 : elt);
-    if (M > mc) {
+    /* past one row chunk, or where the prepared x of every head would pass HEADS_XP_BYTES: a call per head */
+    if (M > mc || (PREPARE_X && H * M * ((K + 15) / 16 * 16) * 4 > HEADS_XP_BYTES)) {
         for (int64_t h = 0; h < H; h++)
             linear((const char *)x + h * M * K * elt, (const char *)w + h * w_head_stride * elt, NULL,
                    (char *)y + h * M * N * oelt, is_bf16, out_bf16, M, N, K, num_threads);

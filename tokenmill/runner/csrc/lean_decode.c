@@ -417,6 +417,7 @@ int ld_step_range(const ld_model* m, const ld_batch* s, void* const* kv, void* h
         if (m->mla ? (ld_linear_out(&L->qkv) != H * qh || ld_linear_out(&L->kv_a) != D ||
                       ld_linear_out(&L->o) != Hd || L->sliding_window != 0 || !L->kv_a_norm || !L->w_uk_t ||
                       !L->w_uv || L->uv_stride < m->v_head * m->kv_lora_rank ||
+                      (m->q_lora_rank > 0) != (L->q_a.num_segments > 0) ||
                       (L->q_a.num_segments && (ld_linear_out(&L->q_a) != m->q_lora_rank || !L->q_a_norm)))
                    : (ld_linear_out(&L->qkv) != nqkv || ld_linear_out(&L->o) != Hd || L->sliding_window < 0 ||
                       L->sliding_window > INT32_MAX)) return -1;
