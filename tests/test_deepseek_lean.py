@@ -61,3 +61,28 @@ def test_latent_attention_runs_in_the_lean_step_with_the_module_paths_bits(model
         assert fast_load.tokens_per_expert == model.expert_load.snapshot().tokens_per_expert
     finally:
         llm.engine.close()
+
+
+def test_ngram_speculation_and_prefix_caching_keep_the_lean_steps_tokens(models):
+    """n-gram speculation (its verify steps run in the lean step, a row per proposed token) and prefix caching on
+    a DeepSeek model with latent attention in C: the same greedy tokens as plain decoding."""
+    prompts = [{"prompt_token_ids": [7 + i, 300, 41, 9, 300, 41, 9, 300, 41] * 2} for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    common = dict(model=str(models["v2"]), quantization="int8", dtype="float32", max_model_len=256,
+                  kv_cache_memory=0.05)
+    plain = LLM(**common, enable_prefix_caching=False)
+    try:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+        assert plain.engine.runner.model.model.lean_decode.steps > 0
+    finally:
+        plain.engine.close()
+    spec = LLM(**common, enable_prefix_caching=True, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "enable_adaptive_verification": False})
+    try:
+        lean = spec.engine.runner.model.model.lean_decode
+        for _ in range(2):  # the second pass hits the prefix cache
+            got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+            assert got == want
+        assert lean.steps > 0 and spec.engine.speculator.stats.snapshot()["num_draft_tokens"] > 0  # verified drafts
+    finally:
+        spec.engine.close()
