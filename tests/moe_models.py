@@ -72,3 +72,16 @@ def save_tiny_checkpoint(hf: torch.nn.Module, out_dir: Path) -> torch.nn.Module:
     generation = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return hf
+
+
+def greedy_and_expert_load(llm, max_tokens: int = 12):
+    """Greedy tokens of four fixed short prompts through ``llm`` and the expert-load snapshot they produced (the
+    model's counters reset first): what the lean-step tests compare between paths."""
+    from tokenmill import SamplingParams
+
+    model = llm.engine.runner.model
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i, 17, 230 + 3 * i, 41, 9]} for i in range(4)]
+    model.expert_load.reset()
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    return tokens, model.expert_load.snapshot()

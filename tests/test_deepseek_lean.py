@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.deepseek_models import make_deepseek_model
+from tests.moe_models import greedy_and_expert_load
 from tests.test_lean_decode import assert_same_bits, decode_step_both_ways, step_both_ways, torch_path_on_c_kernels
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import batch_invariant
@@ -47,18 +48,13 @@ def test_latent_attention_runs_in_the_lean_step_with_the_module_paths_bits(model
         mixed = lean.mixed_steps
         assert_same_bits(*step_both_ways(llm, [0, 7, 20, 4], [9, 1, 5, 1], seed=3))
         assert lean.mixed_steps > mixed
-        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-        prompts = [{"prompt_token_ids": [5 + i, 17, 230 + 3 * i, 41, 9]} for i in range(4)]
-        model.expert_load.reset()
         steps = lean.steps
-        fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        fast_load = model.expert_load.snapshot()
+        fast, fast_load = greedy_and_expert_load(llm, max_tokens=10)
         assert lean.steps > steps
         lean.enabled = False
-        model.expert_load.reset()
-        slow = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        slow, slow_load = greedy_and_expert_load(llm, max_tokens=10)
         assert fast == slow
-        assert fast_load.tokens_per_expert == model.expert_load.snapshot().tokens_per_expert
+        assert fast_load.tokens_per_expert == slow_load.tokens_per_expert
     finally:
         llm.engine.close()
 

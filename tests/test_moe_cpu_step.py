@@ -173,9 +173,9 @@ def test_moe_models_run_the_lean_step_with_the_module_paths_bits(arch, router, t
     step of 6 sequences), the same greedy tokens and expert-load counts as the torch path with torch's routing
     and grouped step. qwen2_moe keeps a dense MLP layer, qwen3_moe alternates dense and MoE layers, OLMoE
     normalizes the whole q and k projections; "dense": the routers as a GGUF file's F32 router loads."""
-    from tests.moe_models import make_moe_model
+    from tests.moe_models import greedy_and_expert_load, make_moe_model
     from tests.test_lean_decode import assert_same_bits, decode_step_both_ways, torch_path_on_c_kernels
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM
 
     make_moe_model(arch, tmp_path / arch)
     llm = LLM(model=str(tmp_path / arch), quantization="int8", dtype="bfloat16", max_model_len=256,
@@ -193,12 +193,8 @@ def test_moe_models_run_the_lean_step_with_the_module_paths_bits(arch, router, t
         assert_same_bits(*decode_step_both_ways(llm, [3, 9, 17, 30, 5, 12], seed=2))
         in_c = arch != "qwen2_moe"  # a gated shared expert: its blocks run as modules
         assert (lean.moe_steps > moe_steps) == in_c
-        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-        prompts = [{"prompt_token_ids": [5 + i, 17, 230 + 3 * i, 41, 9]} for i in range(4)]
-        model.expert_load.reset()
         steps = lean.steps
-        fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        fast_load = model.expert_load.snapshot()
+        fast, fast_load = greedy_and_expert_load(llm)
         assert lean.steps > steps
         assert all(isinstance(b.cpu_fused, cpu_experts.FusedExperts) for b in blocks)
         if not in_c:
@@ -206,11 +202,10 @@ def test_moe_models_run_the_lean_step_with_the_module_paths_bits(arch, router, t
         lean.enabled = False
         for b in blocks:
             b.use_cpu_fused = False  # torch's routing and the grouped step
-        model.expert_load.reset()
-        torch_path = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        torch_path, torch_load = greedy_and_expert_load(llm)
         assert fast == torch_path
         # the expert-load metrics count the same tokens per expert whichever path ran the blocks
-        assert fast_load.tokens_per_expert == model.expert_load.snapshot().tokens_per_expert
+        assert fast_load.tokens_per_expert == torch_load.tokens_per_expert
         assert fast_load.sum > 0
     finally:
         llm.engine.close()
