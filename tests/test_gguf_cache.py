@@ -196,5 +196,29 @@ def test_tiled_blocks_come_back_from_the_tile_cache_exactly(cache_dir):
     part = next(s for s in first if is_tiled(s.qtype))
     stored = qgemm.QuantizedTensor(part.qtype - qgemm.TILED, part.shape, torch.zeros_like(part.data))
     logging.getLogger("tokenmill.quantization.tile_cache").setLevel(logging.INFO)
-    got = cache.tiled([stored], lambda: made.append(1) or qgemm.repack(stored))
+    got = cache.tiled([stored], lambda out=None: made.append(1) or qgemm.repack(stored))
     assert made == [1] and cache.hits == 0 and torch.equal(got.data, qgemm.repack(stored).data)
+    cache.abort()
+
+
+def test_segments_of_whole_tiles_repack_apart_into_the_stacked_layout():
+    """GGUFWeight repacks a fused segment's row blocks one by one into their rows (no stacked copy) when all but
+    the last are whole tiles: the same bytes as the stacked weight repacked, into a given buffer too."""
+    from tests.gguf_quantizers import quantize
+    from tokenmill.quantization import qgemm
+    from tokenmill.quantization.formats import QuantizedTensor
+    from tokenmill.quantization.gguf_weight import _merge, _tiled
+
+    if not qgemm.library.available():
+        pytest.skip("qgemm kernels unavailable")
+    gen = torch.Generator().manual_seed(3)
+    for qtype, rows in ((2, (32, 48, 7)), (12, (16, 32)), (8, (20, 16))):  # Q4_0, Q4_K, Q8_0 (20: not whole)
+        parts = []
+        for n in rows:
+            w = torch.randn(n, 256, generator=gen)
+            parts.append(QuantizedTensor(qtype, (n, 256), torch.from_numpy(quantize(w.numpy(), qtype)).reshape(n, -1)))
+        want = qgemm.repack(_merge(parts))
+        assert torch.equal(_tiled(parts).data, want.data) and _tiled(parts).qtype == want.qtype
+        out = torch.full_like(want.data, 7)
+        got = _tiled(parts, out)
+        assert got.data.data_ptr() == out.data_ptr() and torch.equal(out, want.data)

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.quantization import qgemm, tile_cache
-from tokenmill.quantization.formats import TILED_FORMATS, QuantizedTensor, qtype_name
+from tokenmill.huge_pages import zeros_on_huge_pages
+from tokenmill.quantization.formats import TILE_ROWS, TILED, TILED_FORMATS, QuantizedTensor, qtype_name
 
 _scratch = threading.local()
 # The row count the tables are read at, where a step's products have more rows than the step it stands for
@@ -76,6 +77,22 @@ def tiled_formats() -> tuple[int, ...]:
     return tuple(tiled)
 
 
+def _tiled(parts: Sequence[QuantizedTensor], out: torch.Tensor | None = None) -> QuantizedTensor:
+    """Row blocks of one tiled format stacked and repacked (into ``out`` when given: the tile cache's file).
+    Blocks of whole tiles (all but the last a multiple of TILE_ROWS rows) are repacked one by one into their rows
+    of the result, with the same bytes as the stacked copy repacked (tiles are row-local) and without that copy."""
+    if len(parts) == 1 or any(p.shape[0] % TILE_ROWS for p in parts[:-1]):
+        return qgemm.repack(_merge(parts), out)
+    shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+    if out is None:
+        out = zeros_on_huge_pages((shape[0], parts[0].data.shape[1]), torch.uint8, parts[0].data.device)
+    row = 0
+    for p in parts:
+        qgemm.repack(p, out[row : row + p.shape[0]])
+        row += p.shape[0]
+    return QuantizedTensor(parts[0].qtype + TILED, shape, out)
+
+
 def _merge(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
     """Row blocks of one format stacked into one tensor (the part itself when there is one)."""
     if len(parts) == 1:
@@ -114,7 +131,7 @@ class GGUFWeight:
         tiled = tiled_formats()
         # the stored copy is dropped (unless the caller keeps it): memory stays that of the blocks. A tiled
         # segment may come from the loader's tile cache (tile_cache.active): then nothing is merged or repacked.
-        merged = [tile_cache.tiled_segment(g, lambda g=g: qgemm.repack(_merge(g))) if g[0].qtype in tiled
+        merged = [tile_cache.tiled_segment(g, lambda out=None, g=g: _tiled(g, out)) if g[0].qtype in tiled
                   else _merge(g) for g in groups]
         self.parts = merged
         self.in_features = k

@@ -225,28 +225,38 @@ def tiled_preferred() -> bool:
     return lib is not None and bool(lib.qg_tiled_preferred())
 
 
-def repack(weight: QuantizedTensor) -> QuantizedTensor:
-    """``weight`` (any of ``TILED_FORMATS``, as stored) in the tiled layout: a new tensor of the same bytes and
-    shape, type id + ``TILED``; rows past the last whole tile of 16 stay as stored.
+def repack(weight: QuantizedTensor, out: torch.Tensor | None = None) -> QuantizedTensor:
+    """``weight`` (any of ``TILED_FORMATS``, as stored) in the tiled layout: a tensor of the same bytes and
+    shape, type id + ``TILED``; rows past the last whole tile of 16 stay as stored. Tiles are row-local (tile t
+    holds rows 16t..16t+15 in their bytes), so row blocks of whole tiles repacked apart, side by side, equal the
+    stacked weight repacked. ``out``: where to write it (uint8, contiguous, ``weight.data``'s shape: a view of
+    the tile cache's file, a slice of a larger segment); default a new tensor on transparent huge pages.
 
     Raises:
-        ValueError: a format without a tiled layout (or one already tiled).
+        ValueError: a format without a tiled layout (or one already tiled), or an ``out`` of another shape,
+            dtype or layout.
         RuntimeError: the kernels are unavailable.
     """
-    return _repack(library.get(), weight)
+    return _repack(library.get(), weight, out)
 
 
-def _repack(lib: ctypes.CDLL, weight: QuantizedTensor) -> QuantizedTensor:
+def _repack(lib: ctypes.CDLL, weight: QuantizedTensor, out: torch.Tensor | None = None) -> QuantizedTensor:
     if weight.qtype not in TILED_FORMATS:
         raise ValueError(f"repack: {qtype_name(weight.qtype)}{' (tiled)' if is_tiled(weight.qtype) else ''} "
                          f"has no tiled layout to repack into")
     n, k = weight.shape
     src = weight.data.contiguous()
+    if out is not None:
+        if out.shape != src.shape or out.dtype != torch.uint8 or not out.is_contiguous() or out.device != src.device:
+            raise ValueError(f"repack: out must be a contiguous uint8 tensor of shape {tuple(src.shape)}, got "
+                             f"{out.dtype} {tuple(out.shape)}")
     # On transparent huge pages where Linux allows (madvise): a single-row product streams the whole weight, and
     # on 4 KiB pages it pays a TLB miss every 4 KiB (Llama-3.2-1B-shape Q4_K_M batch-1 decode, 2-core Xeon:
     # 21.9 tok/s on 4 KiB pages, 25.7 on huge pages).
-    out = zeros_on_huge_pages(tuple(src.shape), torch.uint8, src.device) if src.device.type == "cpu" else (
-        torch.empty_like(src))
+    elif src.device.type == "cpu":
+        out = zeros_on_huge_pages(tuple(src.shape), torch.uint8, src.device)
+    else:
+        out = torch.empty_like(src)
     rc = lib.qg_repack(weight.qtype, src.data_ptr(), n, k, out.data_ptr())
     assert rc == 0, "QuantizedTensor checked the format and in_features"
     return QuantizedTensor(weight.qtype + TILED, weight.shape, out)

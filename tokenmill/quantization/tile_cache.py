@@ -14,10 +14,11 @@ build with another layout writes its own file (and removes the others). A segmen
 what was recorded (format, shape, source CRC) ends the reuse for the rest of the load: those segments
 are repacked and a fresh file is written. A directory that cannot be written only costs the speed-up.
 
-A load with no usable file writes through: each segment is appended to the new file as soon as it is
-repacked, and the model gets a view of the file's mapping in place of the repacked copy, so the first load
-also holds the tiles in the page cache instead of in process memory (a 16.7 GB Q8_0 file no longer needs
-16.7 GB of anonymous memory on top of its own pages while loading: the 24 GiB machine ran out of memory).
+A load with no usable file writes through: each segment is repacked straight into the new file (its bytes
+reserved with ``posix_fallocate``, so a full disk is an error rather than a fault, then mapped shared for the
+repack) and the model gets a copy-on-write view of that mapping, so the first load holds the tiles in the page
+cache, not in process memory (a 16.7 GB Q8_0 file no longer needs 16.7 GB of anonymous memory on top of its
+own pages while loading: the 24 GiB machine ran out of memory), and nothing is copied to write the file.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ class TileCache:
         self._next = 0
         self._made: list[tuple[dict, torch.Tensor]] = []  # every segment of this load, in order
         self._stale = False  # a miss: write the file again
-        self._writer: tuple | None = None  # (file, temporary path) of the file written through, segment by segment
+        self._writer: tuple | None = None  # (fd, temporary path) of the file written through, segment by segment
         self._offset = 0  # its length so far
         self._written = 0  # segments written through
         index, data = self._paths()
@@ -94,8 +95,11 @@ class TileCache:
     def _paths(self) -> tuple[Path, Path]:
         return self.directory / f"tiles-{self.key}.json", self.directory / f"tiles-{self.key}.bin"
 
-    def tiled(self, parts: Sequence[QuantizedTensor], make: Callable[[], QuantizedTensor]) -> QuantizedTensor:
-        """The tiled segment of ``parts`` (one format, same in_features), from the file or from ``make()``."""
+    def tiled(self, parts: Sequence[QuantizedTensor],
+              make: Callable[[torch.Tensor | None], QuantizedTensor]) -> QuantizedTensor:
+        """The tiled segment of ``parts`` (one format, same in_features), from the file or from ``make(out)``:
+        ``out`` is where to repack it (a view of the file being written, uint8 with the parts' stacked data
+        shape) or None (``make`` allocates)."""
         qtype = parts[0].qtype
         shape = [sum(p.shape[0] for p in parts), parts[0].shape[1]]
         crc = _source_crc(parts)
@@ -114,43 +118,44 @@ class TileCache:
                 logger.info("tile cache: segment %d differs from the recorded one; repacking the rest", self._next)
             if not self._made:  # nothing reused: write the new file through, segment by segment
                 self._open_writer()
-        out = make()
+        data_shape = (shape[0], parts[0].data.shape[1])
+        target = self._reserve(data_shape) if self._writer is not None else None
+        out = make(None if target is None else target[1])
         entry = {"source_qtype": qtype, "qtype": out.qtype, "shape": shape, "crc": crc, "nbytes": out.data.numel()}
-        if self._writer is not None:
-            mapped = self._write_through(entry, out.data)
-            if mapped is not None:
-                out = QuantizedTensor(out.qtype, out.shape, mapped)
+        if target is not None:
+            offset, view = target
+            if out.data.data_ptr() != view.data_ptr():  # made elsewhere: its bytes into the file
+                view.copy_(out.data.reshape(view.shape))
+            del view  # the shared, writable mapping: the model gets a copy-on-write one of the same pages
+            entry["offset"] = offset
+            mapped = np.memmap(self._writer[1], dtype=np.uint8, mode="c", offset=offset, shape=(entry["nbytes"],))
+            out = QuantizedTensor(out.qtype, out.shape, torch.from_numpy(mapped).reshape(data_shape))
+            self._written += 1
         self._made.append((entry, out.data))
         return out
 
     def _open_writer(self) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tiles-")
-            self._writer = (os.fdopen(fd, "wb"), tmp)
+            self._writer = tempfile.mkstemp(dir=self.directory, prefix=".tiles-")  # (fd, path)
         except OSError as exc:
             logger.warning("tile cache: cannot write under %s (%s); the tiles stay in memory", self.directory, exc)
 
-    def _write_through(self, entry: dict, data: torch.Tensor) -> torch.Tensor | None:
-        """Append ``data`` (uint8) to the file being written and return a view of it mapped from there (the
-        page cache's pages: the repacked copy can go), or None when the write fails (then nothing more is
-        written: the tiles stay in memory and no file is kept)."""
-        f, tmp = self._writer
+    def _reserve(self, data_shape: tuple[int, int]) -> tuple[int, torch.Tensor] | None:
+        """Room for a segment of ``data_shape`` bytes at the file's next page: (offset, a shared writable view of
+        it), or None when the disk refuses (then nothing more is written: the tiles stay in memory, no file)."""
+        fd, tmp = self._writer
+        nbytes = data_shape[0] * data_shape[1]
+        offset = self._offset + (-self._offset % _ALIGN)
         try:
-            pad = -self._offset % _ALIGN
-            f.write(b"\0" * pad)
-            self._offset += pad
-            f.write(memoryview(data.contiguous().numpy()).cast("B"))
-            f.flush()
-            entry["offset"] = self._offset
-            self._offset += entry["nbytes"]
-            view = np.memmap(tmp, dtype=np.uint8, mode="c", offset=entry["offset"], shape=(entry["nbytes"],))
-            self._written += 1
-            return torch.from_numpy(view).reshape(data.shape)
-        except OSError as exc:
+            os.posix_fallocate(fd, offset, nbytes)  # blocks reserved now: no SIGBUS from a full disk later
+            view = np.memmap(tmp, dtype=np.uint8, mode="r+", offset=offset, shape=(nbytes,))
+        except (OSError, ValueError) as exc:
             logger.warning("tile cache: could not write %s (%s); the tiles stay in memory", tmp, exc)
             self.abort()
             return None
+        self._offset = offset + nbytes
+        return offset, torch.from_numpy(view).reshape(data_shape)
 
     def abort(self) -> None:
         """Drop the file being written through (an error during the load, or a failed write). Views already
@@ -158,7 +163,7 @@ class TileCache:
         writer, self._writer = self._writer, None
         if writer is not None:
             with contextlib.suppress(OSError):
-                writer[0].close()
+                os.close(writer[0])
             with contextlib.suppress(OSError):
                 os.unlink(writer[1])
         self._written = -1  # never publish a partial file
@@ -198,11 +203,11 @@ class TileCache:
 
     def _publish(self, made: list[tuple[dict, torch.Tensor]]) -> None:
         """Rename the file written through into place and write its index (the index last)."""
-        f, tmp = self._writer
+        fd, tmp = self._writer
         self._writer = None
         index, data = self._paths()
         try:
-            f.close()
+            os.close(fd)
             if self._written != len(made):
                 raise OSError("not every segment was written")
             for old in self.directory.glob("tiles-*"):  # this layout's old pair and other layouts'
@@ -236,7 +241,9 @@ def active(directory: Path | None, tiled: Sequence[int]) -> Iterator[TileCache |
     cache.close()
 
 
-def tiled_segment(parts: Sequence[QuantizedTensor], make: Callable[[], QuantizedTensor]) -> QuantizedTensor:
-    """``make()`` (the tiled segment of ``parts``), or its recorded copy under an ``active`` cache."""
+def tiled_segment(parts: Sequence[QuantizedTensor],
+                  make: Callable[[torch.Tensor | None], QuantizedTensor]) -> QuantizedTensor:
+    """``make(None)`` (the tiled segment of ``parts``), or under an ``active`` cache its recorded copy or
+    ``make(out)`` into the file being written (``TileCache.tiled``)."""
     cache = _ACTIVE.get()
-    return make() if cache is None else cache.tiled(parts, make)
+    return make(None) if cache is None else cache.tiled(parts, make)
