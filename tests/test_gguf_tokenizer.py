@@ -95,3 +95,26 @@ def test_hf_directory_keeps_its_own_pre_tokenizer(tmp_path):
     assert written["type"] == "ByteLevel" and written["use_regex"]
     router = load_router_tokenizer(str(tmp_path))
     assert router.tokenizer("x\n\n1", add_special_tokens=False).input_ids == [104, 198, 198, 33]
+
+
+def test_the_fast_config_read_picks_the_tokenizer_transformers_picks_and_is_taken_out_again():
+    """load_gguf_tokenizer lets AutoTokenizer pick the tokenizer class from the file's model type without parsing
+    every metadata field (gguf_loader._fast_tokenizer_config): the same class, special tokens, chat template and
+    ids as AutoTokenizer on its own full parse, and transformers' GGUF config readers are as they were after."""
+    from transformers import AutoTokenizer
+    from transformers.integrations.gguf import gguf_config_mapping
+
+    from tokenmill.models.gguf_tokenizer import apply_llama_cpp_split
+
+    path = smollm2_gguf_path()
+    readers = dict(gguf_config_mapping.GGUF_CONFIG_ARCHS)
+    fast = load_gguf_tokenizer(path)
+    assert gguf_config_mapping.GGUF_CONFIG_ARCHS == readers
+    full = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    fields = read_gguf_metadata(path).fields
+    apply_llama_cpp_split(full, fields["tokenizer.ggml.model"], fields.get("tokenizer.ggml.pre"))
+    assert type(fast) is type(full)
+    assert (fast.bos_token, fast.eos_token, fast.chat_template, len(fast)) == \
+        (full.bos_token, full.eos_token, full.chat_template, len(full))
+    text = "Hello world! It's 2026, naïve café — 東京 12345 <|im_start|>user\n  spaces\tand tabs"
+    assert fast(text)["input_ids"] == full(text)["input_ids"]
