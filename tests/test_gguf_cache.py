@@ -222,3 +222,22 @@ def test_segments_of_whole_tiles_repack_apart_into_the_stacked_layout():
         out = torch.full_like(want.data, 7)
         got = _tiled(parts, out)
         assert got.data.data_ptr() == out.data_ptr() and torch.equal(out, want.data)
+
+
+def test_a_killed_loads_temporary_tiles_file_is_removed_and_a_live_one_kept(tmp_path):
+    """A first load writes its tiles through a locked temporary file; the next load that writes removes the
+    temporary files nobody holds (a load killed half-way would otherwise keep its reserved space for good), not
+    one another load is still writing."""
+    from tokenmill.quantization import tile_cache
+
+    abandoned = tmp_path / ".tiles-abandoned"
+    abandoned.write_bytes(b"\0" * 4096)
+    first = tile_cache.TileCache(tmp_path, "one")
+    first._open_writer()
+    assert not abandoned.exists() and Path(first._writer[1]).exists()
+    second = tile_cache.TileCache(tmp_path, "two")
+    second._open_writer()
+    assert Path(first._writer[1]).exists() and Path(second._writer[1]).exists()
+    first.abort()
+    second.abort()
+    assert list(tmp_path.iterdir()) == []

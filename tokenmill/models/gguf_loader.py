@@ -642,11 +642,13 @@ def _admit_tokenizer_architectures() -> None:
 def _tokenizer_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     """The config ``AutoTokenizer.from_pretrained(gguf_file=...)`` builds to choose the tokenizer class: only its
     ``model_type`` matters there, named as transformers' full GGUF reader names it (the file's architecture;
-    "mistral" for a llama file whose ``general.name`` is "mistral"; qwen2moe / qwen3moe as qwen2_moe / qwen3_moe)."""
+    "mistral" for a llama file whose ``general.name`` is "mistral"; qwen2moe / qwen3moe as qwen2_moe / qwen3_moe,
+    gemma3 / gemma4 as their text models)."""
     arch = metadata["general.architecture"]
     if "llama" in arch and metadata.get("general.name") == "mistral":
         return {"model_type": "mistral"}
-    return {"model_type": {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(arch, arch)}
+    return {"model_type": {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text",
+                           "gemma4": "gemma4_text"}.get(arch, arch)}
 
 
 _FAST_CONFIG_LOCK = threading.Lock()

@@ -126,18 +126,29 @@ class TileCache:
             offset, view = target
             if out.data.data_ptr() != view.data_ptr():  # made elsewhere: its bytes into the file
                 view.copy_(out.data.reshape(view.shape))
-            del view  # the shared, writable mapping: the model gets a copy-on-write one of the same pages
             entry["offset"] = offset
-            mapped = np.memmap(self._writer[1], dtype=np.uint8, mode="c", offset=offset, shape=(entry["nbytes"],))
-            out = QuantizedTensor(out.qtype, out.shape, torch.from_numpy(mapped).reshape(data_shape))
-            self._written += 1
+            try:  # the model gets a copy-on-write mapping of the same pages, not the shared writable one
+                mapped = np.memmap(self._writer[1], dtype=np.uint8, mode="c", offset=offset, shape=(entry["nbytes"],))
+                out = QuantizedTensor(out.qtype, out.shape, torch.from_numpy(mapped).reshape(data_shape))
+                self._written += 1
+            except (OSError, ValueError) as exc:  # no mapping to spare: this segment in memory, no file
+                logger.warning("tile cache: could not map %s (%s); the tiles stay in memory", self._writer[1], exc)
+                out = QuantizedTensor(out.qtype, out.shape, view.clone())
+                self.abort()
+            del view, target
         self._made.append((entry, out.data))
         return out
 
     def _open_writer(self) -> None:
+        """A temporary file to write through, locked (``flock``) while this load writes it; first removes the
+        temporary files of loads that ended without finishing theirs (killed: nobody holds their lock), which
+        would otherwise keep their reserved space for good."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._writer = tempfile.mkstemp(dir=self.directory, prefix=".tiles-")  # (fd, path)
+            _remove_abandoned(self.directory)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tiles-")
+            _try_lock(fd)
+            self._writer = (fd, tmp)
         except OSError as exc:
             logger.warning("tile cache: cannot write under %s (%s); the tiles stay in memory", self.directory, exc)
 
@@ -192,8 +203,9 @@ class TileCache:
             for old in self.directory.glob("tiles-*"):  # this layout's old pair and other layouts'
                 old.unlink(missing_ok=True)
             os.replace(tmp, data)
-            tmp = str(index) + ".tmp"
-            Path(tmp).write_text(json.dumps({"segments": entries}))
+            ifd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tiles-index-")  # a name of this load's own
+            with os.fdopen(ifd, "w") as f:
+                f.write(json.dumps({"segments": entries}))
             os.replace(tmp, index)  # the index last: a reader finds both files or neither
         except OSError as exc:
             logger.warning("tile cache: could not write %s (%s); the next load repacks again", data, exc)
@@ -213,13 +225,41 @@ class TileCache:
             for old in self.directory.glob("tiles-*"):  # this layout's old pair and other layouts'
                 old.unlink(missing_ok=True)
             os.replace(tmp, data)
-            tmp = str(index) + ".tmp"
-            Path(tmp).write_text(json.dumps({"segments": [entry for entry, _ in made]}))
+            ifd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tiles-index-")  # a name of this load's own
+            with os.fdopen(ifd, "w") as f:
+                f.write(json.dumps({"segments": [entry for entry, _ in made]}))
             os.replace(tmp, index)
         except OSError as exc:
             logger.warning("tile cache: could not write %s (%s); the next load repacks again", data, exc)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _try_lock(fd: int) -> bool:
+    """An exclusive, non-blocking ``flock`` on ``fd``: False when another process holds one (or no fcntl)."""
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except (ImportError, OSError):
+        return False
+
+
+def _remove_abandoned(directory: Path) -> None:
+    """Delete the ``.tiles-*`` temporary files in ``directory`` that no live load holds locked."""
+    for path in directory.glob(".tiles-*"):
+        if path.name.startswith(".tiles-index-"):
+            continue  # written and renamed in one go: an abandoned one is tiny
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if _try_lock(fd):
+                path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
