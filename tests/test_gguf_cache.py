@@ -241,3 +241,69 @@ def test_a_killed_loads_temporary_tiles_file_is_removed_and_a_live_one_kept(tmp_
     first.abort()
     second.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+# the methods a config class of a plain type may define: construction and validation, nothing the models read
+_PLAIN_CLASS_METHODS = {"__init__", "__post_init__", "__eq__", "__setattr__", "validate", "validate_architecture"}
+# not compared: where the config was read from, the version that wrote it, and use_cache (the classes default it to True; nothing reads it)
+_NOT_COMPARED = {"_name_or_path", "transformers_version", "use_cache"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama_rope_llama3", "llama_rope_yarn",
+                                  "llama_tied"])
+def test_a_plain_config_carries_what_its_transformers_class_does(arch, tmp_path):
+    """A cached config of a plain type comes back without its transformers class (whose import costs seconds
+    on a slow machine) with the same attributes, and the class still adds nothing the models would miss: no
+    attribute aliases, no properties, no methods beyond construction and validation."""
+    import json
+
+    from tests.tiny_models import tiny_config
+
+    config = tiny_config(arch)
+    assert config.model_type in gguf_cache.PLAIN_CONFIG_TYPES or config.model_type == "mistral"
+    config.save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    if config.model_type == "mistral":  # GGUF files make Mistral a llama config; its own class is not plain
+        with pytest.raises(ValueError, match="no plain config for model type 'mistral'"):
+            gguf_cache.plain_config(fields)
+        return
+    plain = gguf_cache.plain_config(fields)
+    assert plain.model_type == config.model_type and type(plain) is not type(config)
+    strip = lambda c: {k: v for k, v in vars(c).items() if k not in _NOT_COMPARED}  # noqa: E731
+    assert strip(plain) == strip(config)
+    cls = type(config)
+    assert not cls.attribute_map
+    assert not [k for k, v in vars(cls).items() if isinstance(v, property)]
+    assert {k for k, v in vars(cls).items() if callable(v)} <= _PLAIN_CLASS_METHODS
+
+
+def test_a_cached_load_builds_the_same_model_without_importing_config_classes(cache_dir):
+    """The embedded (llama) GGUF loaded twice: the cached load's config has the first load's attributes, the
+    same greedy tokens come out, and a cached load in a fresh process never imports transformers' concrete
+    config classes (their import pulls in transformers.activations, torch.distributed.tensor and sympy)."""
+    import subprocess
+    import sys
+
+    from tokenmill import LLM, SamplingParams
+
+    path = default_model_path()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = "The capital of France is"
+    first = LLM(model=str(path), dtype="float32", kv_cache_memory=0.05)
+    tokens = first.generate([prompt], params)[0].outputs[0].token_ids
+    config = first.engine.loaded.hf_config
+    del first
+    second = LLM(model=str(path), dtype="float32", kv_cache_memory=0.05)
+    assert second.generate([prompt], params)[0].outputs[0].token_ids == tokens
+    del second
+    cached = gguf_cache.cached_config(path, lambda: pytest.fail("config parsed again instead of cached"))
+    assert cached.model_type == "llama" and type(cached).__name__ == "PlainConfig_llama"
+    assert type(config).__name__ == "LlamaConfig"  # the first load built the class's config from the file
+    assert {k: v for k, v in vars(cached).items() if k not in _NOT_COMPARED} == {
+        k: v for k, v in vars(config).items() if k not in _NOT_COMPARED}
+    probe = ("import sys; from tokenmill.models.loader import load_model; load_model(sys.argv[1], dtype='float32'); "
+             "print(sorted(m for m in ('transformers.activations', 'transformers.models.llama.configuration_llama', "
+             "'sympy') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

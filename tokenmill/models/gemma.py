@@ -16,8 +16,9 @@ the ``full_attention`` layers to the whole sequence; any context length is serve
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from tokenmill.attention import Attention, AttentionMetadata
 from tokenmill.attention.layer import KVCache
@@ -95,9 +96,9 @@ class GemmaDecoderLayer(nn.Module):
 
 def _rope_config(config: PretrainedConfig, params: dict, head_dim: int) -> PretrainedConfig:
     """A flat config carrying one layer type's RoPE dict (what ``RotaryEmbedding`` reads)."""
-    return LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                       head_dim=head_dim, max_position_embeddings=config.max_position_embeddings,
-                       rope_parameters=dict(params))
+    return transformers.LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                                    head_dim=head_dim, max_position_embeddings=config.max_position_embeddings,
+                                    rope_parameters=dict(params))
 
 
 class GemmaModel(nn.Module):

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DeepseekV2Config, DeepseekV3Config, PretrainedConfig
+import transformers
+from transformers import PretrainedConfig
 
 from tokenmill.models.errors import UnsupportedModelError
 
@@ -111,8 +112,8 @@ def deepseek2_config_class(field: Callable[[str], Any], source: Path, kwargs: di
     _yarn_fields(field, source, kwargs["rope_parameters"])
     if v3:
         kwargs.update(architectures=["DeepseekV3ForCausalLM"], rope_interleave=True)
-        return DeepseekV3Config
-    return DeepseekV2Config
+        return transformers.DeepseekV3Config
+    return transformers.DeepseekV2Config
 
 
 def _yarn_fields(field: Callable[[str], Any], source: Path, rope: dict[str, Any]) -> None:

@@ -29,11 +29,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import transformers
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from transformers import (DeepseekV2Config, Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, OlmoeConfig,
-                          Phi3Config, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2MoeConfig,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from tokenmill.models.errors import UnsupportedModelError
 from tokenmill.models.gguf_deepseek2 import (DEEPSEEK2_BLOCK_NAMES, DEEPSEEK2_DENSE_ONLY, DEEPSEEK2_PARAMETERS,
@@ -44,18 +43,20 @@ from tokenmill.models.gguf_tokenizer import apply_llama_cpp_split
 __all__ = ["GGUFMetadata", "GGUFTensorInfo", "gguf_to_hf_config", "iter_gguf_weights", "iter_mapped_weights",
            "load_gguf_tokenizer", "open_gguf", "read_gguf_metadata", "read_tensor_index"]
 
-# GGUF general.architecture -> (config class, HF architecture name)
-_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
-    "llama": (LlamaConfig, "LlamaForCausalLM"),
-    "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
-    "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
-    "phi3": (Phi3Config, "Phi3ForCausalLM"),
-    "gemma2": (Gemma2Config, "Gemma2ForCausalLM"),
-    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
-    "qwen2moe": (Qwen2MoeConfig, "Qwen2MoeForCausalLM"),
-    "qwen3moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
-    "olmoe": (OlmoeConfig, "OlmoeForCausalLM"),
-    "deepseek2": (DeepseekV2Config, "DeepseekV2ForCausalLM"),  # or V3: gguf_deepseek2.deepseek2_config_class
+# GGUF general.architecture -> (transformers config class name, HF architecture name). Names, not classes:
+# importing any concrete config class costs transformers' activations and torch.distributed.tensor (about 0.65 s
+# on a Xeon, 2 s on a Zen 1 EPYC), which a cached load does without (gguf_cache.cached_config).
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "deepseek2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),  # or V3: gguf_deepseek2.deepseek2_config_class
 }
 # llama.cpp's router weight rule per MoE architecture where the file has no ``{arch}.expert_weights_norm``
 # (its llm_build_* functions): Mixtral (llama) and qwen3moe renormalize the top-k weights, qwen2moe and olmoe not.
@@ -211,7 +212,8 @@ def gguf_to_hf_config(reader: GGUFReader | GGUFMetadata) -> PretrainedConfig:
             and the key or tensor.
     """
     arch = gguf_architecture(reader)
-    config_cls, hf_arch = _ARCHITECTURES[arch]
+    class_name, hf_arch = _ARCHITECTURES[arch]
+    config_cls: type[PretrainedConfig] = getattr(transformers, class_name)
     source = _source(reader)
 
     def required(key: str) -> Any:
@@ -275,7 +277,7 @@ def gguf_to_hf_config(reader: GGUFReader | GGUFMetadata) -> PretrainedConfig:
         config_cls = deepseek2_config_class(lambda key: _field(reader, f"{arch}.{key}"), source, kwargs, tensor_names)
     elif int(_field(reader, f"{arch}.expert_count", 0) or 0) > 0:
         if arch == "llama":
-            config_cls, kwargs["architectures"] = MixtralConfig, ["MixtralForCausalLM"]
+            config_cls, kwargs["architectures"] = transformers.MixtralConfig, ["MixtralForCausalLM"]
             kwargs.pop("attention_bias")
             kwargs["sliding_window"] = None
         elif arch not in _MOE_NORM_TOPK:

@@ -187,7 +187,8 @@ class TileCache:
             return
         if not self._stale or not made or self._written < 0:
             return
-        index, data = self._paths()
+        data = self._paths()[1]
+        tmp = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tiles-")
@@ -200,39 +201,47 @@ class TileCache:
                     f.write(memoryview(tensor.contiguous().numpy()).cast("B"))
                     entries.append({**entry, "offset": offset})
                     offset += entry["nbytes"]
-            for old in self.directory.glob("tiles-*"):  # this layout's old pair and other layouts'
-                old.unlink(missing_ok=True)
-            os.replace(tmp, data)
-            ifd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tiles-index-")  # a name of this load's own
-            with os.fdopen(ifd, "w") as f:
-                f.write(json.dumps({"segments": entries}))
-            os.replace(tmp, index)  # the index last: a reader finds both files or neither
+            self._install(tmp, entries)
         except OSError as exc:
             logger.warning("tile cache: could not write %s (%s); the next load repacks again", data, exc)
-            with contextlib.suppress(OSError, UnboundLocalError):
-                os.unlink(tmp)
-
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def _publish(self, made: list[tuple[dict, torch.Tensor]]) -> None:
-        """Rename the file written through into place and write its index (the index last)."""
+        """Publish the file written through (every segment of this load must have gone into it)."""
         fd, tmp = self._writer
         self._writer = None
-        index, data = self._paths()
         try:
             os.close(fd)
             if self._written != len(made):
                 raise OSError("not every segment was written")
-            for old in self.directory.glob("tiles-*"):  # this layout's old pair and other layouts'
-                old.unlink(missing_ok=True)
-            os.replace(tmp, data)
-            ifd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tiles-index-")  # a name of this load's own
-            with os.fdopen(ifd, "w") as f:
-                f.write(json.dumps({"segments": [entry for entry, _ in made]}))
-            os.replace(tmp, index)
+            self._install(tmp, [entry for entry, _ in made])
         except OSError as exc:
-            logger.warning("tile cache: could not write %s (%s); the next load repacks again", data, exc)
+            logger.warning("tile cache: could not write %s (%s); the next load repacks again", self._paths()[1], exc)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+    def _install(self, data_tmp: str, entries: list[dict]) -> None:
+        """Move the complete data file ``data_tmp`` into place as this layout's file, removing
+        the old ones, then write its index: the index last, so a reader finds both files or neither.
+
+        Raises:
+            OSError: a rename or the index write failed (``data_tmp`` may then still exist).
+        """
+        index, data = self._paths()
+        for old in self.directory.glob("tiles-*"):  # this layout's old pair and other layouts'
+            old.unlink(missing_ok=True)
+        os.replace(data_tmp, data)
+        ifd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tiles-index-")  # a name of this load's own
+        try:
+            with os.fdopen(ifd, "w") as f:
+                f.write(json.dumps({"segments": entries}))
+            os.replace(tmp, index)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def _try_lock(fd: int) -> bool:
