@@ -245,8 +245,8 @@ def test_a_killed_loads_temporary_tiles_file_is_removed_and_a_live_one_kept(tmp_
 
 # the methods a config class of a plain type may define: construction and validation, nothing the models read
 _PLAIN_CLASS_METHODS = {"__init__", "__post_init__", "__eq__", "__setattr__", "validate", "validate_architecture"}
-# not compared: where the config was read from, the version that wrote it, and use_cache (the classes default it to True; nothing reads it)
-_NOT_COMPARED = {"_name_or_path", "transformers_version", "use_cache"}
+# not compared: where the config was read from and the version that wrote it
+_NOT_COMPARED = {"_name_or_path", "transformers_version"}
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama_rope_llama3", "llama_rope_yarn",

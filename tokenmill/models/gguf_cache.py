@@ -109,7 +109,10 @@ def plain_config(fields: dict):
     model_type = fields.get("model_type")
     if model_type not in PLAIN_CONFIG_TYPES:
         raise ValueError(f"no plain config for model type {model_type!r} (only {', '.join(PLAIN_CONFIG_TYPES)})")
-    return _plain_config_class(model_type)(**{k: v for k, v in fields.items() if k != "model_type"})
+    config = _plain_config_class(model_type)(**{k: v for k, v in fields.items() if k != "model_type"})
+    # a field of these classes (default True); PretrainedConfig itself takes it for a generation setting and drops it
+    config.use_cache = fields.get("use_cache", True)
+    return config
 
 
 @functools.cache
