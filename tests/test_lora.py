@@ -24,6 +24,7 @@ from tokenmill.engine.llm import build_engine_config
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.layers import batch_invariant
 from tokenmill.lora_request import LoRAModulePath, parse_lora_module
+from tokenmill.models import gguf_cache
 from tokenmill.scheduler import Scheduler
 
 NEW_TOKENS = 10
@@ -129,7 +130,7 @@ def transformers_twin(llm: LLM):
     """The transformers model of an engine's weights (fused qkv/gate_up split back into projections),
     so SmolLM2's GGUF is parsed and dequantized once."""
     loaded = llm.engine.loaded
-    hf = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_config(gguf_cache.class_config(loaded.hf_config), dtype=torch.float32).eval()
     state = {}
     for name, module in loaded.model.named_modules():
         for fused, projections in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):

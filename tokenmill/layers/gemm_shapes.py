@@ -33,12 +33,14 @@ def needs_bounded_shapes(x: torch.Tensor) -> bool:
 
 
 def bounded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` run at ``gemm_rows`` rows: x [T, in] -> [T, out]. A row count off the
-    buckets is copied into a zero-padded buffer first; every row's result is computed as in an unpadded
-    product at the bucket's row count."""
+    """``F.linear(x, weight, bias)`` run at ``gemm_rows`` rows when ``x`` goes through oneDNN's per-shape kernel
+    cache (``needs_bounded_shapes``; otherwise as it is): x [T, in] -> [T, out]. A row count off the buckets is
+    copied into a zero-padded buffer first; every row's result is computed as in an unpadded product at the
+    bucket's row count. float32 is never padded: BLAS may round another row count differently (MKL on a Zen 1
+    EPYC gave 3 rows other bits than 4)."""
     rows = x.shape[0]
     padded_rows = gemm_rows(rows) if rows else 0
-    if padded_rows == rows:
+    if padded_rows == rows or not needs_bounded_shapes(x):
         return F.linear(x, weight, bias)
     padded = x.new_zeros(padded_rows, x.shape[1])
     padded[:rows] = x

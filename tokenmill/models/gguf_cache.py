@@ -115,6 +115,17 @@ def plain_config(fields: dict):
     return config
 
 
+def class_config(config):
+    """``config`` as its transformers class builds it: a ``plain_config`` converted back (for transformers code that
+    looks the class up, e.g. ``AutoModelForCausalLM.from_config``); any other config returned as it is."""
+    if not type(config).__name__.startswith("PlainConfig_"):
+        return config
+    from transformers import AutoConfig
+
+    fields = config.to_dict()
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
 @functools.cache
 def _plain_config_class(model_type: str):
     from transformers import PretrainedConfig
