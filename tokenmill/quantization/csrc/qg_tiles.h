@@ -278,11 +278,12 @@ AI __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t* p) {
 
 /* acc[r] lanes = y[m0 + r, 16t + p]: one tile (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd).
  * pf: prefetch the weight bytes TILE_PREFETCH_GROUPS groups ahead (they run on into the next tile, which
- * the same task or the next one reads next). The first pass over a tile of a product of 4 or more rows
- * sets it: there the weights stream from L3 or memory while several rows' products run, and the hardware
- * prefetcher alone left the stream latency-bound (a 49152 x 576 Q8_0 product at 8 rows, weights not in
- * cache: 2.19 -> 1.75 ms on a Zen 4; Q4_1 layers 10-20% faster at 8-16 rows). One row reads too little
- * per group to gain, and later passes find the tile in L1. Prefetches do not change any result. */
+ * the same task or the next one reads next). The first pass over a tile sets it, at every row count: the
+ * weights stream from L3 or memory while the rows' products run, and the hardware prefetcher alone left the
+ * stream latency-bound (a 49152 x 576 Q8_0 product at 8 rows, weights not in cache: 2.19 -> 1.75 ms on a
+ * Zen 4; Q4_1 layers 10-20% faster at 8-16 rows; at one row on a Zen 1 EPYC, 16384 x 2048 not in cache,
+ * 2 threads, alternated in one process: Q8_0 3.4 -> 2.3 ms, Q4_0 1.8 -> 1.3 ms). Later passes find the tile
+ * in L1. Prefetches do not change any result. */
 AI void tile_avx512(int base, const uint8_t* tile, const act_q* a, int64_t m0, int R, __m512* acc, int pf) {
     const int64_t tgb = TP * qg_block_bytes(base);
 #if defined(QG_VNNI)
@@ -418,7 +419,7 @@ AI void task_tile(int base, const uint8_t* w, const act_q* a, int64_t t, int64_t
     (void)amx;
 #endif
     for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
-        const int R = (int)(M - m0 < TILE_M ? M - m0 : TILE_M), pf = m0 == 0 && M >= 4;
+        const int R = (int)(M - m0 < TILE_M ? M - m0 : TILE_M), pf = m0 == 0;
         float out[TILE_M][TP];
         switch (R) { /* a constant R per instance: the row loops unroll, the accumulators stay in registers */
         case TILE_M: tile_rows(base, tile, a, m0, TILE_M, out, pf); break;

@@ -389,6 +389,15 @@ AI void kt_tile_rows(int fmt, const uint8_t* tile, const act_q* a, int64_t m0, i
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
 #elif defined(QG_AVX2)
     __m256 acc[TILE_M];
+    if (R <= 2) { /* both halves group by group: each group's bytes streamed once while its products run (two
+                   * passes leave the memory idle during the second) */
+        kt_tile_avx2(fmt, tile, 2, a, m0, R, acc, pf);
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(out[r], acc[r]);
+            _mm256_storeu_ps(out[r] + 8, acc[R + r]);
+        }
+        return;
+    }
     for (int h = 0; h < 2; h++) {
         kt_tile_avx2(fmt, tile, h, a, m0, R, acc, pf && h == 0);
         for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, acc[r]);

@@ -1,9 +1,10 @@
-/* The SIMD tile product of qg_tiles_kq.h for one vector width, included there twice: KT_W 256 (AVX2, one call
- * per half h of a tile: rows 8h..8h+7) and KT_W 512 (AVX-512, all 16 rows; h is 0). See qg_tiles_kq.h for the
- * layouts and the arithmetic, which kt_tile_portable spells out in plain C; this file gives the same bits.
+/* The SIMD tile product of qg_tiles_kq.h for one vector width, included there twice: KT_W 256 (AVX2: half hs
+ * of a tile, rows 8hs..8hs+7, or with hs = 2 both halves group by group) and KT_W 512 (AVX-512, all 16 rows; hs
+ * is 0). See qg_tiles_kq.h for the layouts and the arithmetic, which kt_tile_portable spells out in plain C;
+ * this file gives the same bits.
  *
- * acc[r] lanes = y[m0 + r, 16t + (8h +) p]. pf: prefetch KT_PF_BYTES ahead of each group's bytes (the first
- * pass over a tile: later passes find it in L1).
+ * acc[r] lanes = y[m0 + r, 16t + (8hs +) p]; with hs = 2, acc[r] and acc[R + r] are rows 0-7 and 8-15. pf:
+ * prefetch KT_PF_BYTES ahead of each group's bytes (the first pass over a tile: later passes find it in L1).
  */
 #if KT_W == 512
 typedef __m512i kt_vi;
@@ -73,10 +74,10 @@ typedef __m256 kt_vf;
 #define KT_VNNI 0
 #endif
 
-AI void KT_FN(int fmt, const uint8_t* tile, int h, const act_q* a, int64_t m0, int R, kt_vf* acc, int pf) {
+AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, int R, kt_vf* acc, int pf) {
     const int gpb = kt_groups(fmt);
     const int64_t tbb = TP * qg_block_bytes(fmt), gb = tbb / gpb;
-    const int lane = KT_W == 512 ? 0 : 32 * h, halfs = KT_W == 512 ? 0 : 16 * h; /* this call's rows in a chunk / fp16 run */
+    const int h0 = hs == 2 ? 0 : hs, h1 = hs == 2 ? 1 : hs; /* the halves this call computes */
     /* IQ4 without VNNI multiplies |value| by the activation carrying the value's sign (vpmaddubsw cannot take
      * value + 128 without saturating): the integer sum is sum(value * xq), the same I as sum((value + 128) * xq) -
      * 128 * sum(xq), so no offset */
@@ -91,13 +92,9 @@ AI void KT_FN(int fmt, const uint8_t* tile, int h, const act_q* a, int64_t m0, i
 #else
     const kt_vi ones = KT_SET16(1);
 #endif
-    for (int r = 0; r < R; r++) acc[r] = KT_ZEROPS();
+    for (int r = 0; r < (h1 - h0 + 1) * R; r++) acc[r] = KT_ZEROPS();
     for (int64_t b = 0; b < a->G / gpb; b++) {
         const uint8_t* tb = tile + b * tbb;
-        const kt_vf D = KT_HALF(tb + halfs);
-        const int second = fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K || fmt == Q2_K; /* M, or Dmin */
-        const kt_vf M = second ? KT_HALF(tb + 32 + halfs) : KT_ZEROPS();
-        const kt_vf Mneg = KT_NEG(M);
         __m128i P[16];
         for (int i = 0; i < nplanes; i++) P[i] = _mm_loadu_si128((const __m128i*)(tb + kt_planes_at(fmt) + 16 * i));
         for (int j = 0; j < gpb; j++) {
@@ -105,129 +102,138 @@ AI void KT_FN(int fmt, const uint8_t* tile, int h, const act_q* a, int64_t m0, i
             if (pf)
                 for (int64_t o = 0; o < gb; o += 64)
                     _mm_prefetch((const char*)tb + j * gb + KT_PF_BYTES + o, _MM_HINT_T0);
-            /* lane scales (ds0, ds1) and mins (dm0, dm1) of this group */
-            kt_vf ds0 = D, ds1 = D, dm0 = M, dm1 = M;
-            if (fmt == Q4_K || fmt == Q5_K) {
-                __m128i sc, mn;
-                kt_scales_k4(P, j, &sc, &mn);
-                ds0 = ds1 = KT_MUL(D, KT_U8PS(sc));
-                dm0 = dm1 = KT_MUL(Mneg, KT_U8PS(mn));
-            } else if (fmt == Q6_K) {
-                ds0 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j)))));
-                ds1 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j + 1)))));
-            } else if (fmt == Q3_K) {
-                ds0 = KT_MUL(D, KT_I8PS(kt_scale_q3k(P, 2 * j)));
-                ds1 = KT_MUL(D, KT_I8PS(kt_scale_q3k(P, 2 * j + 1)));
-            } else if (fmt == Q2_K) {
-                const __m128i m15 = _mm_set1_epi8(15);
-                ds0 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j], m15)));
-                ds1 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j + 1], m15)));
-                dm0 = KT_MUL(Mneg, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j], 4), m15)));
-                dm1 = KT_MUL(Mneg, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j + 1], 4), m15)));
-            } else if (fmt == IQ4_XS) {
-                ds0 = ds1 = KT_MUL(D, KT_I8PS(kt_scale_iq4xs(P, j)));
-            }
-            /* the 8 code chunks (chunk k: codes 4k..4k+3 of every row; chunks 4-7 the second half) */
-            const uint8_t* cs = tb + kt_codes_at(fmt, j) + lane;
-            kt_vi u[8], q[8];
-            if (kt_two_bit(fmt)) {
-                const kt_vi m3 = KT_SET8(3), L0 = KT_LOAD(cs), L1 = KT_LOAD(cs + 64);
-                u[0] = KT_AND(L0, m3);
-                u[1] = KT_AND(KT_SRLI16(L0, 2), m3);
-                u[2] = KT_AND(KT_SRLI16(L0, 4), m3);
-                u[3] = KT_AND(KT_SRLI16(L0, 6), m3);
-                u[4] = KT_AND(L1, m3);
-                u[5] = KT_AND(KT_SRLI16(L1, 2), m3);
-                u[6] = KT_AND(KT_SRLI16(L1, 4), m3);
-                u[7] = KT_AND(KT_SRLI16(L1, 6), m3);
-                if (fmt == Q3_K) { /* the third bit: bit k (chunks 0-3) or 4 + k (chunks 4-7) of hb -> bit 2 */
-                    const kt_vi hb = KT_LOAD(tb + kt_hbits_at(fmt, j) + lane), m4b = KT_SET8(4);
-                    u[0] = KT_OR(u[0], KT_AND(KT_SLLI16(hb, 2), m4b));
-                    u[1] = KT_OR(u[1], KT_AND(KT_SLLI16(hb, 1), m4b));
-                    u[2] = KT_OR(u[2], KT_AND(hb, m4b));
-                    u[3] = KT_OR(u[3], KT_AND(KT_SRLI16(hb, 1), m4b));
-                    u[4] = KT_OR(u[4], KT_AND(KT_SRLI16(hb, 2), m4b));
-                    u[5] = KT_OR(u[5], KT_AND(KT_SRLI16(hb, 3), m4b));
-                    u[6] = KT_OR(u[6], KT_AND(KT_SRLI16(hb, 4), m4b));
-                    u[7] = KT_OR(u[7], KT_AND(KT_SRLI16(hb, 5), m4b));
+            for (int h = h0; h <= h1; h++) { /* one half, or (hs = 2) both: each group's bytes read in one pass */
+                kt_vf* const ac = acc + (h - h0) * R;
+                /* this half's rows in a chunk / in an fp16 run */
+                const int lane = KT_W == 512 ? 0 : 32 * h, halfs = KT_W == 512 ? 0 : 16 * h;
+                const kt_vf D = KT_HALF(tb + halfs);
+                const int second = fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K || fmt == Q2_K; /* M, or Dmin */
+                const kt_vf M = second ? KT_HALF(tb + 32 + halfs) : KT_ZEROPS();
+                const kt_vf Mneg = KT_NEG(M);
+                /* lane scales (ds0, ds1) and mins (dm0, dm1) of this group */
+                kt_vf ds0 = D, ds1 = D, dm0 = M, dm1 = M;
+                if (fmt == Q4_K || fmt == Q5_K) {
+                    __m128i sc, mn;
+                    kt_scales_k4(P, j, &sc, &mn);
+                    ds0 = ds1 = KT_MUL(D, KT_U8PS(sc));
+                    dm0 = dm1 = KT_MUL(Mneg, KT_U8PS(mn));
+                } else if (fmt == Q6_K) {
+                    ds0 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j)))));
+                    ds1 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j + 1)))));
+                } else if (fmt == Q3_K) {
+                    ds0 = KT_MUL(D, KT_I8PS(kt_scale_q3k(P, 2 * j)));
+                    ds1 = KT_MUL(D, KT_I8PS(kt_scale_q3k(P, 2 * j + 1)));
+                } else if (fmt == Q2_K) {
+                    const __m128i m15 = _mm_set1_epi8(15);
+                    ds0 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j], m15)));
+                    ds1 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j + 1], m15)));
+                    dm0 = KT_MUL(Mneg, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j], 4), m15)));
+                    dm1 = KT_MUL(Mneg, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j + 1], 4), m15)));
+                } else if (fmt == IQ4_XS) {
+                    ds0 = ds1 = KT_MUL(D, KT_I8PS(kt_scale_iq4xs(P, j)));
                 }
-            } else {
-                for (int k = 0; k < 4; k++) {
-                    const kt_vi v = KT_LOAD(cs + 64 * k);
-                    u[k] = KT_AND(v, m4);
-                    u[k + 4] = KT_AND(KT_SRLI16(v, 4), m4);
-                }
-                if (kt_iq4(fmt)) { /* nibble -> table value (+ 128 for vpdpbusd) */
-                    const kt_vi T = KT_TABLE(kt_iq4_table(!iq4_signed));
-                    for (int k = 0; k < 8; k++) {
-                        u[k] = KT_SHUF(T, u[k]);
-                        if (iq4_signed) { q[k] = u[k]; u[k] = KT_ABS(q[k]); }
-                    }
-                } else if (kt_five(fmt)) { /* the fifth bit: bit k or 4 + k of hb -> bit 4 */
-                    const kt_vi hb = KT_LOAD(tb + kt_hbits_at(fmt, j) + lane), m16 = KT_SET8(16);
-                    u[0] = KT_OR(u[0], KT_AND(KT_SLLI16(hb, 4), m16));
-                    u[1] = KT_OR(u[1], KT_AND(KT_SLLI16(hb, 3), m16));
-                    u[2] = KT_OR(u[2], KT_AND(KT_SLLI16(hb, 2), m16));
-                    u[3] = KT_OR(u[3], KT_AND(KT_SLLI16(hb, 1), m16));
-                    u[4] = KT_OR(u[4], KT_AND(hb, m16));
-                    u[5] = KT_OR(u[5], KT_AND(KT_SRLI16(hb, 1), m16));
-                    u[6] = KT_OR(u[6], KT_AND(KT_SRLI16(hb, 2), m16));
-                    u[7] = KT_OR(u[7], KT_AND(KT_SRLI16(hb, 3), m16));
-                } else if (fmt == Q6_K) { /* the two high bits: bits 2k of hb0 (chunks 0-3) / hb1 (4-7) -> bits 4-5 */
-                    const uint8_t* hp = tb + kt_hbits_at(fmt, j) + lane;
-                    const kt_vi m48 = KT_SET8(48);
-                    for (int hh = 0; hh < 2; hh++) {
-                        const kt_vi hb = KT_LOAD(hp + 64 * hh);
-                        u[4 * hh + 0] = KT_OR(u[4 * hh + 0], KT_AND(KT_SLLI16(hb, 4), m48));
-                        u[4 * hh + 1] = KT_OR(u[4 * hh + 1], KT_AND(KT_SLLI16(hb, 2), m48));
-                        u[4 * hh + 2] = KT_OR(u[4 * hh + 2], KT_AND(hb, m48));
-                        u[4 * hh + 3] = KT_OR(u[4 * hh + 3], KT_AND(KT_SRLI16(hb, 2), m48));
-                    }
-                }
-            }
-            (void)q;
-            for (int r = 0; r < R; r++) {
-                const int8_t* xq = a->q + (m0 + r) * a->K + g * QK;
-                const int64_t idx = (m0 + r) * a->G + g;
-                const kt_vf dx = KT_SETPS(a->d[idx]);
-                kt_vi s0, s1;
-                if (kt_halves(fmt)) { s0 = KT_SET32(-c * a->h[2 * idx]); s1 = KT_SET32(-c * a->h[2 * idx + 1]); }
-                else { s0 = KT_SET32(-c * a->i[idx]); s1 = KT_ZERO(); }
-#if KT_VNNI
-                /* four chains (integer sums: any order gives the same I); chains 0-1 are the first half */
-                kt_vi q0 = s0, q1 = KT_ZERO(), t0 = s1, t1 = KT_ZERO();
-                q0 = dpbusd_bcast(q0, u[0], xq);
-                q1 = dpbusd_bcast(q1, u[1], xq + 4);
-                q0 = dpbusd_bcast(q0, u[2], xq + 8);
-                q1 = dpbusd_bcast(q1, u[3], xq + 12);
-                t0 = dpbusd_bcast(t0, u[4], xq + 16);
-                t1 = dpbusd_bcast(t1, u[5], xq + 20);
-                t0 = dpbusd_bcast(t0, u[6], xq + 24);
-                t1 = dpbusd_bcast(t1, u[7], xq + 28);
-                s0 = KT_ADD32(q0, q1);
-                s1 = KT_ADD32(t0, t1);
-#else
-                for (int k0 = 0; k0 < 8; k0 += run) {
-                    kt_vi s16 = KT_ZERO();
-                    for (int k = k0; k < k0 + run; k++) {
-                        kt_vi x = KT_SET32(load_i32(xq + 4 * k));
-                        if (iq4_signed) x = KT_SIGN(x, q[k]);
-                        s16 = KT_ADD16(s16, KT_MADDUBS(u[k], x));
-                    }
-                    if (k0 < 4) s0 = KT_ADD32(s0, KT_MADD(s16, ones));
-                    else s1 = KT_ADD32(s1, KT_MADD(s16, ones));
-                }
-#endif
-                if (kt_halves(fmt)) {
-                    acc[r] = KT_FMA(KT_CVT(s0), KT_MUL(ds0, dx), acc[r]);
-                    acc[r] = KT_FMA(KT_CVT(s1), KT_MUL(ds1, dx), acc[r]);
-                    if (fmt == Q2_K) {
-                        acc[r] = KT_FMA(dm0, KT_SETPS(a->s[2 * idx]), acc[r]);
-                        acc[r] = KT_FMA(dm1, KT_SETPS(a->s[2 * idx + 1]), acc[r]);
+                /* the 8 code chunks (chunk k: codes 4k..4k+3 of every row; chunks 4-7 the second half) */
+                const uint8_t* cs = tb + kt_codes_at(fmt, j) + lane;
+                kt_vi u[8], q[8];
+                if (kt_two_bit(fmt)) {
+                    const kt_vi m3 = KT_SET8(3), L0 = KT_LOAD(cs), L1 = KT_LOAD(cs + 64);
+                    u[0] = KT_AND(L0, m3);
+                    u[1] = KT_AND(KT_SRLI16(L0, 2), m3);
+                    u[2] = KT_AND(KT_SRLI16(L0, 4), m3);
+                    u[3] = KT_AND(KT_SRLI16(L0, 6), m3);
+                    u[4] = KT_AND(L1, m3);
+                    u[5] = KT_AND(KT_SRLI16(L1, 2), m3);
+                    u[6] = KT_AND(KT_SRLI16(L1, 4), m3);
+                    u[7] = KT_AND(KT_SRLI16(L1, 6), m3);
+                    if (fmt == Q3_K) { /* the third bit: bit k (chunks 0-3) or 4 + k (chunks 4-7) of hb -> bit 2 */
+                        const kt_vi hb = KT_LOAD(tb + kt_hbits_at(fmt, j) + lane), m4b = KT_SET8(4);
+                        u[0] = KT_OR(u[0], KT_AND(KT_SLLI16(hb, 2), m4b));
+                        u[1] = KT_OR(u[1], KT_AND(KT_SLLI16(hb, 1), m4b));
+                        u[2] = KT_OR(u[2], KT_AND(hb, m4b));
+                        u[3] = KT_OR(u[3], KT_AND(KT_SRLI16(hb, 1), m4b));
+                        u[4] = KT_OR(u[4], KT_AND(KT_SRLI16(hb, 2), m4b));
+                        u[5] = KT_OR(u[5], KT_AND(KT_SRLI16(hb, 3), m4b));
+                        u[6] = KT_OR(u[6], KT_AND(KT_SRLI16(hb, 4), m4b));
+                        u[7] = KT_OR(u[7], KT_AND(KT_SRLI16(hb, 5), m4b));
                     }
                 } else {
-                    acc[r] = KT_FMA(KT_CVT(KT_ADD32(s0, s1)), KT_MUL(ds0, dx), acc[r]);
-                    if (kt_has_min(fmt)) acc[r] = KT_FMA(dm0, KT_SETPS(a->t[idx]), acc[r]);
+                    for (int k = 0; k < 4; k++) {
+                        const kt_vi v = KT_LOAD(cs + 64 * k);
+                        u[k] = KT_AND(v, m4);
+                        u[k + 4] = KT_AND(KT_SRLI16(v, 4), m4);
+                    }
+                    if (kt_iq4(fmt)) { /* nibble -> table value (+ 128 for vpdpbusd) */
+                        const kt_vi T = KT_TABLE(kt_iq4_table(!iq4_signed));
+                        for (int k = 0; k < 8; k++) {
+                            u[k] = KT_SHUF(T, u[k]);
+                            if (iq4_signed) { q[k] = u[k]; u[k] = KT_ABS(q[k]); }
+                        }
+                    } else if (kt_five(fmt)) { /* the fifth bit: bit k or 4 + k of hb -> bit 4 */
+                        const kt_vi hb = KT_LOAD(tb + kt_hbits_at(fmt, j) + lane), m16 = KT_SET8(16);
+                        u[0] = KT_OR(u[0], KT_AND(KT_SLLI16(hb, 4), m16));
+                        u[1] = KT_OR(u[1], KT_AND(KT_SLLI16(hb, 3), m16));
+                        u[2] = KT_OR(u[2], KT_AND(KT_SLLI16(hb, 2), m16));
+                        u[3] = KT_OR(u[3], KT_AND(KT_SLLI16(hb, 1), m16));
+                        u[4] = KT_OR(u[4], KT_AND(hb, m16));
+                        u[5] = KT_OR(u[5], KT_AND(KT_SRLI16(hb, 1), m16));
+                        u[6] = KT_OR(u[6], KT_AND(KT_SRLI16(hb, 2), m16));
+                        u[7] = KT_OR(u[7], KT_AND(KT_SRLI16(hb, 3), m16));
+                    } else if (fmt == Q6_K) { /* two high bits: bits 2k of hb0 (chunks 0-3) / hb1 (4-7) -> bits 4-5 */
+                        const uint8_t* hp = tb + kt_hbits_at(fmt, j) + lane;
+                        const kt_vi m48 = KT_SET8(48);
+                        for (int hh = 0; hh < 2; hh++) {
+                            const kt_vi hb = KT_LOAD(hp + 64 * hh);
+                            u[4 * hh + 0] = KT_OR(u[4 * hh + 0], KT_AND(KT_SLLI16(hb, 4), m48));
+                            u[4 * hh + 1] = KT_OR(u[4 * hh + 1], KT_AND(KT_SLLI16(hb, 2), m48));
+                            u[4 * hh + 2] = KT_OR(u[4 * hh + 2], KT_AND(hb, m48));
+                            u[4 * hh + 3] = KT_OR(u[4 * hh + 3], KT_AND(KT_SRLI16(hb, 2), m48));
+                        }
+                    }
+                }
+                (void)q;
+                for (int r = 0; r < R; r++) {
+                    const int8_t* xq = a->q + (m0 + r) * a->K + g * QK;
+                    const int64_t idx = (m0 + r) * a->G + g;
+                    const kt_vf dx = KT_SETPS(a->d[idx]);
+                    kt_vi s0, s1;
+                    if (kt_halves(fmt)) { s0 = KT_SET32(-c * a->h[2 * idx]); s1 = KT_SET32(-c * a->h[2 * idx + 1]); }
+                    else { s0 = KT_SET32(-c * a->i[idx]); s1 = KT_ZERO(); }
+    #if KT_VNNI
+                    /* four chains (integer sums: any order gives the same I); chains 0-1 are the first half */
+                    kt_vi q0 = s0, q1 = KT_ZERO(), t0 = s1, t1 = KT_ZERO();
+                    q0 = dpbusd_bcast(q0, u[0], xq);
+                    q1 = dpbusd_bcast(q1, u[1], xq + 4);
+                    q0 = dpbusd_bcast(q0, u[2], xq + 8);
+                    q1 = dpbusd_bcast(q1, u[3], xq + 12);
+                    t0 = dpbusd_bcast(t0, u[4], xq + 16);
+                    t1 = dpbusd_bcast(t1, u[5], xq + 20);
+                    t0 = dpbusd_bcast(t0, u[6], xq + 24);
+                    t1 = dpbusd_bcast(t1, u[7], xq + 28);
+                    s0 = KT_ADD32(q0, q1);
+                    s1 = KT_ADD32(t0, t1);
+    #else
+                    for (int k0 = 0; k0 < 8; k0 += run) {
+                        kt_vi s16 = KT_ZERO();
+                        for (int k = k0; k < k0 + run; k++) {
+                            kt_vi x = KT_SET32(load_i32(xq + 4 * k));
+                            if (iq4_signed) x = KT_SIGN(x, q[k]);
+                            s16 = KT_ADD16(s16, KT_MADDUBS(u[k], x));
+                        }
+                        if (k0 < 4) s0 = KT_ADD32(s0, KT_MADD(s16, ones));
+                        else s1 = KT_ADD32(s1, KT_MADD(s16, ones));
+                    }
+    #endif
+                    if (kt_halves(fmt)) {
+                        ac[r] = KT_FMA(KT_CVT(s0), KT_MUL(ds0, dx), ac[r]);
+                        ac[r] = KT_FMA(KT_CVT(s1), KT_MUL(ds1, dx), ac[r]);
+                        if (fmt == Q2_K) {
+                            ac[r] = KT_FMA(dm0, KT_SETPS(a->s[2 * idx]), ac[r]);
+                            ac[r] = KT_FMA(dm1, KT_SETPS(a->s[2 * idx + 1]), ac[r]);
+                        }
+                    } else {
+                        ac[r] = KT_FMA(KT_CVT(KT_ADD32(s0, s1)), KT_MUL(ds0, dx), ac[r]);
+                        if (kt_has_min(fmt)) ac[r] = KT_FMA(dm0, KT_SETPS(a->t[idx]), ac[r]);
+                    }
                 }
             }
         }
