@@ -97,26 +97,29 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
         const uint8_t* tb = tile + b * tbb;
         __m128i P[16];
         for (int i = 0; i < nplanes; i++) P[i] = _mm_loadu_si128((const __m128i*)(tb + kt_planes_at(fmt) + 16 * i));
+        const int second = fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K || fmt == Q2_K; /* M, or Dmin */
+        kt_vf Dh[2], Mh[2]; /* D, and M (Q5_1) or -Dmin (Q4_K, Q5_K, Q2_K), of the halves this call computes */
+        for (int h = h0; h <= h1; h++) {
+            const int halfs = KT_W == 512 ? 0 : 16 * h; /* this half's rows in an fp16 run */
+            Dh[h - h0] = KT_HALF(tb + halfs);
+            Mh[h - h0] = !second ? KT_ZEROPS() : fmt == Q5_1 ? KT_HALF(tb + 32 + halfs) : KT_NEG(KT_HALF(tb + 32 + halfs));
+        }
         for (int j = 0; j < gpb; j++) {
             const int64_t g = b * gpb + j;
             if (pf)
                 for (int64_t o = 0; o < gb; o += 64)
                     _mm_prefetch((const char*)tb + j * gb + KT_PF_BYTES + o, _MM_HINT_T0);
+            __m128i sc4 = _mm_setzero_si128(), mn4 = sc4; /* Q4_K/Q5_K: every row's 6-bit scale and min of group j */
+            if (fmt == Q4_K || fmt == Q5_K) kt_scales_k4(P, j, &sc4, &mn4);
             for (int h = h0; h <= h1; h++) { /* one half, or (hs = 2) both: each group's bytes read in one pass */
                 kt_vf* const ac = acc + (h - h0) * R;
-                /* this half's rows in a chunk / in an fp16 run */
-                const int lane = KT_W == 512 ? 0 : 32 * h, halfs = KT_W == 512 ? 0 : 16 * h;
-                const kt_vf D = KT_HALF(tb + halfs);
-                const int second = fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K || fmt == Q2_K; /* M, or Dmin */
-                const kt_vf M = second ? KT_HALF(tb + 32 + halfs) : KT_ZEROPS();
-                const kt_vf Mneg = KT_NEG(M);
+                const int lane = KT_W == 512 ? 0 : 32 * h; /* this half's rows in a chunk */
+                const kt_vf D = Dh[h - h0], Ms = Mh[h - h0];
                 /* lane scales (ds0, ds1) and mins (dm0, dm1) of this group */
-                kt_vf ds0 = D, ds1 = D, dm0 = M, dm1 = M;
+                kt_vf ds0 = D, ds1 = D, dm0 = Ms, dm1 = Ms;
                 if (fmt == Q4_K || fmt == Q5_K) {
-                    __m128i sc, mn;
-                    kt_scales_k4(P, j, &sc, &mn);
-                    ds0 = ds1 = KT_MUL(D, KT_U8PS(sc));
-                    dm0 = dm1 = KT_MUL(Mneg, KT_U8PS(mn));
+                    ds0 = ds1 = KT_MUL(D, KT_U8PS(sc4));
+                    dm0 = dm1 = KT_MUL(Ms, KT_U8PS(mn4));
                 } else if (fmt == Q6_K) {
                     ds0 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j)))));
                     ds1 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j + 1)))));
@@ -127,8 +130,8 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                     const __m128i m15 = _mm_set1_epi8(15);
                     ds0 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j], m15)));
                     ds1 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j + 1], m15)));
-                    dm0 = KT_MUL(Mneg, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j], 4), m15)));
-                    dm1 = KT_MUL(Mneg, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j + 1], 4), m15)));
+                    dm0 = KT_MUL(Ms, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j], 4), m15)));
+                    dm1 = KT_MUL(Ms, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j + 1], 4), m15)));
                 } else if (fmt == IQ4_XS) {
                     ds0 = ds1 = KT_MUL(D, KT_I8PS(kt_scale_iq4xs(P, j)));
                 }
