@@ -155,17 +155,35 @@ def cached_config(path: Path, produce: Callable[[], object]):
 def cached_tokenizer(path: Path, produce: Callable[[], object]):
     """The GGUF file's tokenizer: reloaded from the cache when present, else ``produce()`` (then
     saved with ``save_pretrained`` for next time)."""
-    from transformers import AutoTokenizer
-
     saved = entry_dir(path) / _TOKENIZER
     if saved.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(str(saved))
+            return _tokenizer_class(saved).from_pretrained(str(saved))
         except (ValueError, KeyError, TypeError, OSError) as exc:
             _discard(saved, exc)
     tokenizer = produce()
     _store(entry_dir(path), lambda tmp: tokenizer.save_pretrained(str(tmp / _TOKENIZER)), _TOKENIZER)
     return tokenizer
+
+
+def _tokenizer_class(saved: Path):
+    """The class that reloads a saved tokenizer: ``PreTrainedTokenizerFast`` (transformers'
+    ``TokenizersBackend``) when the saved tokenizer_config.json names that class, as it does for the
+    tokenizers the GGUF loader builds, else ``AutoTokenizer``. The same class AutoTokenizer would pick,
+    without building transformers' index of every model (0.6 s of a cached start on a Zen 1 EPYC).
+
+    Raises:
+        ValueError: tokenizer_config.json is not JSON (the caller rebuilds the entry).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    config_file = saved / "tokenizer_config.json"
+    named = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if named in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def _discard(saved: Path, exc: BaseException) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from tokenmill.models.llama import _STACKED, head_dim_of
 from tokenmill.models.loader import checkpoint_files
@@ -230,6 +230,8 @@ def read_checkpoint(
     kind, resolved = resolve_checkpoint(path, param)
     tie = bool(getattr(served_config, "tie_word_embeddings", False))
     if kind == "safetensors":
+        from transformers import AutoConfig  # here: it builds transformers' model index, which a start does not need
+
         try:
             files = checkpoint_files(resolved)
             config = AutoConfig.from_pretrained(str(resolved))
