@@ -118,7 +118,7 @@ def plain_config(fields: dict):
 def class_config(config):
     """``config`` as its transformers class builds it: a ``plain_config`` converted back (for transformers code that
     looks the class up, e.g. ``AutoModelForCausalLM.from_config``); any other config returned as it is."""
-    if not type(config).__name__.startswith("PlainConfig_"):
+    if not isinstance(config, _plain_config_base()):
         return config
     from transformers import AutoConfig
 
@@ -127,10 +127,16 @@ def class_config(config):
 
 
 @functools.cache
-def _plain_config_class(model_type: str):
+def _plain_config_base():
+    """The base class of every plain config (``class_config`` tells them by it)."""
     from transformers import PretrainedConfig
 
-    return type(f"PlainConfig_{model_type}", (PretrainedConfig,), {"model_type": model_type})
+    return type("PlainConfig", (PretrainedConfig,), {})
+
+
+@functools.cache
+def _plain_config_class(model_type: str):
+    return type(f"PlainConfig_{model_type}", (_plain_config_base(),), {"model_type": model_type})
 
 
 def cached_config(path: Path, produce: Callable[[], object]):
