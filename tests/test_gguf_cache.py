@@ -2,6 +2,7 @@
 are used in place from the memory-mapped file (no copy in the cache, the mapping released with the tensor)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -75,6 +76,13 @@ def test_cached_tokenizer_behaves_like_the_gguf_one(cache_dir):
     assert reloaded.eos_token_id == fresh.eos_token_id and reloaded.all_special_ids == fresh.all_special_ids
     ids = list(range(0, 49152, 997))
     assert reloaded.decode(ids) == fresh.decode(ids)
+    assert type(reloaded) is type(fresh)  # reloaded through the class it was saved as, not AutoTokenizer
+    # a tokenizer_config.json that is JSON but not an object: the entry is rebuilt from the file, no crash
+    saved = gguf_cache.entry_dir(path) / "tokenizer" / "tokenizer_config.json"
+    saved.write_text("[]")
+    rebuilt = gguf_cache.cached_tokenizer(path, lambda: load_gguf_tokenizer(path))
+    assert [rebuilt.encode(t) for t in texts] == [fresh.encode(t) for t in texts]
+    assert json.loads(saved.read_text())["tokenizer_class"] == "TokenizersBackend"  # stored again
 
 
 def _mappings_of(path) -> list[tuple[int, int]]:

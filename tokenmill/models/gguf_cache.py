@@ -146,6 +146,8 @@ def cached_config(path: Path, produce: Callable[[], object]):
     if (saved / "config.json").is_file():
         try:
             fields = json.loads((saved / "config.json").read_text())
+            if not isinstance(fields, dict):
+                raise ValueError("config.json is not a JSON object")
             if fields.get("model_type") in PLAIN_CONFIG_TYPES:
                 return plain_config(fields)
             from transformers import AutoConfig
@@ -174,17 +176,22 @@ def cached_tokenizer(path: Path, produce: Callable[[], object]):
 
 def _tokenizer_class(saved: Path):
     """The class that reloads a saved tokenizer: ``PreTrainedTokenizerFast`` (transformers'
-    ``TokenizersBackend``) when the saved tokenizer_config.json names that class, as it does for the
-    tokenizers the GGUF loader builds, else ``AutoTokenizer``. The same class AutoTokenizer would pick,
-    without building transformers' index of every model (0.6 s of a cached start on a Zen 1 EPYC).
+    ``TokenizersBackend``) when the saved tokenizer_config.json names that class, as it does for the llama
+    model type's GGUF tokenizers (Llama 3 and SmolLM2 files among them), else ``AutoTokenizer`` (Qwen2's and
+    Gemma's are saved as their own classes, whose modules sit behind the same index). The same class
+    AutoTokenizer would pick, without building transformers' index of every model (0.6 s of a cached start on
+    a Zen 1 EPYC).
 
     Raises:
-        ValueError: tokenizer_config.json is not JSON (the caller rebuilds the entry).
+        ValueError: tokenizer_config.json is not a JSON object (the caller rebuilds the entry).
     """
     from transformers import PreTrainedTokenizerFast
 
     config_file = saved / "tokenizer_config.json"
-    named = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    fields = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if not isinstance(fields, dict):
+        raise ValueError("tokenizer_config.json is not a JSON object")
+    named = fields.get("tokenizer_class")
     if named in ("TokenizersBackend", "PreTrainedTokenizerFast"):
         return PreTrainedTokenizerFast
     from transformers import AutoTokenizer

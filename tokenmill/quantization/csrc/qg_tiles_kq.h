@@ -48,9 +48,8 @@
  * products take the VNNI tiles at every M.
  */
 
-/* How far ahead of the group it reads a first pass over a tile prefetches, at every row count (unlike the
- * Q4_0/Q4_1/Q8_0 tiles, from one row on): 16384 x 2048 weights not in cache, one row, 2 threads of an AMX
- * Xeon: Q4_K 18.8 -> 20.7 GB/s, Q6_K 18.3 -> 20.8 GB/s (768 bytes about the same, 1536 or 4+ groups slower). */
+/* How far ahead of the group it reads a first pass over a tile prefetches, at every row count (as the
+ * Q4_0/Q4_1/Q8_0 tiles do): 16384 x 2048 weights not in cache, one row, 2 threads of an AMX Xeon: Q4_K 18.8 -> 20.7 GB/s, Q6_K 18.3 -> 20.8 GB/s (768 bytes about the same, 1536 or 4+ groups slower). */
 #define KT_PF_BYTES 1024
 
 /* The format of a tiled type id of this file's formats, or 0. */
@@ -325,7 +324,8 @@ AI void kt_tile_portable(int fmt, const uint8_t* tile, const act_q* a, int64_t m
     }
 }
 
-/* The SIMD paths share this shape, in vectors of V = 8 (AVX2: half h of a tile) or 16 (AVX-512) lanes:
+/* The SIMD paths share this shape, in vectors of V = 8 (AVX2: half h of a tile; at one or two activation
+ * rows both halves, one after the other within each group) or 16 (AVX-512) lanes:
  *   per tile block: D, the second fp16 vector (M, Dmin) and the scale planes;
  *   per group: the lane scales ds0/ds1 and mins dm0/dm1, the 8 code chunks u[] (IQ4 without VNNI: |value|
  *   in u[] and the value in q[], whose sign moves onto the activations);
