@@ -8,6 +8,7 @@ never imports torch.
 """
 from __future__ import annotations
 
+import threading
 import uuid
 from collections import Counter
 from typing import Any
@@ -69,12 +70,21 @@ class ChatPromptRenderer:
         self._backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         added = self._backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
-        # A copy of the backend tokenizer that never extracts special tokens (built here, once:
-        # it holds the GIL for a moment).
-        from tokenizers import Tokenizer
+        self._plain_copy: Any = None
+        self._plain_lock = threading.Lock()
 
-        self._plain = Tokenizer.from_str(self._backend.to_str())
-        self._plain.encode_special_tokens = True
+    def _plain(self) -> Any:
+        """A copy of the backend tokenizer that never extracts special tokens, built on first use: only a
+        content that holds special-token text needs it, and the copy (through the tokenizer's JSON) holds
+        the GIL for 0.3 s on a 128k-token vocabulary, which start-up should not pay."""
+        with self._plain_lock:
+            if self._plain_copy is None:
+                from tokenizers import Tokenizer
+
+                plain = Tokenizer.from_str(self._backend.to_str())
+                plain.encode_special_tokens = True
+                self._plain_copy = plain
+            return self._plain_copy
 
     def render(
         self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False,
@@ -141,7 +151,7 @@ class ChatPromptRenderer:
         for start, end in plain_spans:
             if start > position:
                 token_ids += _encode(self._backend, text[position:start]).ids
-            token_ids += _encode(self._plain, text[start:end]).ids
+            token_ids += _encode(self._plain(), text[start:end]).ids
             position = end
         if position < len(text):
             token_ids += _encode(self._backend, text[position:]).ids

@@ -6,6 +6,7 @@ import sys
 
 from tokenmill.cli.logging_setup import add_logging_args, add_logging_args_to_subcommands, configure_logging
 from tokenmill.engine_args import EngineArgs
+from tokenmill.startup_gc import pause_for_startup, resume_after_startup
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -94,13 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     EngineArgs.add_cli_args(gen, positional=False)  # the positional arguments are prompts: the model is --model
     add_sampling_args(gen)
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, builds_engine=True)
 
     chat = sub.add_parser("chat", help="interactive chat with the model")
     EngineArgs.add_cli_args(chat)
     add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
-    chat.set_defaults(func=cmd_chat)
+    chat.set_defaults(func=cmd_chat, builds_engine=True)
 
     for name, module in (("serve", "tokenmill.cli.serve"), ("bench", "tokenmill.cli.bench"), ("plan", "tokenmill.cli.plan"),
                          ("router", "tokenmill.cli.router")):
@@ -115,18 +116,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, set up logging and run the subcommand; returns the exit code (2: bad input)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if hasattr(args, "model_flag"):  # `--model X` and a positional X mean the same
-        args.model = args.model_flag or getattr(args, "model", None)
-    configure_logging(args)
+    pause_for_startup()  # until the engine has loaded (tokenmill/startup_gc.py)
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "builds_engine", False):
+            resume_after_startup()
+        if hasattr(args, "model_flag"):  # `--model X` and a positional X mean the same
+            args.model = args.model_flag or getattr(args, "model", None)
+        configure_logging(args)
         return args.func(args)
     except ValueError as exc:
         from tokenmill.config import ConfigError
 
         print(f"error: {exc.for_cli() if isinstance(exc, ConfigError) else exc}", file=sys.stderr)
         return 2
+    finally:
+        resume_after_startup()
 
 
 if __name__ == "__main__":

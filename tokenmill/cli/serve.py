@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from tokenmill.engine_args import EngineArgs, positive_float, positive_int
+from tokenmill.startup_gc import resume_after_startup
 from tokenmill.security.http import (DEFAULT_MAX_BUFFERED_BODY_BYTES, DEFAULT_MAX_REQUEST_BODY_BYTES,
                                      DEFAULT_REQUEST_BODY_TIMEOUT_S)
 
@@ -150,7 +151,7 @@ def register(subparsers) -> None:
     from tokenmill.server.request_limits import RequestLimits
 
     RequestLimits.add_cli_args(parser)  # --max-stop-strings ... --max-queued-requests
-    parser.set_defaults(func=cmd_serve)
+    parser.set_defaults(func=cmd_serve, builds_engine=True)
 
 
 def name_list(text: str) -> list[str]:
@@ -261,5 +262,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         from tokenmill.cli.replicas import run_data_parallel
 
+        resume_after_startup()  # the replicas load the engines, in their own processes
         return run_data_parallel(config, args)
     return run_server(config)

@@ -33,6 +33,7 @@ from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import NgramSpeculator, Speculator
+from tokenmill.startup_gc import collector_off_while_loading
 from tokenmill.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class LLMEngine(RLEngineOps):
     """Owns the model runner, the scheduler (and through it the KV cache) and the output processor."""
 
     def __init__(self, config: EngineConfig) -> None:
+        with collector_off_while_loading():  # no collection in the middle of the load (tokenmill/startup_gc.py)
+            self._build(config)
+
+    def _build(self, config: EngineConfig) -> None:
         # Objects frozen by an earlier engine in this process go back under the collector first, and a
         # dropped engine's reference cycles are freed before this one loads its weights (tests build many
         # engines in one process).
