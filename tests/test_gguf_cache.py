@@ -76,7 +76,8 @@ def test_cached_tokenizer_behaves_like_the_gguf_one(cache_dir):
     assert reloaded.eos_token_id == fresh.eos_token_id and reloaded.all_special_ids == fresh.all_special_ids
     ids = list(range(0, 49152, 997))
     assert reloaded.decode(ids) == fresh.decode(ids)
-    assert type(reloaded) is type(fresh)  # reloaded through the class it was saved as, not AutoTokenizer
+    # served without transformers (tokenmill/light_tokenizer.py), reporting the class it was saved as
+    assert type(reloaded).__name__ == "LightTokenizer" and reloaded.hf_class_name == type(fresh).__name__
     # a tokenizer_config.json that is JSON but not an object: the entry is rebuilt from the file, no crash
     saved = gguf_cache.entry_dir(path) / "tokenizer" / "tokenizer_config.json"
     saved.write_text("[]")
@@ -279,6 +280,12 @@ def test_a_plain_config_carries_what_its_transformers_class_does(arch, tmp_path)
     assert plain.model_type == config.model_type and type(plain) is not type(config)
     strip = lambda c: {k: v for k, v in vars(c).items() if k not in _NOT_COMPARED}  # noqa: E731
     assert strip(plain) == strip(config)
+    # and the transformers-free PlainConfig a cached start reads (config-attributes.json, saved at the first load)
+    gguf_cache._store_plain(tmp_path, config)
+    light = gguf_cache._read_plain(tmp_path)
+    assert isinstance(light, gguf_cache.PlainConfig) and light.model_type == config.model_type
+    assert vars(light) == vars(config) and light.to_dict() == config.to_dict()
+    assert light.get_text_config() is light and strip(light.as_transformers()) == strip(config)
     cls = type(config)
     assert not cls.attribute_map
     assert not [k for k, v in vars(cls).items() if isinstance(v, property)]
@@ -305,15 +312,15 @@ def test_a_cached_load_builds_the_same_model_without_importing_config_classes(ca
     assert second.generate([prompt], params)[0].outputs[0].token_ids == tokens
     del second
     cached = gguf_cache.cached_config(path, lambda: pytest.fail("config parsed again instead of cached"))
-    assert cached.model_type == "llama" and type(cached).__name__ == "PlainConfig_llama"
+    assert cached.model_type == "llama" and type(cached) is gguf_cache.PlainConfig
     assert type(config).__name__ == "LlamaConfig"  # the first load built the class's config from the file
     assert {k: v for k, v in vars(cached).items() if k not in _NOT_COMPARED} == {
         k: v for k, v in vars(config).items() if k not in _NOT_COMPARED}
-    # nor AutoConfig/AutoTokenizer (transformers.models.auto: importing it indexes every model transformers has),
-    # and the tokenizer comes back as the class the first load saved
+    # nor transformers at all (importing it scans the source of every model it has), and the tokenizer comes back
+    # as a LightTokenizer, which reports the class the first load saved
     probe = ("import sys; from tokenmill.models.loader import load_model; m = load_model(sys.argv[1], dtype='float32'); "
-             "print(type(m.tokenizer).__name__, sorted(m for m in ('transformers.activations', "
-             "'transformers.models.llama.configuration_llama', 'transformers.models.auto', 'sympy') if m in sys.modules))")
+             "print(type(m.tokenizer).__name__, m.tokenizer.hf_class_name, "
+             "sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'sympy')))")
     done = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "TokenizersBackend []"
+    assert done.stdout.strip().splitlines()[-1] == "LightTokenizer TokenizersBackend []"

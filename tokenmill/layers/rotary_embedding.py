@@ -23,16 +23,19 @@ Inverse frequencies and the attention scaling come from transformers' ``ROPE_INI
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import ctypes
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 from tokenmill.layers.triton_elementwise import triton_rotary
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
@@ -96,7 +99,11 @@ def compute_inv_freq(config: PretrainedConfig, head_dim: int, long_factors: bool
     seq_len = None
     if rope_type == "longrope" and long_factors:
         seq_len = longrope_original_max(config) + 1  # transformers' rule: long factors past the original max
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), seq_len=seq_len)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # only here: importing transformers costs ~1 s
+
+    as_transformers = getattr(config, "as_transformers", None)  # a cached plain config: its transformers class
+    hf_config = as_transformers() if as_transformers is not None else config
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), seq_len=seq_len)
     assert inv_freq.shape == (head_dim // 2,), f"inv_freq shape {tuple(inv_freq.shape)} for head_dim {head_dim}"
     return inv_freq.float(), float(attention_scaling)
 

@@ -30,12 +30,13 @@ renormalized when ``norm_topk_prob``, times ``routed_scaling_factor``. ``n_share
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from tokenmill.attention import Attention, AttentionMetadata
 from tokenmill.attention.layer import KVCache
@@ -47,6 +48,9 @@ from tokenmill.models.errors import UnsupportedModelError
 from tokenmill.models.llama import DecoderVariant
 from tokenmill.models.sparse_moe import MoECausalLM, check_silu
 from tokenmill.moe import MoEConfig, RouterConfig, sparse_layer_mask
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # transformers' DeepseekV2/V3 RMSNorm default: q_a_layernorm and kv_a_layernorm do not take the config's eps
 _LATENT_NORM_EPS = 1e-6

@@ -15,10 +15,10 @@ the ``full_attention`` layers to the whole sequence; any context length is serve
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import transformers
 from torch import nn
-from transformers import PretrainedConfig
 
 from tokenmill.attention import Attention, AttentionMetadata
 from tokenmill.attention.layer import KVCache
@@ -26,6 +26,9 @@ from tokenmill.layers import GeluTanhAndMul, GemmaRMSNorm, Linear, MergedLinear,
 from tokenmill.layers.rotary_embedding import rope_parameters
 from tokenmill.models.llama import DecoderVariant, LlamaAttention, LlamaForCausalLM, head_dim_of
 from tokenmill.models.sliding_window import SlidingLayers
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class GemmaAttention(LlamaAttention):
@@ -96,6 +99,8 @@ class GemmaDecoderLayer(nn.Module):
 
 def _rope_config(config: PretrainedConfig, params: dict, head_dim: int) -> PretrainedConfig:
     """A flat config carrying one layer type's RoPE dict (what ``RotaryEmbedding`` reads)."""
+    import transformers
+
     return transformers.LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
                                     head_dim=head_dim, max_position_embeddings=config.max_position_embeddings,
                                     rope_parameters=dict(params))

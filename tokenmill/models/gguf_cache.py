@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenmill import envs
+from tokenmill.light_tokenizer import LightTokenizer, light_tokenizer_fits
 
 if TYPE_CHECKING:  # torch only where weights are read or written: the router reads tokenizers without it
     import torch
@@ -39,6 +40,7 @@ _WEIGHTS = "model.safetensors"
 _TENSORS = "tensors.json"
 _CONFIG = "config"
 _TOKENIZER = "tokenizer"
+_PLAIN_ATTRIBUTES = "config-attributes.json"  # a plain config's attributes (PlainConfig)
 
 
 def cache_root() -> Path:
@@ -116,8 +118,10 @@ def plain_config(fields: dict):
 
 
 def class_config(config):
-    """``config`` as its transformers class builds it: a ``plain_config`` converted back (for transformers code that
+    """``config`` as its transformers class builds it: a plain config converted back (for transformers code that
     looks the class up, e.g. ``AutoModelForCausalLM.from_config``); any other config returned as it is."""
+    if isinstance(config, PlainConfig):
+        return config.as_transformers()
     if not isinstance(config, _plain_config_base()):
         return config
     from transformers import AutoConfig
@@ -126,9 +130,93 @@ def class_config(config):
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
+class PlainConfig:
+    """A cached config of a ``PLAIN_CONFIG_TYPES`` model, built without importing transformers (whose import
+    scans every model module: about 1 s of a cached start on a Zen 1 EPYC): the instance attributes of the
+    config that transformers built at the first load, and its ``to_dict()``, both saved beside config.json
+    (``config-attributes.json``). The models read attributes only; ``to_dict`` feeds the KV disk tier's
+    fingerprint, so it equals the transformers config's.
+
+    Args:
+        model_type: the config's ``model_type`` (a class attribute in transformers, so not among ``attributes``).
+        attributes: ``vars(config)``, every value JSON-representable.
+        as_dict: ``config.to_dict()``.
+    """
+
+    __slots__ = ("__dict__", "_as_dict", "model_type")
+
+    def __init__(self, model_type: str, attributes: dict, as_dict: dict) -> None:
+        self.__dict__.update(attributes)
+        self._as_dict = as_dict
+        self.model_type = model_type
+
+    def to_dict(self) -> dict:
+        """The transformers config's ``to_dict()`` (a deep copy)."""
+        return _label_ids(json.loads(json.dumps(self._as_dict)))
+
+    def get_text_config(self, *args, **kwargs) -> PlainConfig:
+        """This config (none of the plain types is composite), as transformers' method answers for them."""
+        return self
+
+    def as_transformers(self):
+        """The config as its transformers class builds it (imports transformers)."""
+        from transformers import AutoConfig
+
+        fields = self.to_dict()
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+    def __repr__(self) -> str:
+        return f"PlainConfig({self.model_type!r}, {len(self.__dict__)} attributes)"
+
+
+def _plain_attributes(config) -> dict | None:
+    """What ``config-attributes.json`` holds for ``config`` (``model_type``, ``attributes``, ``to_dict``), or
+    None when an attribute would not come back from JSON equal (then the config is not cached this way)."""
+    attributes, as_dict = dict(vars(config)), config.to_dict()
+    record = {"model_type": config.model_type, "attributes": attributes, "to_dict": as_dict}
+    try:
+        back = json.loads(json.dumps(record))
+    except (TypeError, ValueError):
+        return None
+    same = _label_ids(back["attributes"]) == attributes and _label_ids(back["to_dict"]) == as_dict
+    return back if same else None
+
+
+def _label_ids(fields: dict) -> dict:
+    """``fields`` with its ``id2label`` keys back to ints (JSON object keys are strings); in place."""
+    id2label = fields.get("id2label")
+    if isinstance(id2label, dict):
+        fields["id2label"] = {int(k): v for k, v in id2label.items()}
+    return fields
+
+
+def _read_plain(entry: Path) -> PlainConfig | None:
+    """The entry's ``config-attributes.json`` as a :class:`PlainConfig`, or None where it is absent.
+
+    Raises:
+        ValueError, KeyError, TypeError: a damaged file (the caller rebuilds the entry)."""
+    saved = entry / _PLAIN_ATTRIBUTES
+    if not saved.is_file():
+        return None
+    record = json.loads(saved.read_text())
+    if not isinstance(record, dict):
+        raise ValueError(f"{_PLAIN_ATTRIBUTES} is not a JSON object")
+    attributes, as_dict = record["attributes"], record["to_dict"]
+    if not isinstance(attributes, dict) or not isinstance(as_dict, dict) or record["model_type"] not in PLAIN_CONFIG_TYPES:
+        raise ValueError(f"{_PLAIN_ATTRIBUTES} does not describe a plain config")
+    return PlainConfig(record["model_type"], _label_ids(attributes), as_dict)
+
+
+def _store_plain(entry: Path, config) -> None:
+    """Save ``config`` (of a plain type) as ``config-attributes.json``, if its attributes survive JSON."""
+    record = _plain_attributes(config)
+    if record is not None:
+        _store(entry, lambda tmp: (tmp / _PLAIN_ATTRIBUTES).write_text(json.dumps(record)), _PLAIN_ATTRIBUTES)
+
+
 @functools.cache
 def _plain_config_base():
-    """The base class of every plain config (``class_config`` tells them by it)."""
+    """The base class of every transformers-built plain config (``class_config`` tells them by it)."""
     from transformers import PretrainedConfig
 
     return type("PlainConfig", (PretrainedConfig,), {})
@@ -140,23 +228,34 @@ def _plain_config_class(model_type: str):
 
 
 def cached_config(path: Path, produce: Callable[[], object]):
-    """The GGUF file's transformers config: reloaded from the cache when present (a ``plain_config`` for the
-    ``PLAIN_CONFIG_TYPES``, else through ``AutoConfig``), else ``produce()`` (then saved for next time)."""
-    saved = entry_dir(path) / _CONFIG
+    """The GGUF file's transformers config: reloaded from the cache when present, else ``produce()`` (then
+    saved for next time). A cached config of the ``PLAIN_CONFIG_TYPES`` comes back as a :class:`PlainConfig`
+    without importing transformers (entries written before ``config-attributes.json`` existed: once through
+    ``plain_config``, which then writes it); any other through ``AutoConfig``."""
+    entry = entry_dir(path)
+    saved = entry / _CONFIG
     if (saved / "config.json").is_file():
         try:
+            plain = _read_plain(entry)
+            if plain is not None:
+                return plain
             fields = json.loads((saved / "config.json").read_text())
             if not isinstance(fields, dict):
                 raise ValueError("config.json is not a JSON object")
             if fields.get("model_type") in PLAIN_CONFIG_TYPES:
-                return plain_config(fields)
+                config = plain_config(fields)
+                _store_plain(entry, config)
+                return config
             from transformers import AutoConfig
 
             return AutoConfig.from_pretrained(str(saved))
         except (ValueError, KeyError, TypeError, OSError) as exc:
+            _discard(entry / _PLAIN_ATTRIBUTES, exc)
             _discard(saved, exc)
     config = produce()
-    _store(entry_dir(path), lambda tmp: config.save_pretrained(str(tmp / _CONFIG)), _CONFIG)
+    _store(entry, lambda tmp: config.save_pretrained(str(tmp / _CONFIG)), _CONFIG)
+    if getattr(config, "model_type", None) in PLAIN_CONFIG_TYPES:
+        _store_plain(entry, config)
     return config
 
 
@@ -166,6 +265,8 @@ def cached_tokenizer(path: Path, produce: Callable[[], object]):
     saved = entry_dir(path) / _TOKENIZER
     if saved.is_dir():
         try:
+            if light_tokenizer_fits(saved):  # served without importing transformers (tokenmill/light_tokenizer.py)
+                return LightTokenizer(saved)
             return _tokenizer_class(saved).from_pretrained(str(saved))
         except (ValueError, KeyError, TypeError, OSError) as exc:
             _discard(saved, exc)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import torch
-import transformers
-from transformers import PretrainedConfig
 
 from tokenmill.models.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # llama.cpp's deepseek2 block tensors -> HF module names (the rest as in gguf_loader._BLOCK_NAMES). attn_k_b and
 # attn_v_b are both halves of kv_b_proj (LatentHalves joins them); older converters wrote attn_kv_b as it is.
@@ -110,6 +111,8 @@ def deepseek2_config_class(field: Callable[[str], Any], source: Path, kwargs: di
                   q_lora_rank=q_lora_rank, qk_rope_head_dim=rope_dim, qk_nope_head_dim=qk_head_dim - rope_dim,
                   v_head_dim=v_head_dim, attention_bias="blk.0.attn_kv_a_mqa.bias" in tensor_names)
     _yarn_fields(field, source, kwargs["rope_parameters"])
+    import transformers
+
     if v3:
         kwargs.update(architectures=["DeepseekV3ForCausalLM"], rope_interleave=True)
         return transformers.DeepseekV3Config

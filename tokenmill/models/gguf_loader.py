@@ -25,20 +25,21 @@ import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import numpy as np
 import torch
-import transformers
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from tokenmill.models.errors import UnsupportedModelError
 from tokenmill.models.gguf_deepseek2 import (DEEPSEEK2_BLOCK_NAMES, DEEPSEEK2_DENSE_ONLY, DEEPSEEK2_PARAMETERS,
                                              LatentHalves, deepseek2_config_class)
 from tokenmill.models.gguf_metadata import GGUFMetadata, GGUFTensorInfo, read_gguf_metadata
 from tokenmill.models.gguf_tokenizer import apply_llama_cpp_split
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 __all__ = ["GGUFMetadata", "GGUFTensorInfo", "gguf_to_hf_config", "iter_gguf_weights", "iter_mapped_weights",
            "load_gguf_tokenizer", "open_gguf", "read_gguf_metadata", "read_tensor_index"]
@@ -211,6 +212,8 @@ def gguf_to_hf_config(reader: GGUFReader | GGUFMetadata) -> PretrainedConfig:
             embeddings, ``rope_freqs`` beside a scaling type, bad ``rope_freqs``); the message names the file
             and the key or tensor.
     """
+    import transformers  # here, not at the top: a cached load never builds a config (importing costs ~1 s)
+
     arch = gguf_architecture(reader)
     class_name, hf_arch = _ARCHITECTURES[arch]
     config_cls: type[PretrainedConfig] = getattr(transformers, class_name)
@@ -688,7 +691,7 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
         UnsupportedModelError: transformers cannot build it (no ``tokenizer.ggml.*`` metadata, or a
             ``tokenizer.ggml.model`` it does not convert); the message names the file and the key.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     _admit_tokenizer_architectures()
     try:

@@ -7,12 +7,13 @@ No padding, no per-token Python; the paged KV cache is written and read by ``Att
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from tokenmill.attention import Attention, AttentionMetadata
 from tokenmill.attention.layer import KVCache
@@ -27,6 +28,9 @@ from tokenmill.layers import (
 )
 from tokenmill.models.sliding_window import SlidingLayers, layer_sliding_windows
 from tokenmill.quantization.formats import QuantizedTensor
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)

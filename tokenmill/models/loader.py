@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from tokenmill.csrc_build import NATIVE_BF16_FLAGS_TEXT, cpu_has_native_bf16
 from tokenmill.huge_pages import release_freed_heap
@@ -28,6 +27,9 @@ from tokenmill.models.default_model import default_model_path
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.registry import get_model_class
 from tokenmill.runner.kv_cache_sizing import latent_kv_dim
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 

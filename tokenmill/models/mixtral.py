@@ -1,12 +1,16 @@
 """Mixtral: the Mistral decoder with a sparse MoE block (softmax over all experts, top-k, renormalized)."""
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
+
 
 from tokenmill.models.llama import DecoderVariant
 from tokenmill.models.sliding_window import SlidingLayers
 from tokenmill.models.sparse_moe import MoECausalLM, check_silu
 from tokenmill.moe import MoEConfig, RouterConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class MixtralForCausalLM(MoECausalLM):

@@ -1,11 +1,15 @@
 """OLMoE: the Llama decoder with RMSNorm over the whole q and k projections and a sparse MoE block on every layer."""
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
+
 
 from tokenmill.models.llama import DecoderVariant
 from tokenmill.models.sparse_moe import MoECausalLM, check_silu
 from tokenmill.moe import MoEConfig, RouterConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class OlmoeForCausalLM(MoECausalLM):

@@ -9,10 +9,14 @@ to every layer (as in transformers' Phi-3).
 """
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
+
 
 from tokenmill.models.llama import DecoderVariant, LlamaForCausalLM
 from tokenmill.models.sliding_window import SlidingLayers
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -1,10 +1,14 @@
 """Qwen2: the Llama decoder with a bias on q/k/v (none on o_proj or the MLP)."""
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
+
 
 from tokenmill.models.llama import DecoderVariant, LlamaForCausalLM
 from tokenmill.models.sliding_window import SlidingLayers
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

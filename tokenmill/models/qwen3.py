@@ -1,10 +1,14 @@
 """Qwen3: the Llama decoder with per-head RMSNorm on q and k (before RoPE) and an explicit head_dim."""
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
+
 
 from tokenmill.models.llama import DecoderVariant, LlamaForCausalLM
 from tokenmill.models.sliding_window import SlidingLayers
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

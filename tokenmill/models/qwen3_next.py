@@ -13,13 +13,14 @@ checkpoints where the step crosses one. In deterministic mode (``batch_invariant
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import copy
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from tokenmill.attention import Attention, AttentionMetadata
 from tokenmill.attention.layer import KVCache
@@ -27,6 +28,9 @@ from tokenmill.layers import Linear, MergedLinear, RotaryEmbedding, VocabEmbeddi
 from tokenmill.linear_attention import fla_ops, invariant_ops
 from tokenmill.linear_attention.gated_delta_rule import chunk_gated_delta_rule, decode_step
 from tokenmill.models.llama import DecoderVariant, LlamaMLP
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 LINEAR = "linear_attention"
 FULL = "full_attention"

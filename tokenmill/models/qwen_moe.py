@@ -7,12 +7,16 @@ i not in ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0; the oth
 """
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
+
 
 from tokenmill.models.llama import DecoderVariant
 from tokenmill.models.sliding_window import SlidingLayers
 from tokenmill.models.sparse_moe import MoECausalLM, check_silu
 from tokenmill.moe import MoEConfig, RouterConfig, sparse_layer_mask
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def _num_experts(config: PretrainedConfig) -> int:

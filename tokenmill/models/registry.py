@@ -1,8 +1,9 @@
 """Maps a Hugging Face ``architectures`` name to the tokenmill model class that implements it."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
-from transformers import PretrainedConfig
 
 from tokenmill.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tokenmill.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -14,6 +15,9 @@ from tokenmill.models.qwen2 import Qwen2ForCausalLM
 from tokenmill.models.qwen3 import Qwen3ForCausalLM
 from tokenmill.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from tokenmill.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

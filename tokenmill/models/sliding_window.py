@@ -7,9 +7,11 @@ Keys below a window stay in the paged KV cache: their blocks are not freed (docs
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TYPE_CHECKING
 
-from transformers import PretrainedConfig
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 # "none": the architecture has no sliding window (transformers' Llama ignores a ``sliding_window`` key);
 # "all": every layer gets ``config.sliding_window`` when it is set (Mistral, Phi-3);

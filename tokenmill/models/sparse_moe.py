@@ -7,14 +7,18 @@ how its checkpoint names differ from the module names (``checkpoint_renames``). 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from tokenmill.models.llama import LlamaForCausalLM, LlamaModel
 from tokenmill.moe import ExpertLoad, MoEConfig, SparseMoeBlock
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def check_silu(config: PretrainedConfig) -> None:

@@ -8,6 +8,8 @@ takes them: q/k/v_proj land in row ranges of ``qkv_proj``, gate/up_proj in ``gat
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +17,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import PretrainedConfig
 
 from tokenmill.models.llama import _STACKED, head_dim_of
 from tokenmill.models.loader import checkpoint_files
 from tokenmill.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Checkpoint dtypes a parameter may be filled from (cast to the parameter's dtype, as at load time).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

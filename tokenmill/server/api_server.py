@@ -163,7 +163,7 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
     """What a client needs to tokenize and template like the server (vLLM's ``/tokenizer_info``; lm-eval's
     remote tokenizer reads ``eos_token``, ``bos_token``, ``pad_token`` and ``chat_template``): special tokens
     as strings (None when the tokenizer has none) and ids, the chat template, ``model_max_length`` (tokens)."""
-    info = {"tokenizer_class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+    info = {"tokenizer_class": getattr(tokenizer, "hf_class_name", type(tokenizer).__name__), "vocab_size": len(tokenizer),
             "model_max_length": max_model_len, "chat_template": tokenizer.chat_template}
     for name in ("eos", "bos", "pad", "unk"):
         info[f"{name}_token"] = getattr(tokenizer, f"{name}_token", None)
