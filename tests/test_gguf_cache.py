@@ -67,8 +67,11 @@ def test_unwritable_cache_only_costs_the_speedup(tmp_path, monkeypatch, caplog):
 
 def test_cached_tokenizer_behaves_like_the_gguf_one(cache_dir):
     path = default_model_path()
-    fresh = gguf_cache.cached_tokenizer(path, lambda: load_gguf_tokenizer(path))
+    built = []  # transformers' tokenizer rebuilt from the GGUF metadata (the cache directory starts empty)
+    first = gguf_cache.cached_tokenizer(path, lambda: built.append(load_gguf_tokenizer(path)) or built[0])
+    fresh = built[0]
     reloaded = gguf_cache.cached_tokenizer(path, lambda: pytest.fail("tokenizer rebuilt instead of cached"))
+    assert type(first) is type(reloaded)  # the first load serves what later ones do
     texts = ["Hello world <|im_end|> ünïcödé 🤖", "<|im_start|>user\nhi<|im_end|>\n", "  spaces\tand\ttabs  "]
     assert [reloaded.encode(t) for t in texts] == [fresh.encode(t) for t in texts]
     messages = [{"role": "user", "content": "hi"}]
@@ -286,6 +289,11 @@ def test_a_plain_config_carries_what_its_transformers_class_does(arch, tmp_path)
     assert isinstance(light, gguf_cache.PlainConfig) and light.model_type == config.model_type
     assert vars(light) == vars(config) and light.to_dict() == config.to_dict()
     assert light.get_text_config() is light and strip(light.as_transformers()) == strip(config)
+    # attributes another transformers version wrote are not trusted: the config goes through transformers again
+    record = json.loads((tmp_path / "config-attributes.json").read_text())
+    record["transformers"] = "0.0.1"
+    (tmp_path / "config-attributes.json").write_text(json.dumps(record))
+    assert gguf_cache._read_plain(tmp_path) is None
     cls = type(config)
     assert not cls.attribute_map
     assert not [k for k, v in vars(cls).items() if isinstance(v, property)]

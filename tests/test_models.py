@@ -13,12 +13,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.gguf_writing import gguf_writer_for
 from tests.tiny_models import TINY_ARCHS, make_tiny_model, smollm2_gguf_path, tiny_config
 from tokenmill.attention import build_attention_metadata
 from tokenmill.csrc_build import cpu_has_native_bf16
+from tokenmill.light_tokenizer import LightTokenizer
 from tokenmill.models import get_model_class, load_model
 from tokenmill.models.gguf_loader import (gguf_to_hf_config, iter_gguf_weights, iter_mapped_weights, open_gguf,
                                           read_gguf_metadata, read_tensor_index)
@@ -196,7 +197,8 @@ def test_smollm2_gguf_config_and_tokenizer(smollm2):
     assert (config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (3, 1536, 49152)
     assert config.max_position_embeddings == 8192 and config.rope_parameters["rope_theta"] == 100000.0
     assert smollm2.model.lm_head.weight is smollm2.model.model.embed_tokens.weight
-    assert isinstance(smollm2.tokenizer, PreTrainedTokenizerFast)
+    assert isinstance(smollm2.tokenizer, LightTokenizer)  # the GGUF cache's saved fast tokenizer, served without transformers
+    assert smollm2.tokenizer.hf_class_name == "TokenizersBackend"
     assert "<|im_start|>" in smollm2.tokenizer.chat_template
     assert smollm2.eos_token_ids == {2} and smollm2.generation_config == {}
 

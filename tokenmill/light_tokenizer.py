@@ -26,6 +26,7 @@ import datetime
 import functools
 import json
 import logging
+import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -48,7 +49,7 @@ def light_tokenizer_fits(saved: Path) -> bool:
     :class:`LightTokenizer`: a plain fast class, only known config fields, no cleanup of spaces, a string or
     no chat template. Never raises (an unreadable directory: False)."""
     try:
-        fields = json.loads((saved / "tokenizer_config.json").read_text())
+        fields = json.loads((saved / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     if not isinstance(fields, dict) or fields.get("tokenizer_class") not in LIGHT_CLASSES:
@@ -71,17 +72,25 @@ class LightTokenizer:
         OSError, ValueError: the files cannot be read or parsed.
     """
 
+    # what transformers' fast tokenizer reports for files whose config holds none of these (light_tokenizer_fits)
+    add_bos_token = False
+    add_eos_token = False
+    split_special_tokens = False
+    padding_side = "right"
+    truncation_side = "right"
+
     def __init__(self, saved: Path | str) -> None:
         from tokenizers import Tokenizer
 
         saved = Path(saved)
         self._saved = saved
         self.name_or_path = str(saved)
-        fields = json.loads((saved / "tokenizer_config.json").read_text())
+        fields = json.loads((saved / "tokenizer_config.json").read_text(encoding="utf-8"))
+        self._fields = fields  # to rebuild transformers' tokenizer should the directory be gone by then (hf)
         self.backend_tokenizer = Tokenizer.from_file(str(saved / "tokenizer.json"))
         self._hf_class = fields.get("tokenizer_class", "TokenizersBackend")
         template_file = saved / "chat_template.jinja"
-        self.chat_template: str | None = (template_file.read_text() if template_file.is_file()
+        self.chat_template: str | None = (template_file.read_text(encoding="utf-8") if template_file.is_file()
                                           else fields.get("chat_template"))
         self.model_max_length = fields.get("model_max_length", int(1e30))
         self.clean_up_tokenization_spaces = False
@@ -161,12 +170,14 @@ class LightTokenizer:
         return [self.convert_tokens_to_ids(t) for t in tokens]
 
     # ---- text <-> ids ---------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True, **kwargs) -> list[int]:
+    def encode(self, text: str, text_pair: str | None = None, add_special_tokens: bool = True, **kwargs) -> list[int]:
         """Token ids of ``text`` (the tokenizer's post-processor adds its special tokens unless
-        ``add_special_tokens`` is False). Other keyword arguments (pairs, truncation, tensors): transformers."""
-        if kwargs:
-            return self.hf.encode(text, add_special_tokens=add_special_tokens, **kwargs)
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ``add_special_tokens`` is False). A pair or other keyword arguments (truncation, tensors): transformers."""
+        if kwargs or text_pair is not None:
+            return self.hf.encode(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
+        # encode_batch, as transformers calls it: it lets other Python threads run meanwhile (encode holds the GIL
+        # for the whole call: a 1 MB prompt would stall the server's event loop)
+        return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False, **kwargs) -> str:
         """Text of ``token_ids``; other keyword arguments: transformers."""
@@ -184,19 +195,19 @@ class LightTokenizer:
         self, conversation: list[dict], tools: list[dict] | None = None, *, tokenize: bool = True,
         add_generation_prompt: bool = False, continue_final_message: bool = False, **kwargs,
     ) -> str | list[int]:
-        """The conversation rendered with the chat template: text (``tokenize=False``) or its token ids
-        (no special tokens added). ``continue_final_message``: the text ends right after the last message's
-        content, for the model to continue it. Other arguments (documents, another template, batched
-        conversations, dict-valued results, tools given as functions): transformers' method. Extra keyword
-        arguments are template variables.
+        """The conversation rendered with the chat template, as text (``tokenize=False``, what the engine asks
+        for). ``continue_final_message``: the text ends right after the last message's content, for the model
+        to continue it. ``tokenize=True`` (transformers 5 answers a ``BatchEncoding``) and other arguments
+        (documents, another template, batched conversations, tools given as functions, reasoning fields):
+        transformers' method. Extra keyword arguments are template variables.
 
         Raises:
             ValueError: no chat template; ``continue_final_message`` with ``add_generation_prompt``, or the
                 last message's content cannot be found in the text.
             jinja2.TemplateError: the template rejects the conversation (``raise_exception``).
         """
-        template = self._compiled_template()
         batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
+        template = None if tokenize or batched or _UNRENDERED & kwargs.keys() else self._compiled_template()
         if (template is None or batched or isinstance(continue_final_message, str) or _UNRENDERED & kwargs.keys()
                 or not _plain_json([conversation, tools, kwargs])
                 or any(isinstance(m, dict) and _REASONING & m.keys() for m in conversation)
@@ -214,18 +225,19 @@ class LightTokenizer:
         messages = [{k: v for k, v in m.items() if v is not None} for m in conversation]
         # continue_final_message: a marker after the last content shows where that content ends in the text.
         # Its trailing space tells whether the template trimmed the content's end: then so is the text's.
-        marker = f"<<tokenmill-continue-{uuid.uuid4().hex}>> " if continue_final_message else None
+        final = messages[-1].get("content", "") if continue_final_message else ""
+        marker = f"<<TOKENMILL-CONTINUE-{uuid.uuid4().hex.upper()}>> " if continue_final_message else None
         if marker is not None:
             messages[-1] = {**messages[-1], "content": messages[-1]["content"] + marker}
-        text = template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                               **{**self.special_tokens_map, **kwargs})
+        text = template.render(messages=messages, tools=tools, documents=None,
+                               add_generation_prompt=add_generation_prompt, **{**self.special_tokens_map, **kwargs})
         if marker is not None:
             at = text.rfind(marker.strip())
-            if at < 0:
+            if at < 0 or final.strip() not in text:
                 raise ValueError("continue_final_message is set but the final message does not appear in the "
                                  "chat after applying the chat template")
             text = text[:at] if text.startswith(marker, at) else text[:at].rstrip()
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return text
 
     def _compiled_template(self):
         """The chat template compiled for this class's renderer, or None (no template, or one using syntax
@@ -244,8 +256,20 @@ class LightTokenizer:
 
                 logger.debug("loading transformers' tokenizer for %s", self._saved)
                 cls = PreTrainedTokenizerFast if self._hf_class in LIGHT_CLASSES else AutoTokenizer
-                self._hf = cls.from_pretrained(str(self._saved))
+                try:
+                    self._hf = cls.from_pretrained(str(self._saved))
+                except OSError:  # the cache entry went away since the start: the same files, from memory
+                    with tempfile.TemporaryDirectory() as tmp:
+                        self._write(Path(tmp))
+                        self._hf = cls.from_pretrained(tmp)
             return self._hf
+
+    def _write(self, directory: Path) -> None:
+        """The files this tokenizer was read from, rewritten from memory into ``directory``."""
+        (directory / "tokenizer_config.json").write_text(json.dumps(self._fields), encoding="utf-8")
+        (directory / "tokenizer.json").write_text(self.backend_tokenizer.to_str(), encoding="utf-8")
+        if self.chat_template is not None:
+            (directory / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
 
     @property
     def hf_class_name(self) -> str:
@@ -304,6 +328,42 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+def _template_dict(*args, **kwargs) -> dict:
+    """``dict(...)`` for templates."""
+    return dict(*args, **kwargs)
+
+
+_template_dict.fromkeys = dict.fromkeys
+
+
+def _public_names(names) -> None:
+    from jinja2.exceptions import SecurityError
+
+    for name in names:
+        if not isinstance(name, str) or name.startswith("_"):
+            raise SecurityError(f"a template namespace cannot hold the name {name!r}")
+
+
+def _namespace_class():
+    from jinja2.utils import Namespace
+
+    class PublicNamespace(Namespace):
+        """Jinja's ``namespace()`` refusing names that start with an underscore (a template from a model file is
+        not trusted: no name may reach Python's internals)."""
+
+        def __init__(*args, **kwargs):  # Jinja's signature: namespace(self=...) stays a plain attribute
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            _public_names(attrs)
+            Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            _public_names([name])
+            Namespace.__setitem__(self, name, value)
+
+    return PublicNamespace
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(source: str):
     import jinja2
@@ -314,6 +374,8 @@ def _compile(source: str):
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _namespace_class()  # no private names (Jinja's own takes any)
+    env.globals["dict"] = _template_dict  # a builder, not the dict type (whose attributes reach the type system)
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError:

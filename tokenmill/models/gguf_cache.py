@@ -170,10 +170,12 @@ class PlainConfig:
 
 
 def _plain_attributes(config) -> dict | None:
-    """What ``config-attributes.json`` holds for ``config`` (``model_type``, ``attributes``, ``to_dict``), or
+    """What ``config-attributes.json`` holds for ``config`` (``model_type``, ``attributes``, ``to_dict``, and the
+    installed ``transformers`` version that built them: another version's are not reused), or
     None when an attribute would not come back from JSON equal (then the config is not cached this way)."""
     attributes, as_dict = dict(vars(config)), config.to_dict()
-    record = {"model_type": config.model_type, "attributes": attributes, "to_dict": as_dict}
+    record = {"model_type": config.model_type, "attributes": attributes, "to_dict": as_dict,
+              "transformers": _installed_transformers()}
     try:
         back = json.loads(json.dumps(record))
     except (TypeError, ValueError):
@@ -204,7 +206,23 @@ def _read_plain(entry: Path) -> PlainConfig | None:
     attributes, as_dict = record["attributes"], record["to_dict"]
     if not isinstance(attributes, dict) or not isinstance(as_dict, dict) or record["model_type"] not in PLAIN_CONFIG_TYPES:
         raise ValueError(f"{_PLAIN_ATTRIBUTES} does not describe a plain config")
+    if record.get("transformers") != _installed_transformers() or record["transformers"] is None:
+        return None  # another transformers built those attributes: once through it again (cached_config)
     return PlainConfig(record["model_type"], _label_ids(attributes), as_dict)
+
+
+@functools.cache
+def _installed_transformers() -> str | None:
+    """The installed transformers' version, from its dist-info directory's name (without importing it, or
+    importlib.metadata: 70 ms on a slow machine); None when not found."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.origin is None:
+        return None
+    for info in Path(spec.origin).parent.parent.glob("transformers-*.dist-info"):
+        return info.name[len("transformers-"):-len(".dist-info")]
+    return None
 
 
 def _store_plain(entry: Path, config) -> None:
@@ -236,12 +254,12 @@ def cached_config(path: Path, produce: Callable[[], object]):
     saved = entry / _CONFIG
     if (saved / "config.json").is_file():
         try:
-            plain = _read_plain(entry)
+            fields = json.loads((saved / "config.json").read_text())  # read even where unused: a damaged entry
+            if not isinstance(fields, dict):                          # is rebuilt whole
+                raise ValueError("config.json is not a JSON object")
+            plain = _read_plain(entry) if fields.get("model_type") in PLAIN_CONFIG_TYPES else None
             if plain is not None:
                 return plain
-            fields = json.loads((saved / "config.json").read_text())
-            if not isinstance(fields, dict):
-                raise ValueError("config.json is not a JSON object")
             if fields.get("model_type") in PLAIN_CONFIG_TYPES:
                 config = plain_config(fields)
                 _store_plain(entry, config)
@@ -272,6 +290,11 @@ def cached_tokenizer(path: Path, produce: Callable[[], object]):
             _discard(saved, exc)
     tokenizer = produce()
     _store(entry_dir(path), lambda tmp: tokenizer.save_pretrained(str(tmp / _TOKENIZER)), _TOKENIZER)
+    if light_tokenizer_fits(saved):  # the first load serves what every later one does
+        try:
+            return LightTokenizer(saved)
+        except (ValueError, OSError) as exc:
+            logger.warning("GGUF cache: %s cannot be read back (%s); serving transformers' tokenizer", saved, exc)
     return tokenizer
 
 

@@ -8,10 +8,10 @@ silently.
 """
 from __future__ import annotations
 
+import copy
 import json
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -23,6 +23,24 @@ from tokenmill.structured_output.tool_call_format import CALL_END, CALL_SEPARATO
 
 # Compact JSON, no whitespace between tokens (no runaway whitespace).
 _JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+def ll_tokenizer(tokenizer, vocab_size: int, eos: list[int] | None) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for a fast tokenizer (transformers' or tokenmill's LightTokenizer): its ``tokenizers``
+    JSON without padding or truncation, as ``llguidance.hf.from_tokenizer`` builds it, without importing transformers
+    (which that module does). ``eos``: the ids that end a sequence (None: the tokenizer's eos_token_id).
+
+    Raises:
+        ValueError: the tokenizer has no ``backend_tokenizer`` (not a fast tokenizer).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("structured outputs need a fast tokenizer (tokenizer.json)")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                  eos_token=eos if eos is not None else tokenizer.eos_token_id)
 
 
 def _lark_string(text: str) -> str:
@@ -60,7 +78,7 @@ class GuidanceBackend(StructuredOutputBackend):
         super().__init__(vocab_size)
         eos = sorted(eos_token_ids) or None
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self.ll_tokenizer = ll_tokenizer(tokenizer, vocab_size, eos)
         self.executor = llguidance.LLExecutor()
 
     def _grammar(self, kind: str, spec: str) -> str:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenmill.config import StructuredOutputsConfig
-from tokenmill.light_tokenizer import transformers_tokenizer
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output.backend import (
     BITS_PER_WORD, CompiledConstraint, ConstraintError, ConstraintTimeoutError, Matcher, StructuredOutputBackend,
@@ -249,7 +248,6 @@ class StructuredOutputManager:
 
 
 def _build_backend(name: str, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> StructuredOutputBackend:
-    tokenizer = transformers_tokenizer(tokenizer)  # both libraries read a transformers tokenizer object
     if name == "guidance":
         from tokenmill.structured_output.guidance_backend import GuidanceBackend
 

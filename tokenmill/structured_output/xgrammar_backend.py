@@ -14,6 +14,7 @@ import numpy as np
 import xgrammar
 import xgrammar.structural_tag as xgr_tag
 
+from tokenmill.light_tokenizer import transformers_tokenizer
 from tokenmill.structured_output.backend import CompiledConstraint, ConstraintError, Matcher, StructuredOutputBackend
 from tokenmill.structured_output.json_object import json_object_schema
 from tokenmill.structured_output.schema_check import XGRAMMAR_FORMATS, XGRAMMAR_KEYWORDS, check_keywords, load_json_schema
@@ -45,6 +46,7 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], max_threads: int = 2) -> None:
         super().__init__(vocab_size)
+        tokenizer = transformers_tokenizer(tokenizer)  # xgrammar reads a transformers tokenizer object
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids) or None
         )

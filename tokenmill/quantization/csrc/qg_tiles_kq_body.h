@@ -10,6 +10,7 @@
 typedef __m512i kt_vi;
 typedef __m512 kt_vf;
 #define KT_FN kt_tile_avx512
+#define KT_SCALES_FN kt_group_scales_avx512
 #define KT_LOAD(p) _mm512_loadu_si512((const void*)(p))
 #define KT_AND _mm512_and_si512
 #define KT_OR _mm512_or_si512
@@ -45,6 +46,7 @@ typedef __m512 kt_vf;
 typedef __m256i kt_vi;
 typedef __m256 kt_vf;
 #define KT_FN kt_tile_avx2
+#define KT_SCALES_FN kt_group_scales_avx2
 #define KT_LOAD(p) _mm256_loadu_si256((const __m256i*)(p))
 #define KT_AND _mm256_and_si256
 #define KT_OR _mm256_or_si256
@@ -73,6 +75,77 @@ typedef __m256 kt_vf;
 #define KT_SIGN(x, q) _mm256_sign_epi8((x), (q))
 #define KT_VNNI 0
 #endif
+
+#if KT_W == 256
+AI __m256i kt_shift16(__m256i v, int s) { /* s > 0: left, s < 0: right (16-bit lanes; s a constant once inlined) */
+    return s > 0 ? _mm256_slli_epi16(v, s) : s < 0 ? _mm256_srli_epi16(v, -s) : v;
+}
+
+/* Chunks kk and kk + 4 of group j's codes (the two nibbles of one code byte), rows 8h..8h+7 (lane = 32h), as
+ * KT_FN's decode of all eight gives them; qa/qb: the signed values (IQ4 without VNNI). */
+AI void kt_pair_avx2(int fmt, const uint8_t* tb, int j, int lane, int kk, int iq4_signed, __m256i* ua, __m256i* ub,
+                     __m256i* qa, __m256i* qb) {
+    const uint8_t* cs = tb + kt_codes_at(fmt, j) + lane;
+    if (kt_two_bit(fmt)) {
+        const __m256i m3 = _mm256_set1_epi8(3);
+        *ua = _mm256_and_si256(kt_shift16(KT_LOAD(cs), -2 * kk), m3);
+        *ub = _mm256_and_si256(kt_shift16(KT_LOAD(cs + 64), -2 * kk), m3);
+        if (fmt == Q3_K) { /* the third bit: bit kk / 4 + kk of hb -> bit 2 */
+            const __m256i hb = KT_LOAD(tb + kt_hbits_at(fmt, j) + lane), m4b = _mm256_set1_epi8(4);
+            *ua = _mm256_or_si256(*ua, _mm256_and_si256(kt_shift16(hb, 2 - kk), m4b));
+            *ub = _mm256_or_si256(*ub, _mm256_and_si256(kt_shift16(hb, -2 - kk), m4b));
+        }
+        return;
+    }
+    const __m256i m4 = _mm256_set1_epi8(15), v = KT_LOAD(cs + 64 * kk);
+    *ua = _mm256_and_si256(v, m4);
+    *ub = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (kt_iq4(fmt)) { /* nibble -> table value (+ 128 for vpdpbusd) */
+        const __m256i T = KT_TABLE(kt_iq4_table(!iq4_signed));
+        *ua = KT_SHUF(T, *ua);
+        *ub = KT_SHUF(T, *ub);
+        if (iq4_signed) { *qa = *ua; *ua = KT_ABS(*qa); *qb = *ub; *ub = KT_ABS(*qb); }
+    } else if (kt_five(fmt)) { /* the fifth bit: bit kk / 4 + kk of hb -> bit 4 */
+        const __m256i hb = KT_LOAD(tb + kt_hbits_at(fmt, j) + lane), m16 = _mm256_set1_epi8(16);
+        *ua = _mm256_or_si256(*ua, _mm256_and_si256(kt_shift16(hb, 4 - kk), m16));
+        *ub = _mm256_or_si256(*ub, _mm256_and_si256(kt_shift16(hb, -kk), m16));
+    } else if (fmt == Q6_K) { /* two high bits: bits 2kk of hb0 (chunk kk) / hb1 (chunk 4 + kk) -> bits 4-5 */
+        const uint8_t* hp = tb + kt_hbits_at(fmt, j) + lane;
+        const __m256i m48 = _mm256_set1_epi8(48);
+        *ua = _mm256_or_si256(*ua, _mm256_and_si256(kt_shift16(KT_LOAD(hp), 4 - 2 * kk), m48));
+        *ub = _mm256_or_si256(*ub, _mm256_and_si256(kt_shift16(KT_LOAD(hp + 64), 4 - 2 * kk), m48));
+    }
+}
+#endif
+
+/* The lane scales (ds0, ds1: D times each row's scale of the group's halves) and mins (dm0, dm1) of group j; h
+ * (AVX2: the half whose rows the lanes are) picks the bytes of per-row scales in a 16-row run. */
+#define KT_GROUP_SCALES(fmt, tb, P, j, D, Ms, sc4, mn4, ds0, ds1, dm0, dm1) \
+    KT_SCALES_FN(fmt, tb, P, j, h, D, Ms, sc4, mn4, ds0, ds1, dm0, dm1)
+AI void KT_SCALES_FN(int fmt, const uint8_t* tb, const __m128i* P, int j, int h, kt_vf D, kt_vf Ms, __m128i sc4,
+                     __m128i mn4, kt_vf* ds0, kt_vf* ds1, kt_vf* dm0, kt_vf* dm1) {
+    (void)h;
+    *ds0 = *ds1 = D;
+    *dm0 = *dm1 = Ms;
+    if (fmt == Q4_K || fmt == Q5_K) {
+        *ds0 = *ds1 = KT_MUL(D, KT_U8PS(sc4));
+        *dm0 = *dm1 = KT_MUL(Ms, KT_U8PS(mn4));
+    } else if (fmt == Q6_K) {
+        *ds0 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j)))));
+        *ds1 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j + 1)))));
+    } else if (fmt == Q3_K) {
+        *ds0 = KT_MUL(D, KT_I8PS(kt_scale_q3k(P, 2 * j)));
+        *ds1 = KT_MUL(D, KT_I8PS(kt_scale_q3k(P, 2 * j + 1)));
+    } else if (fmt == Q2_K) {
+        const __m128i m15 = _mm_set1_epi8(15);
+        *ds0 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j], m15)));
+        *ds1 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j + 1], m15)));
+        *dm0 = KT_MUL(Ms, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j], 4), m15)));
+        *dm1 = KT_MUL(Ms, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j + 1], 4), m15)));
+    } else if (fmt == IQ4_XS) {
+        *ds0 = *ds1 = KT_MUL(D, KT_I8PS(kt_scale_iq4xs(P, j)));
+    }
+}
 
 AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, int R, kt_vf* acc, int pf) {
     const int gpb = kt_groups(fmt);
@@ -111,30 +184,60 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                     _mm_prefetch((const char*)tb + j * gb + KT_PF_BYTES + o, _MM_HINT_T0);
             __m128i sc4 = _mm_setzero_si128(), mn4 = sc4; /* Q4_K/Q5_K: every row's 6-bit scale and min of group j */
             if (fmt == Q4_K || fmt == Q5_K) kt_scales_k4(P, j, &sc4, &mn4);
+#if KT_W == 256 && !KT_VNNI
+            if (hs == 2 && R == 1) { /* one activation row, both halves: each broadcast of 4 activations serves
+                                      * the two halves' chunks (the loop below broadcasts them once per half) */
+                const int8_t* xq = a->q + m0 * a->K + g * QK;
+                const int64_t idx = m0 * a->G + g;
+                const int prun = run < 4 ? run : 4; /* chunks kk < 4 and 4 + kk are summed apart */
+                kt_vi s0[2], s1[2], sa[2], sb[2];
+                for (int h = 0; h < 2; h++) {
+                    if (kt_halves(fmt)) { s0[h] = KT_SET32(-c * a->h[2 * idx]); s1[h] = KT_SET32(-c * a->h[2 * idx + 1]); }
+                    else { s0[h] = KT_SET32(-c * a->i[idx]); s1[h] = KT_ZERO(); }
+                    sa[h] = sb[h] = KT_ZERO();
+                }
+#pragma GCC unroll 4
+                for (int kk = 0; kk < 4; kk++) {
+                    const kt_vi xa = KT_SET32(load_i32(xq + 4 * kk)), xb = KT_SET32(load_i32(xq + 16 + 4 * kk));
+                    for (int h = 0; h < 2; h++) {
+                        kt_vi ua, ub, qa = KT_ZERO(), qb = KT_ZERO();
+                        kt_pair_avx2(fmt, tb, j, 32 * h, kk, iq4_signed, &ua, &ub, &qa, &qb);
+                        sa[h] = KT_ADD16(sa[h], KT_MADDUBS(ua, iq4_signed ? KT_SIGN(xa, qa) : xa));
+                        sb[h] = KT_ADD16(sb[h], KT_MADDUBS(ub, iq4_signed ? KT_SIGN(xb, qb) : xb));
+                    }
+                    if ((kk + 1) % prun == 0)
+                        for (int h = 0; h < 2; h++) {
+                            s0[h] = KT_ADD32(s0[h], KT_MADD(sa[h], ones));
+                            s1[h] = KT_ADD32(s1[h], KT_MADD(sb[h], ones));
+                            sa[h] = sb[h] = KT_ZERO();
+                        }
+                }
+                const kt_vf dx = KT_SETPS(a->d[idx]);
+                for (int h = 0; h < 2; h++) {
+                    kt_vf ds0, ds1, dm0, dm1;
+                    KT_GROUP_SCALES(fmt, tb, P, j, Dh[h], Mh[h], sc4, mn4, &ds0, &ds1, &dm0, &dm1);
+                    kt_vf* const ac = acc + h;
+                    if (kt_halves(fmt)) {
+                        ac[0] = KT_FMA(KT_CVT(s0[h]), KT_MUL(ds0, dx), ac[0]);
+                        ac[0] = KT_FMA(KT_CVT(s1[h]), KT_MUL(ds1, dx), ac[0]);
+                        if (fmt == Q2_K) {
+                            ac[0] = KT_FMA(dm0, KT_SETPS(a->s[2 * idx]), ac[0]);
+                            ac[0] = KT_FMA(dm1, KT_SETPS(a->s[2 * idx + 1]), ac[0]);
+                        }
+                    } else {
+                        ac[0] = KT_FMA(KT_CVT(KT_ADD32(s0[h], s1[h])), KT_MUL(ds0, dx), ac[0]);
+                        if (kt_has_min(fmt)) ac[0] = KT_FMA(dm0, KT_SETPS(a->t[idx]), ac[0]);
+                    }
+                }
+                continue;
+            }
+#endif
             for (int h = h0; h <= h1; h++) { /* one half, or (hs = 2) both: each group's bytes read in one pass */
                 kt_vf* const ac = acc + (h - h0) * R;
                 const int lane = KT_W == 512 ? 0 : 32 * h; /* this half's rows in a chunk */
                 const kt_vf D = Dh[h - h0], Ms = Mh[h - h0];
-                /* lane scales (ds0, ds1) and mins (dm0, dm1) of this group */
-                kt_vf ds0 = D, ds1 = D, dm0 = Ms, dm1 = Ms;
-                if (fmt == Q4_K || fmt == Q5_K) {
-                    ds0 = ds1 = KT_MUL(D, KT_U8PS(sc4));
-                    dm0 = dm1 = KT_MUL(Ms, KT_U8PS(mn4));
-                } else if (fmt == Q6_K) {
-                    ds0 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j)))));
-                    ds1 = KT_MUL(D, KT_I8PS(_mm_loadu_si128((const __m128i*)(tb + 32 + 16 * (2 * j + 1)))));
-                } else if (fmt == Q3_K) {
-                    ds0 = KT_MUL(D, KT_I8PS(kt_scale_q3k(P, 2 * j)));
-                    ds1 = KT_MUL(D, KT_I8PS(kt_scale_q3k(P, 2 * j + 1)));
-                } else if (fmt == Q2_K) {
-                    const __m128i m15 = _mm_set1_epi8(15);
-                    ds0 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j], m15)));
-                    ds1 = KT_MUL(D, KT_U8PS(_mm_and_si128(P[2 * j + 1], m15)));
-                    dm0 = KT_MUL(Ms, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j], 4), m15)));
-                    dm1 = KT_MUL(Ms, KT_U8PS(_mm_and_si128(_mm_srli_epi16(P[2 * j + 1], 4), m15)));
-                } else if (fmt == IQ4_XS) {
-                    ds0 = ds1 = KT_MUL(D, KT_I8PS(kt_scale_iq4xs(P, j)));
-                }
+                kt_vf ds0, ds1, dm0, dm1; /* lane scales and mins of this group */
+                KT_GROUP_SCALES(fmt, tb, P, j, D, Ms, sc4, mn4, &ds0, &ds1, &dm0, &dm1);
                 /* the 8 code chunks (chunk k: codes 4k..4k+3 of every row; chunks 4-7 the second half) */
                 const uint8_t* cs = tb + kt_codes_at(fmt, j) + lane;
                 kt_vi u[8], q[8];
@@ -244,6 +347,8 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
 }
 
 #undef KT_FN
+#undef KT_SCALES_FN
+#undef KT_GROUP_SCALES
 #undef KT_LOAD
 #undef KT_AND
 #undef KT_OR
