@@ -231,6 +231,55 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                 }
                 continue;
             }
+            if (hs == 2 && R == 2) { /* two rows, both halves: per half, chunk pairs decoded as they are used (the
+                                      * 8 chunks decoded up front do not fit the 16 registers beside 2 rows' sums) */
+                for (int h = 0; h < 2; h++) {
+                    kt_vi s0[2], s1[2], sa[2], sb[2];
+                    for (int r = 0; r < 2; r++) {
+                        const int64_t idx = (m0 + r) * a->G + g;
+                        if (kt_halves(fmt)) { s0[r] = KT_SET32(-c * a->h[2 * idx]); s1[r] = KT_SET32(-c * a->h[2 * idx + 1]); }
+                        else { s0[r] = KT_SET32(-c * a->i[idx]); s1[r] = KT_ZERO(); }
+                        sa[r] = sb[r] = KT_ZERO();
+                    }
+                    const int prun = run < 4 ? run : 4;
+#pragma GCC unroll 4
+                    for (int kk = 0; kk < 4; kk++) {
+                        kt_vi ua, ub, qa = KT_ZERO(), qb = KT_ZERO();
+                        kt_pair_avx2(fmt, tb, j, 32 * h, kk, iq4_signed, &ua, &ub, &qa, &qb);
+                        for (int r = 0; r < 2; r++) {
+                            const int8_t* xq = a->q + (m0 + r) * a->K + g * QK;
+                            const kt_vi xa = KT_SET32(load_i32(xq + 4 * kk)), xb = KT_SET32(load_i32(xq + 16 + 4 * kk));
+                            sa[r] = KT_ADD16(sa[r], KT_MADDUBS(ua, iq4_signed ? KT_SIGN(xa, qa) : xa));
+                            sb[r] = KT_ADD16(sb[r], KT_MADDUBS(ub, iq4_signed ? KT_SIGN(xb, qb) : xb));
+                        }
+                        if ((kk + 1) % prun == 0)
+                            for (int r = 0; r < 2; r++) {
+                                s0[r] = KT_ADD32(s0[r], KT_MADD(sa[r], ones));
+                                s1[r] = KT_ADD32(s1[r], KT_MADD(sb[r], ones));
+                                sa[r] = sb[r] = KT_ZERO();
+                            }
+                    }
+                    kt_vf ds0, ds1, dm0, dm1;
+                    KT_GROUP_SCALES(fmt, tb, P, j, Dh[h], Mh[h], sc4, mn4, &ds0, &ds1, &dm0, &dm1);
+                    for (int r = 0; r < 2; r++) {
+                        const int64_t idx = (m0 + r) * a->G + g;
+                        const kt_vf dx = KT_SETPS(a->d[idx]);
+                        kt_vf* const ac = acc + h * R + r;
+                        if (kt_halves(fmt)) {
+                            ac[0] = KT_FMA(KT_CVT(s0[r]), KT_MUL(ds0, dx), ac[0]);
+                            ac[0] = KT_FMA(KT_CVT(s1[r]), KT_MUL(ds1, dx), ac[0]);
+                            if (fmt == Q2_K) {
+                                ac[0] = KT_FMA(dm0, KT_SETPS(a->s[2 * idx]), ac[0]);
+                                ac[0] = KT_FMA(dm1, KT_SETPS(a->s[2 * idx + 1]), ac[0]);
+                            }
+                        } else {
+                            ac[0] = KT_FMA(KT_CVT(KT_ADD32(s0[r], s1[r])), KT_MUL(ds0, dx), ac[0]);
+                            if (kt_has_min(fmt)) ac[0] = KT_FMA(dm0, KT_SETPS(a->t[idx]), ac[0]);
+                        }
+                    }
+                }
+                continue;
+            }
 #endif
             for (int h = h0; h <= h1; h++) { /* one half, or (hs = 2) both: each group's bytes read in one pass */
                 kt_vf* const ac = acc + (h - h0) * R;
