@@ -11,6 +11,8 @@ typedef __m512i kt_vi;
 typedef __m512 kt_vf;
 #define KT_FN kt_tile_avx512
 #define KT_SCALES_FN kt_group_scales_avx512
+#define KT_INIT_FN kt_sums_init_avx512
+#define KT_FINISH_FN kt_finish_avx512
 #define KT_LOAD(p) _mm512_loadu_si512((const void*)(p))
 #define KT_AND _mm512_and_si512
 #define KT_OR _mm512_or_si512
@@ -47,6 +49,8 @@ typedef __m256i kt_vi;
 typedef __m256 kt_vf;
 #define KT_FN kt_tile_avx2
 #define KT_SCALES_FN kt_group_scales_avx2
+#define KT_INIT_FN kt_sums_init_avx2
+#define KT_FINISH_FN kt_finish_avx2
 #define KT_LOAD(p) _mm256_loadu_si256((const __m256i*)(p))
 #define KT_AND _mm256_and_si256
 #define KT_OR _mm256_or_si256
@@ -147,6 +151,30 @@ AI void KT_SCALES_FN(int fmt, const uint8_t* tb, const __m128i* P, int j, int h,
     }
 }
 
+/* A row's integer sums of group g start at the exact offset term: -c * sum(xq) of each half of the group
+ * (s0, s1) for the formats with a scale per 16 weights, of the whole group (s0; s1 = 0) otherwise. */
+AI void KT_INIT_FN(int fmt, const act_q* a, int64_t idx, int c, kt_vi* s0, kt_vi* s1) {
+    if (kt_halves(fmt)) { *s0 = KT_SET32(-c * a->h[2 * idx]); *s1 = KT_SET32(-c * a->h[2 * idx + 1]); }
+    else { *s0 = KT_SET32(-c * a->i[idx]); *s1 = KT_ZERO(); }
+}
+
+/* Add a row's group (integer sums s0, s1; lane scales and mins; activation scale dx) into its lanes *ac, in
+ * the one order every path keeps (the bits of the tiled products depend on it). */
+AI void KT_FINISH_FN(int fmt, const act_q* a, int64_t idx, kt_vi s0, kt_vi s1, kt_vf ds0, kt_vf ds1, kt_vf dm0,
+                     kt_vf dm1, kt_vf dx, kt_vf* ac) {
+    if (kt_halves(fmt)) {
+        *ac = KT_FMA(KT_CVT(s0), KT_MUL(ds0, dx), *ac);
+        *ac = KT_FMA(KT_CVT(s1), KT_MUL(ds1, dx), *ac);
+        if (fmt == Q2_K) {
+            *ac = KT_FMA(dm0, KT_SETPS(a->s[2 * idx]), *ac);
+            *ac = KT_FMA(dm1, KT_SETPS(a->s[2 * idx + 1]), *ac);
+        }
+    } else {
+        *ac = KT_FMA(KT_CVT(KT_ADD32(s0, s1)), KT_MUL(ds0, dx), *ac);
+        if (kt_has_min(fmt)) *ac = KT_FMA(dm0, KT_SETPS(a->t[idx]), *ac);
+    }
+}
+
 AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, int R, kt_vf* acc, int pf) {
     const int gpb = kt_groups(fmt);
     const int64_t tbb = TP * qg_block_bytes(fmt), gb = tbb / gpb;
@@ -192,8 +220,7 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                 const int prun = run < 4 ? run : 4; /* chunks kk < 4 and 4 + kk are summed apart */
                 kt_vi s0[2], s1[2], sa[2], sb[2];
                 for (int h = 0; h < 2; h++) {
-                    if (kt_halves(fmt)) { s0[h] = KT_SET32(-c * a->h[2 * idx]); s1[h] = KT_SET32(-c * a->h[2 * idx + 1]); }
-                    else { s0[h] = KT_SET32(-c * a->i[idx]); s1[h] = KT_ZERO(); }
+                    KT_INIT_FN(fmt, a, idx, c, &s0[h], &s1[h]);
                     sa[h] = sb[h] = KT_ZERO();
                 }
 #pragma GCC unroll 4
@@ -216,18 +243,7 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                 for (int h = 0; h < 2; h++) {
                     kt_vf ds0, ds1, dm0, dm1;
                     KT_GROUP_SCALES(fmt, tb, P, j, Dh[h], Mh[h], sc4, mn4, &ds0, &ds1, &dm0, &dm1);
-                    kt_vf* const ac = acc + h;
-                    if (kt_halves(fmt)) {
-                        ac[0] = KT_FMA(KT_CVT(s0[h]), KT_MUL(ds0, dx), ac[0]);
-                        ac[0] = KT_FMA(KT_CVT(s1[h]), KT_MUL(ds1, dx), ac[0]);
-                        if (fmt == Q2_K) {
-                            ac[0] = KT_FMA(dm0, KT_SETPS(a->s[2 * idx]), ac[0]);
-                            ac[0] = KT_FMA(dm1, KT_SETPS(a->s[2 * idx + 1]), ac[0]);
-                        }
-                    } else {
-                        ac[0] = KT_FMA(KT_CVT(KT_ADD32(s0[h], s1[h])), KT_MUL(ds0, dx), ac[0]);
-                        if (kt_has_min(fmt)) ac[0] = KT_FMA(dm0, KT_SETPS(a->t[idx]), ac[0]);
-                    }
+                    KT_FINISH_FN(fmt, a, idx, s0[h], s1[h], ds0, ds1, dm0, dm1, dx, acc + h);
                 }
                 continue;
             }
@@ -237,8 +253,7 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                     kt_vi s0[2], s1[2], sa[2], sb[2];
                     for (int r = 0; r < 2; r++) {
                         const int64_t idx = (m0 + r) * a->G + g;
-                        if (kt_halves(fmt)) { s0[r] = KT_SET32(-c * a->h[2 * idx]); s1[r] = KT_SET32(-c * a->h[2 * idx + 1]); }
-                        else { s0[r] = KT_SET32(-c * a->i[idx]); s1[r] = KT_ZERO(); }
+                        KT_INIT_FN(fmt, a, idx, c, &s0[r], &s1[r]);
                         sa[r] = sb[r] = KT_ZERO();
                     }
                     const int prun = run < 4 ? run : 4;
@@ -264,18 +279,7 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                     for (int r = 0; r < 2; r++) {
                         const int64_t idx = (m0 + r) * a->G + g;
                         const kt_vf dx = KT_SETPS(a->d[idx]);
-                        kt_vf* const ac = acc + h * R + r;
-                        if (kt_halves(fmt)) {
-                            ac[0] = KT_FMA(KT_CVT(s0[r]), KT_MUL(ds0, dx), ac[0]);
-                            ac[0] = KT_FMA(KT_CVT(s1[r]), KT_MUL(ds1, dx), ac[0]);
-                            if (fmt == Q2_K) {
-                                ac[0] = KT_FMA(dm0, KT_SETPS(a->s[2 * idx]), ac[0]);
-                                ac[0] = KT_FMA(dm1, KT_SETPS(a->s[2 * idx + 1]), ac[0]);
-                            }
-                        } else {
-                            ac[0] = KT_FMA(KT_CVT(KT_ADD32(s0[r], s1[r])), KT_MUL(ds0, dx), ac[0]);
-                            if (kt_has_min(fmt)) ac[0] = KT_FMA(dm0, KT_SETPS(a->t[idx]), ac[0]);
-                        }
+                        KT_FINISH_FN(fmt, a, idx, s0[r], s1[r], ds0, ds1, dm0, dm1, dx, acc + h * R + r);
                     }
                 }
                 continue;
@@ -351,8 +355,7 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                     const int64_t idx = (m0 + r) * a->G + g;
                     const kt_vf dx = KT_SETPS(a->d[idx]);
                     kt_vi s0, s1;
-                    if (kt_halves(fmt)) { s0 = KT_SET32(-c * a->h[2 * idx]); s1 = KT_SET32(-c * a->h[2 * idx + 1]); }
-                    else { s0 = KT_SET32(-c * a->i[idx]); s1 = KT_ZERO(); }
+                    KT_INIT_FN(fmt, a, idx, c, &s0, &s1);
     #if KT_VNNI
                     /* four chains (integer sums: any order gives the same I); chains 0-1 are the first half */
                     kt_vi q0 = s0, q1 = KT_ZERO(), t0 = s1, t1 = KT_ZERO();
@@ -378,17 +381,7 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                         else s1 = KT_ADD32(s1, KT_MADD(s16, ones));
                     }
     #endif
-                    if (kt_halves(fmt)) {
-                        ac[r] = KT_FMA(KT_CVT(s0), KT_MUL(ds0, dx), ac[r]);
-                        ac[r] = KT_FMA(KT_CVT(s1), KT_MUL(ds1, dx), ac[r]);
-                        if (fmt == Q2_K) {
-                            ac[r] = KT_FMA(dm0, KT_SETPS(a->s[2 * idx]), ac[r]);
-                            ac[r] = KT_FMA(dm1, KT_SETPS(a->s[2 * idx + 1]), ac[r]);
-                        }
-                    } else {
-                        ac[r] = KT_FMA(KT_CVT(KT_ADD32(s0, s1)), KT_MUL(ds0, dx), ac[r]);
-                        if (kt_has_min(fmt)) ac[r] = KT_FMA(dm0, KT_SETPS(a->t[idx]), ac[r]);
-                    }
+                    KT_FINISH_FN(fmt, a, idx, s0, s1, ds0, ds1, dm0, dm1, dx, ac + r);
                 }
             }
         }
@@ -397,6 +390,8 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
 
 #undef KT_FN
 #undef KT_SCALES_FN
+#undef KT_INIT_FN
+#undef KT_FINISH_FN
 #undef KT_GROUP_SCALES
 #undef KT_LOAD
 #undef KT_AND
