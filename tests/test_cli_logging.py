@@ -122,3 +122,25 @@ def test_bad_stats_interval_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("TOKENMILL_STATS_INTERVAL_S", value)
     with pytest.raises(ValueError, match="TOKENMILL_STATS_INTERVAL_S"):
         stats_interval_s()
+
+
+def test_only_the_named_subcommand_module_is_imported_and_every_command_still_parses():
+    """``main`` registers just the module-defined subcommand argv names (a server's start skips importing the
+    others); the full parser still lists them all."""
+    from tokenmill.cli.main import build_parser, named_subcommand
+
+    assert named_subcommand(["serve", "model.gguf", "--port", "8000"]) == "serve"
+    assert named_subcommand(["-v", "--log-level", "debug", "plan", "--memory", "8"]) == "plan"
+    assert named_subcommand(["generate", "serve"]) is None and named_subcommand(["--help"]) is None
+    assert named_subcommand([]) is None
+    choices = build_parser("serve")._subparsers._group_actions[0].choices
+    assert set(choices) == {"generate", "chat", "serve"}
+    assert set(build_parser()._subparsers._group_actions[0].choices) == {
+        "generate", "chat", "serve", "bench", "plan", "router"}
+    done = subprocess.run([sys.executable, "-c", "import sys; from tokenmill.cli import main as m; "
+                           "m.build_parser(m.named_subcommand(['serve'])); "
+                           "print(sorted(n for n in sys.modules if n.startswith('tokenmill.cli.')))"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tokenmill.cli.plan" not in done.stdout and "tokenmill.cli.bench" not in done.stdout
+    assert "tokenmill.cli.serve" in done.stdout

@@ -14,7 +14,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tests.tiny_models import smollm2_gguf_path, smollm2_tokenizer
-from tokenmill.light_tokenizer import LightTokenizer, light_tokenizer_fits, transformers_tokenizer
+from tokenmill.light_tokenizer import LightTokenizer, light_tokenizer_fits, open_light_tokenizer, transformers_tokenizer
 
 # Templates written for these tests: tools through tojson, tool calls, raise_exception, a date, extra variables
 TOOLS_TEMPLATE = """{{ bos_token }}{% if tools %}<tools>{{ tools | tojson(indent=2) }}</tools>
@@ -27,23 +27,42 @@ DOCS_TEMPLATE = """{% if documents is defined %}D{% endif %}{% if documents is n
 TRIM_TEMPLATE = """{% for m in messages %}[{{ m.role | upper }}] {{ m.content | trim }}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[ASSISTANT] {% endif %}"""
 
 
-@pytest.fixture(scope="module", params=["own", "tools", "trim", "docs"])
+def save_as_qwen2(saved) -> None:
+    """Make the tokenizer saved in ``saved`` a Qwen2Tokenizer one, as a Qwen2/Qwen3 GGUF's is cached (transformers
+    then tokenizes with Qwen2's pipeline around the file's vocabulary and merges, not the file's pipeline)."""
+    config = saved / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "Qwen2Tokenizer",
+                                  "add_prefix_space": None}))
+
+
+@pytest.fixture(scope="module", params=["own", "tools", "trim", "docs", "qwen2"])
 def pair(request, tmp_path_factory):
-    """(LightTokenizer, transformers tokenizer) of the embedded GGUF's saved tokenizer with one chat template."""
+    """(LightTokenizer, transformers tokenizer) of the embedded GGUF's saved tokenizer with one chat template,
+    or saved as a Qwen2Tokenizer ("qwen2")."""
+    from transformers import AutoTokenizer
+
     hf0 = transformers_tokenizer(smollm2_tokenizer())
     saved = tmp_path_factory.mktemp(f"tok-{request.param}")
     hf0.save_pretrained(str(saved))
-    if request.param != "own":
+    if request.param in ("tools", "trim", "docs"):
         template = {"tools": TOOLS_TEMPLATE, "trim": TRIM_TEMPLATE, "docs": DOCS_TEMPLATE}[request.param]
         (saved / "chat_template.jinja").write_text(template)
-    assert light_tokenizer_fits(saved)
-    return LightTokenizer(saved), PreTrainedTokenizerFast.from_pretrained(str(saved))
+    if request.param == "qwen2":
+        save_as_qwen2(saved)
+        hf = AutoTokenizer.from_pretrained(str(saved))
+        assert type(hf).__name__ == "Qwen2Tokenizer"
+    else:
+        hf = PreTrainedTokenizerFast.from_pretrained(str(saved))
+    light = open_light_tokenizer(saved)
+    assert light is not None and light_tokenizer_fits(saved)
+    return light, hf
 
 
 def texts() -> list[str]:
     rng = random.Random(0)
     pieces = ["Hello", " world", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "\n", "  ", "é", "日本語", "🦙", "123",
-              "def f(x):\n    return x", "\t", "'s", "<|im_start", "user"]
+              "def f(x):\n    return x", "\t", "'s", "<|im_start", "user", "I'M", "DON'T", " 12345", "\n\n", "ＡＢ", "ﬁ",
+              "e\u0301", "!!\r\n", "x=1;"]
     return ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))) for _ in range(60)] + [""]
 
 
@@ -173,14 +192,28 @@ def test_only_plain_saved_tokenizers_are_served_light(tmp_path):
     hf = transformers_tokenizer(smollm2_tokenizer())
     hf.save_pretrained(str(tmp_path / "plain"))
     assert light_tokenizer_fits(tmp_path / "plain")
-    for name, edit in (("bos", {"add_bos_token": True}), ("class", {"tokenizer_class": "Qwen2Tokenizer"}),
-                       ("cleanup", {"clean_up_tokenization_spaces": True})):
+    for name, edit in (("bos", {"add_bos_token": True}), ("class", {"tokenizer_class": "GemmaTokenizer"}),
+                       ("cleanup", {"clean_up_tokenization_spaces": True}), ("prefix", {"add_prefix_space": True})):
         shutil.copytree(tmp_path / "plain", tmp_path / name)
         config = tmp_path / name / "tokenizer_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), **edit}))
         assert not light_tokenizer_fits(tmp_path / name), name
     (tmp_path / "plain" / "tokenizer.json").unlink()
     assert not light_tokenizer_fits(tmp_path / "plain") and not light_tokenizer_fits(tmp_path / "missing")
+
+
+def test_a_qwen2_file_whose_model_the_class_would_rebuild_stays_with_transformers(tmp_path):
+    """transformers' Qwen2Tokenizer rebuilds the BPE model with its own options: a file with others (here
+    ignore_merges, as Llama 3's BPE has) is not served light."""
+    hf = transformers_tokenizer(smollm2_tokenizer())
+    hf.save_pretrained(str(tmp_path))
+    save_as_qwen2(tmp_path)
+    assert open_light_tokenizer(tmp_path) is not None
+    tokenizer_json = tmp_path / "tokenizer.json"
+    content = json.loads(tokenizer_json.read_text())
+    content["model"]["ignore_merges"] = True
+    tokenizer_json.write_text(json.dumps(content))
+    assert light_tokenizer_fits(tmp_path) and open_light_tokenizer(tmp_path) is None
 
 
 def test_a_cached_gguf_serves_chat_without_importing_transformers():

@@ -167,6 +167,34 @@ def test_rotary_cache_matches_transformers(rope):
     torch.testing.assert_close(torch.cat([ours_sin[:, 0]] * 2, -1), ref_sin[0], atol=1e-6, rtol=0)
 
 
+def test_rotary_table_is_filled_only_as_far_as_the_engine_serves():
+    """The table's storage is allocated at once and never moves; set_max_model_len computes only its first
+    max_model_len rows (the same values as a full table), a read before any fill computes all of them, and
+    positions past the filled rows are refused."""
+    from tokenmill.layers import RotaryEmbedding
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 512})
+    full = RotaryEmbedding(config, head_dim=32)
+    assert full.rows_ready == 0
+    assert full.cos_sin_cache.shape == (4096, 32) and full.rows_ready == 4096  # first read: every row
+    fitted = RotaryEmbedding(config, head_dim=32)
+    address = fitted.cos_sin_table.data_ptr()
+    fitted.set_max_model_len(1000)
+    assert fitted.rows_ready == 1000 and fitted.cos_sin_cache.shape == (1000, 32)
+    assert fitted.cos_sin_cache.data_ptr() == address
+    torch.testing.assert_close(fitted.cos_sin_cache, full.cos_sin_cache[:1000], atol=0, rtol=0)
+    positions = torch.tensor([0, 5, 999])
+    for ours, ref in zip(fitted(positions, torch.float32), full(positions, torch.float32)):
+        assert torch.equal(ours, ref)
+    with pytest.raises(IndexError):
+        fitted(torch.tensor([1000]), torch.float32)
+    fitted.set_max_model_len(8192)  # past the model's table: all of it
+    assert fitted.rows_ready == 4096 and fitted.cos_sin_table.data_ptr() == address
+
+
 # --- GGUF -------------------------------------------------------------------------------------
 
 

@@ -84,8 +84,28 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``tokenmill`` parser with every subcommand; each takes ``--log-level`` and ``-v`` too."""
+# subcommands defined in their own modules (each with a ``register(subparsers)``)
+_SUBCOMMAND_MODULES = (("serve", "tokenmill.cli.serve"), ("bench", "tokenmill.cli.bench"), ("plan", "tokenmill.cli.plan"),
+                       ("router", "tokenmill.cli.router"))
+
+
+def named_subcommand(argv: list[str]) -> str | None:
+    """The module-defined subcommand ``argv`` runs (its first word that is not an option or an option's
+    value), or None (another command, or none)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in dict(_SUBCOMMAND_MODULES) else None
+    return None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``tokenmill`` parser with every subcommand; each takes ``--log-level`` and ``-v`` too.
+
+    ``only``: of the module-defined subcommands (serve, bench, plan, router), register just this one
+    (``main`` passes the one argv names: importing the others costs 50 ms of a server's start)."""
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill LLM inference engine")
     add_logging_args(parser, top_level=True)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat, builds_engine=True)
 
-    for name, module in (("serve", "tokenmill.cli.serve"), ("bench", "tokenmill.cli.bench"), ("plan", "tokenmill.cli.plan"),
-                         ("router", "tokenmill.cli.router")):
+    for name, module in _SUBCOMMAND_MODULES:
+        if only is not None and name != only:
+            continue
         try:
             mod = __import__(module, fromlist=["register"])
         except ImportError:
@@ -118,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, set up logging and run the subcommand; returns the exit code (2: bad input)."""
     pause_for_startup()  # until the engine has loaded (tokenmill/startup_gc.py)
     try:
-        parser = build_parser()
+        parser = build_parser(named_subcommand(sys.argv[1:] if argv is None else argv))
         args = parser.parse_args(argv)
         if not getattr(args, "builds_engine", False):
             resume_after_startup()

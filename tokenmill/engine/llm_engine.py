@@ -17,7 +17,6 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.stats_logger import StatsLogger
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.kv_events import KVEventCollector
-from tokenmill.kv_events.publisher import build_kv_event_publisher
 from tokenmill.kv_offload import build_kv_store
 from tokenmill.kv_transfer.blocks import BlockIO, tokenizer_fingerprint
 from tokenmill.layers.rotary_embedding import set_rope_max_model_len
@@ -165,7 +164,11 @@ class LLMEngine(RLEngineOps):
         self._fault_steps = envs.fault_inject_steps()  # test only (docs/environment.md); empty: no cost per step
         self._num_forwards = 0
         self.model_name = self.loaded.model_path
-        self.kv_events = build_kv_event_publisher(config.kv_events_config, kv_events)  # binds its sockets: last
+        self.kv_events = None  # the publisher binds its sockets: last (pyzmq is imported only for it)
+        if kv_events is not None:
+            from tokenmill.kv_events.publisher import build_kv_event_publisher
+
+            self.kv_events = build_kv_event_publisher(config.kv_events_config, kv_events)
         # Everything alive now (modules, weights, tokenizer tables: ~350k objects) lives as long as the
         # engine: move it out of the collector's generations so that full collections, which would otherwise
         # scan it all in the middle of a decode step (60 ms each here), see only what steps allocate (as

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenmill import envs
-from tokenmill.light_tokenizer import LightTokenizer, light_tokenizer_fits
+from tokenmill.light_tokenizer import open_light_tokenizer
 
 if TYPE_CHECKING:  # torch only where weights are read or written: the router reads tokenizers without it
     import torch
@@ -283,19 +283,18 @@ def cached_tokenizer(path: Path, produce: Callable[[], object]):
     saved = entry_dir(path) / _TOKENIZER
     if saved.is_dir():
         try:
-            if light_tokenizer_fits(saved):  # served without importing transformers (tokenmill/light_tokenizer.py)
-                return LightTokenizer(saved)
-            return _tokenizer_class(saved).from_pretrained(str(saved))
+            light = open_light_tokenizer(saved)  # served without importing transformers (tokenmill/light_tokenizer.py)
+            return light if light is not None else _tokenizer_class(saved).from_pretrained(str(saved))
         except (ValueError, KeyError, TypeError, OSError) as exc:
             _discard(saved, exc)
     tokenizer = produce()
     _store(entry_dir(path), lambda tmp: tokenizer.save_pretrained(str(tmp / _TOKENIZER)), _TOKENIZER)
-    if light_tokenizer_fits(saved):  # the first load serves what every later one does
-        try:
-            return LightTokenizer(saved)
-        except (ValueError, OSError) as exc:
-            logger.warning("GGUF cache: %s cannot be read back (%s); serving transformers' tokenizer", saved, exc)
-    return tokenizer
+    try:  # the first load serves what every later one does
+        light = open_light_tokenizer(saved)
+    except (ValueError, OSError) as exc:
+        logger.warning("GGUF cache: %s cannot be read back (%s); serving transformers' tokenizer", saved, exc)
+        light = None
+    return tokenizer if light is None else light
 
 
 def _tokenizer_class(saved: Path):

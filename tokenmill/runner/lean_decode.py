@@ -28,6 +28,7 @@ import torch
 from tokenmill.attention import cpu_decode, cpu_prefill
 from tokenmill.csrc_build import DEFAULT_FLAGS, CLibrary
 from tokenmill.layers import batch_invariant, silu_and_mul_kernel
+from tokenmill.layers.rotary_embedding import RotaryEmbedding
 from tokenmill.quantization import qgemm
 
 logger = logging.getLogger(__name__)
@@ -242,13 +243,13 @@ class LeanDecode:
     threads: int | None = None  # a fixed thread count for the C call (tests, benchmarks); None: ThreadChoice
 
     def __init__(self, lib: ctypes.CDLL, desc: _Model, described: tuple[ctypes.Array, list[torch.Tensor]],
-                 cos_sin: torch.Tensor, dtype: torch.dtype, probe, isa: str, weights_key: tuple[int, int],
+                 rope: RotaryEmbedding, dtype: torch.dtype, probe, isa: str, weights_key: tuple[int, int],
                  prefill_kernel: bool = False) -> None:
         self._lib = lib
         self.isa = isa  # the kernels' ISA path
         self._desc = desc
         self._layers, self._keep = described  # the ctypes array desc.layers points into; the tensors it points at
-        self._cos_sin = cos_sin
+        self._rope = rope  # its table's address is in desc; desc.max_position follows its filled rows
         self._weights_key = weights_key
         self.dtype = dtype
         self._probe = probe  # a quantized layer: its dequantize_table says which row counts take the kernel
@@ -340,6 +341,10 @@ class LeanDecode:
         ptrs = self._kv_pointers(kv_caches)
         if ptrs is None:
             return None
+        rope = self._rope
+        if rope.rows_ready == 0:  # no engine has fitted the table (set_max_model_len): all of it, as forward does
+            rope.fill_rows(rope.max_position_embeddings)
+        self._desc.max_position = rope.rows_ready  # a position past the filled rows: the torch path (which raises)
         hidden = model.embed_tokens(input_ids).contiguous()  # (T, hidden), overwritten by the C call
         batch, keep = step_batch(metadata, positions, kv_caches[0][0].shape[0], mixed)  # keep: alive over the call
         pool = torch.get_num_threads()
@@ -548,7 +553,8 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
             or any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms + latent_norms)):
         return "RMSNorms with different eps or dtypes"
     head_dim = attn0.latent_dim if mla else attn0.head_dim  # the cached vector's width (MLA: one KV head)
-    cache = inner.rotary_emb.cos_sin_cache
+    rope = inner.rotary_emb
+    cache = rope.cos_sin_table  # its address only: the rows are filled before a step reads them (LeanDecode)
     if (cache.dtype != torch.float32 or not cache.is_contiguous()
             or cache.shape[1] != (attn0.qk_rope_head_dim if mla else attn0.head_dim)):
         return "a RoPE cache the lean step cannot read"
@@ -567,7 +573,7 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
                   num_kv_heads=1 if mla else attn0.num_kv_heads, head_dim=head_dim,
                   intermediate=max([layer.mlp.down_proj.in_features for layer in layers
                                     if type(layer.mlp) is LlamaMLP] or [1]), block_size=block_size,
-                  max_position=cache.shape[0], eps=eps, scale=attn0.attn.scale, bf16=int(dtype == torch.bfloat16),
+                  max_position=rope.rows_ready, eps=eps, scale=attn0.attn.scale, bf16=int(dtype == torch.bfloat16),
                   cos_sin=cache.data_ptr(), layers=described[0], kernels=kernels[0])
     if mla:
         desc.mla, desc.rope_interleave, desc.latent_eps = 1, int(attn0.rope_interleave), latent_eps
@@ -575,6 +581,6 @@ def install_lean_decode(model, dtype: torch.dtype, block_size: int, isa: str | N
                                                          attn0.qk_rope_head_dim)
         desc.v_head, desc.q_lora_rank = attn0.v_head_dim, int(attn0.q_lora_rank or 0)
     probe = (attn0.kv_a_proj_with_mqa if mla else attn0.qkv_proj).quant
-    inner.lean_decode = LeanDecode(lib, desc, described, cache, dtype, probe, kernels[1], _weights_key(layers),
+    inner.lean_decode = LeanDecode(lib, desc, described, rope, dtype, probe, kernels[1], _weights_key(layers),
                                    prefill_kernel)
     return None

@@ -9,7 +9,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
 
 from tokenmill.sampling_params import StructuredOutputsParams
 
@@ -150,6 +149,8 @@ def _check_parameters(schema: Any, where: str) -> None:
         raise ToolCallingError(f"{where} must be a JSON schema object", where)
     if "type" in schema and schema["type"] != "object":
         raise ToolCallingError(f'{where} must describe an object (type "object"), got type {schema["type"]!r}', where)
+    import jsonschema  # on the first request with tools (60 ms of a server's start otherwise)
+
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.exceptions.SchemaError as e:
