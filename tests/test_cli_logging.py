@@ -132,6 +132,7 @@ def test_only_the_named_subcommand_module_is_imported_and_every_command_still_pa
     assert named_subcommand(["serve", "model.gguf", "--port", "8000"]) == "serve"
     assert named_subcommand(["-v", "--log-level", "debug", "plan", "--memory", "8"]) == "plan"
     assert named_subcommand(["generate", "serve"]) is None and named_subcommand(["--help"]) is None
+    assert named_subcommand(["-h", "serve"]) is None and named_subcommand(["serve", "-h"]) == "serve"
     assert named_subcommand([]) is None
     choices = build_parser("serve")._subparsers._group_actions[0].choices
     assert set(choices) == {"generate", "chat", "serve"}

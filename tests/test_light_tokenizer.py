@@ -28,8 +28,8 @@ TRIM_TEMPLATE = """{% for m in messages %}[{{ m.role | upper }}] {{ m.content | 
 
 
 def save_as_qwen2(saved) -> None:
-    """Make the tokenizer saved in ``saved`` a Qwen2Tokenizer one, as a Qwen2/Qwen3 GGUF's is cached (transformers
-    then tokenizes with Qwen2's pipeline around the file's vocabulary and merges, not the file's pipeline)."""
+    """Make the tokenizer saved in ``saved`` a Qwen2Tokenizer one, as a Qwen2/Qwen3 GGUF's is cached (its
+    pipeline stays the saved one: the first load's, llama.cpp's split for the file)."""
     config = saved / "tokenizer_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "Qwen2Tokenizer",
                                   "add_prefix_space": None}))
@@ -38,9 +38,8 @@ def save_as_qwen2(saved) -> None:
 @pytest.fixture(scope="module", params=["own", "tools", "trim", "docs", "qwen2"])
 def pair(request, tmp_path_factory):
     """(LightTokenizer, transformers tokenizer) of the embedded GGUF's saved tokenizer with one chat template,
-    or saved as a Qwen2Tokenizer ("qwen2")."""
-    from transformers import AutoTokenizer
-
+    or saved as a Qwen2Tokenizer ("qwen2": transformers' fast class over the saved pipeline, as the first load
+    served it)."""
     hf0 = transformers_tokenizer(smollm2_tokenizer())
     saved = tmp_path_factory.mktemp(f"tok-{request.param}")
     hf0.save_pretrained(str(saved))
@@ -49,10 +48,7 @@ def pair(request, tmp_path_factory):
         (saved / "chat_template.jinja").write_text(template)
     if request.param == "qwen2":
         save_as_qwen2(saved)
-        hf = AutoTokenizer.from_pretrained(str(saved))
-        assert type(hf).__name__ == "Qwen2Tokenizer"
-    else:
-        hf = PreTrainedTokenizerFast.from_pretrained(str(saved))
+    hf = PreTrainedTokenizerFast.from_pretrained(str(saved))
     light = open_light_tokenizer(saved)
     assert light is not None and light_tokenizer_fits(saved)
     return light, hf
@@ -126,7 +122,7 @@ def test_chat_templates_render_as_transformers_renders_them(pair, index):
                 assert outcome(lambda: light.apply_chat_template(conversation, tokenize=False, **kwargs)) == expected
                 rendered += expected[0] == "ok"
     assert rendered or light.chat_template != TOOLS_TEMPLATE  # the tools template renders every conversation
-    assert light.hf_class_name == type(hf).__name__ and light._hf is None  # none of it needed transformers
+    assert light.hf_class_name in (type(hf).__name__, "Qwen2Tokenizer") and light._hf is None  # no transformers
 
 
 def test_template_errors_and_bad_options_are_raised_as_transformers_raises_them(pair):
@@ -202,18 +198,32 @@ def test_only_plain_saved_tokenizers_are_served_light(tmp_path):
     assert not light_tokenizer_fits(tmp_path / "plain") and not light_tokenizer_fits(tmp_path / "missing")
 
 
-def test_a_qwen2_file_whose_model_the_class_would_rebuild_stays_with_transformers(tmp_path):
-    """transformers' Qwen2Tokenizer rebuilds the BPE model with its own options: a file with others (here
-    ignore_merges, as Llama 3's BPE has) is not served light."""
-    hf = transformers_tokenizer(smollm2_tokenizer())
-    hf.save_pretrained(str(tmp_path))
-    save_as_qwen2(tmp_path)
-    assert open_light_tokenizer(tmp_path) is not None
-    tokenizer_json = tmp_path / "tokenizer.json"
-    content = json.loads(tokenizer_json.read_text())
-    content["model"]["ignore_merges"] = True
-    tokenizer_json.write_text(json.dumps(content))
-    assert light_tokenizer_fits(tmp_path) and open_light_tokenizer(tmp_path) is None
+def test_a_cached_qwen2_tokenizer_keeps_the_pipeline_the_first_load_saved(tmp_path, monkeypatch):
+    """A Qwen2/Qwen3 GGUF's tokenizer is cached as a Qwen2Tokenizer. Reloaded, it splits as the first load did
+    (llama.cpp's split for the file: here SmolLM2's, digits cut out first) on the light path and on the
+    transformers one, not as transformers' Qwen2Tokenizer class rebuilds it (NFC, then Qwen2's split)."""
+    from transformers import AutoTokenizer
+
+    from tests.test_gguf_cache import fresh_gguf_cache
+    from tokenmill.models import gguf_cache
+
+    fresh_gguf_cache(tmp_path / "cache", monkeypatch)
+    first = transformers_tokenizer(smollm2_tokenizer())  # what the first load built (llama.cpp's split)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    gguf_cache.cached_tokenizer(gguf, lambda: first)
+    saved = gguf_cache.entry_dir(gguf) / "tokenizer"
+    save_as_qwen2(saved)
+    cached = gguf_cache.cached_tokenizer(gguf, lambda: pytest.fail("the cached entry is read back"))
+    assert isinstance(cached, LightTokenizer) and cached.hf_class_name == "Qwen2Tokenizer"
+    rebuilt = AutoTokenizer.from_pretrained(str(saved))  # the class's own pipeline
+    assert type(rebuilt).__name__ == "Qwen2Tokenizer"
+    differs = 0
+    for text in texts() + ["x\n\n1 22\n\n3", "e\u0301 ＡＢ I'M"]:
+        assert cached.encode(text) == first.encode(text), repr(text)
+        assert gguf_cache._tokenizer_class(saved).from_pretrained(str(saved)).encode(text) == first.encode(text)
+        differs += rebuilt.encode(text) != first.encode(text)
+    assert differs  # the class's rebuild would have changed the ids
 
 
 def test_a_cached_gguf_serves_chat_without_importing_transformers():

@@ -91,46 +91,6 @@ def test_load_failure_is_reported(tmp_path):
     assert len(failures) == 1 and isinstance(failures[0], ValueError)
 
 
-def test_an_engine_loading_before_its_loop_reports_and_serves_only_after_start(tiny_path, tmp_path):
-    """begin_loading (what `tokenmill serve` does before importing the web stack) builds on the engine thread at
-    once; the hooks attached afterwards run, and /health-style state turns ready, only once start(loop) is
-    called; a load failure waits for start too, then is reported once."""
-    import time
-
-    loaded, failures = [], []
-    engine = AsyncEngine(EngineArgs(**tiny_kwargs(tiny_path)))
-    engine.begin_loading()
-    engine.attach(on_loaded=loaded.append, on_load_failure=failures.append)
-    assert engine.built.wait(120)  # the build itself needs no loop
-    time.sleep(0.2)
-    assert engine.is_loading and not loaded and not failures and engine.llm is None
-
-    async def run():
-        engine.start(asyncio.get_running_loop())
-        assert await asyncio.to_thread(engine.wait_loaded, 120)
-        stream = await engine.add([request("a", 8)])
-        finals = [o async for o in stream if o.finished]
-        assert len(finals) == 1 and len(finals[0].outputs[0].token_ids) == 4
-        await asyncio.to_thread(engine.shutdown)
-
-    asyncio.run(run())
-    assert len(loaded) == 1 and loaded[0] is engine.llm and not failures
-
-    broken = AsyncEngine(EngineArgs(model=str(tmp_path / "missing")))
-    broken.begin_loading()
-    broken.attach(on_load_failure=failures.append)
-    assert broken.built.wait(60)
-    time.sleep(0.2)
-    assert not failures and broken.is_loading
-
-    async def run_broken():
-        broken.start(asyncio.get_running_loop())
-        assert not await asyncio.to_thread(broken.wait_loaded, 60)
-
-    asyncio.run(run_broken())
-    assert len(failures) == 1 and isinstance(failures[0], ValueError) and not broken.is_healthy
-
-
 def test_serve_exits_with_2_and_one_line_when_the_model_path_is_wrong(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tokenmill.cli.main", "serve", str(tmp_path / "missing"),
                            "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=120)

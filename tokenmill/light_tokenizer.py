@@ -17,12 +17,13 @@ special tokens, and a Jinja chat template. :class:`LightTokenizer` serves those 
 
 Saved tokenizers of the plain fast class (``tokenizer_class`` ``TokenizersBackend`` or
 ``PreTrainedTokenizerFast``, what llama-type GGUF files give) and of ``Qwen2Tokenizer`` (Qwen2 and Qwen3 files)
-whose config holds nothing but the fields read here come this way (:func:`light_tokenizer_fits`). transformers
-5 builds a ``Qwen2Tokenizer`` around the file's vocabulary and merges with its own pipeline (NFC, then Qwen2's
-split pattern, then byte-level: llama.cpp's "qwen2" pre-tokenizer too), whatever pipeline tokenizer.json
-holds; :func:`open_light_tokenizer` sets the same pipeline, and keeps transformers' tokenizer for a file whose
-BPE options that class would change. tests/test_light_tokenizer.py compares every method against
-transformers on each such tokenizer the tests build.
+whose config holds nothing but the fields read here come this way (:func:`light_tokenizer_fits`). Every one runs
+the pipeline tokenizer.json holds: the one the first load built from the GGUF, llama.cpp's split for the file's
+``tokenizer.ggml.pre`` included (``models/gguf_tokenizer.py``). transformers 5's ``Qwen2Tokenizer`` class would
+instead rebuild its own pipeline around the vocabulary (NFC, then Qwen2's split), which is not what the first
+load served nor what llama.cpp runs for a file whose ``pre`` is not "qwen2"; so its transformers fallback
+(``hf``) is the plain fast class too. tests/test_light_tokenizer.py compares every method against transformers
+on each such tokenizer the tests build.
 """
 from __future__ import annotations
 
@@ -39,16 +40,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 LIGHT_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast", "Qwen2Tokenizer")
-_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # the file's own pipeline, as saved
-# Qwen2's pre-tokenizer split (the pattern of Qwen2's tokenizer and of llama.cpp's "qwen2" pre-tokenizer):
-# contractions in any case, a letter run with one leading non-letter, single digits, punctuation runs with
-# their line breaks, line-break runs, then other whitespace
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")
-# The byte-level BPE options of the model transformers' Qwen2Tokenizer builds (None and "" alike: no affix)
-_QWEN2_BPE = {"dropout": (None,), "unk_token": (None,), "continuing_subword_prefix": (None, ""),
-              "end_of_word_suffix": (None, ""), "fuse_unk": (False,), "byte_fallback": (False,),
-              "ignore_merges": (False,)}
 # tokenizer_config.json fields whose meaning this class reproduces; a config with any other field (added
 # tokens with their own flags, add_bos_token, a processor class, ...) keeps transformers' tokenizer
 _KNOWN_FIELDS = frozenset({
@@ -79,15 +70,12 @@ def light_tokenizer_fits(saved: Path) -> bool:
 
 def open_light_tokenizer(saved: Path) -> LightTokenizer | None:
     """``saved`` as a :class:`LightTokenizer`, or None where it must be transformers' (it does not
-    :func:`light_tokenizer_fits`, or its class would rebuild a model with other options than the file's).
+    :func:`light_tokenizer_fits`).
 
     Raises:
         OSError, ValueError: the files cannot be read or parsed.
     """
-    if not light_tokenizer_fits(saved):
-        return None
-    light = LightTokenizer(saved)
-    return light if light.rebuilt_as_transformers() else None
+    return LightTokenizer(saved) if light_tokenizer_fits(saved) else None
 
 
 class LightTokenizer:
@@ -118,9 +106,6 @@ class LightTokenizer:
         self._fields = fields  # to rebuild transformers' tokenizer should the directory be gone by then (hf)
         self.backend_tokenizer = Tokenizer.from_file(str(saved / "tokenizer.json"))
         self._hf_class = fields.get("tokenizer_class", "TokenizersBackend")
-        self._same_model = True  # whether the class keeps the file's model (rebuilt_as_transformers)
-        if self._hf_class == "Qwen2Tokenizer":
-            self._qwen2_pipeline()
         template_file = saved / "chat_template.jinja"
         self.chat_template: str | None = (template_file.read_text(encoding="utf-8") if template_file.is_file()
                                           else fields.get("chat_template"))
@@ -129,26 +114,6 @@ class LightTokenizer:
         self.special_tokens_map = {name: fields[name] for name in _SPECIAL if fields.get(name) is not None}
         self._hf: Any = None
         self._hf_lock = threading.Lock()
-
-    def _qwen2_pipeline(self) -> None:
-        """The pipeline transformers' Qwen2Tokenizer puts around the file's vocabulary and merges."""
-        from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
-
-        model = self.backend_tokenizer.model
-        self._same_model = isinstance(model, models.BPE) and all(
-            getattr(model, name) in allowed for name, allowed in _QWEN2_BPE.items())
-        self.backend_tokenizer.normalizer = normalizers.NFC()
-        self.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-        self.backend_tokenizer.decoder = decoders.ByteLevel()
-
-    def rebuilt_as_transformers(self) -> bool:
-        """Whether this object tokenizes as transformers' tokenizer class of these files does: True for the
-        plain classes (the file's pipeline) and for a Qwen2Tokenizer file whose BPE model has the options
-        that class builds (its pipeline is set here)."""
-        return self._same_model
 
     # ---- special tokens -------------------------------------------------------------------------
     @property
@@ -307,7 +272,7 @@ class LightTokenizer:
                 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
                 logger.debug("loading transformers' tokenizer for %s", self._saved)
-                cls = PreTrainedTokenizerFast if self._hf_class in _PLAIN_CLASSES else AutoTokenizer
+                cls = PreTrainedTokenizerFast if self._hf_class in LIGHT_CLASSES else AutoTokenizer
                 try:
                     self._hf = cls.from_pretrained(str(self._saved))
                 except OSError:  # the cache entry went away since the start: the same files, from memory

@@ -91,9 +91,11 @@ _SUBCOMMAND_MODULES = (("serve", "tokenmill.cli.serve"), ("bench", "tokenmill.cl
 
 def named_subcommand(argv: list[str]) -> str | None:
     """The module-defined subcommand ``argv`` runs (its first word that is not an option or an option's
-    value), or None (another command, or none)."""
+    value), or None (another command, none, or the top-level help asked for first)."""
     words = iter(argv)
     for word in words:
+        if word in ("-h", "--help"):  # the top-level help lists every subcommand
+            return None
         if word == "--log-level":
             next(words, None)
         elif not word.startswith("-"):

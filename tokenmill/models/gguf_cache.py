@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenmill import envs
-from tokenmill.light_tokenizer import open_light_tokenizer
+from tokenmill.light_tokenizer import LIGHT_CLASSES, open_light_tokenizer
 
 if TYPE_CHECKING:  # torch only where weights are read or written: the router reads tokenizers without it
     import torch
@@ -300,10 +300,10 @@ def cached_tokenizer(path: Path, produce: Callable[[], object]):
 def _tokenizer_class(saved: Path):
     """The class that reloads a saved tokenizer: ``PreTrainedTokenizerFast`` (transformers'
     ``TokenizersBackend``) when the saved tokenizer_config.json names that class, as it does for the llama
-    model type's GGUF tokenizers (Llama 3 and SmolLM2 files among them), else ``AutoTokenizer`` (Qwen2's and
-    Gemma's are saved as their own classes, whose modules sit behind the same index). The same class
-    AutoTokenizer would pick, without building transformers' index of every model (0.6 s of a cached start on
-    a Zen 1 EPYC).
+    model type's GGUF tokenizers (Llama 3 and SmolLM2 files among them), or ``Qwen2Tokenizer`` (whose class
+    would replace the saved pipeline, llama.cpp's split for the file, with its own: see
+    ``tokenmill.light_tokenizer``), else ``AutoTokenizer`` (Gemma's are saved as their own class, whose module
+    sits behind transformers' index of every model: 0.6 s of a cached start on a Zen 1 EPYC).
 
     Raises:
         ValueError: tokenizer_config.json is not a JSON object (the caller rebuilds the entry).
@@ -315,7 +315,7 @@ def _tokenizer_class(saved: Path):
     if not isinstance(fields, dict):
         raise ValueError("tokenizer_config.json is not a JSON object")
     named = fields.get("tokenizer_class")
-    if named in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+    if named in LIGHT_CLASSES:
         return PreTrainedTokenizerFast
     from transformers import AutoTokenizer
 

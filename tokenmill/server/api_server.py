@@ -38,7 +38,7 @@ from tokenmill import csrc_build
 from tokenmill.config import ConfigError
 from tokenmill.security.http import (AllowedHostsMiddleware, APIKeyMiddleware, BodySizeLimitMiddleware,
                                      JSONContentTypeMiddleware, allowed_hosts_for, is_loopback)
-from tokenmill.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from tokenmill.server.async_engine import EngineDeadError, RequestFailedError
 from tokenmill.openapi_errors import document_error_responses
 from tokenmill.server.errors import APIError, error_response, install_error_handlers
 from tokenmill.server.kv_transfer_params import kv_transfer_router
@@ -190,11 +190,9 @@ def install_surface_guards(app: FastAPI, config: ServerConfig) -> None:
     app.add_middleware(AllowedHostsMiddleware, allowed_hosts=allowed_hosts_for(config.host, config.allowed_hosts))
 
 
-def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], None] | None = None,
-              engine: AsyncEngine | None = None) -> FastAPI:
-    """The app; its lifespan starts the engine thread (model loading) and stops it on shutdown. ``engine``: one
-    made for ``config.engine_args`` that may already be loading (``AsyncEngine.begin_loading``)."""
-    state = ServerState(config, on_load_failure, engine)
+def build_app(config: ServerConfig, on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine thread (model loading) and stops it on shutdown."""
+    state = ServerState(config, on_load_failure)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -401,17 +399,17 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(config: ServerConfig, engine: AsyncEngine | None = None) -> int:
+def run_server(config: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM (then drain: ``DrainingServer``); returns the process exit code: 0, 2 if a
     setting was refused while the model loaded (printed as one ``error:`` line naming the flag), 1 for any
-    other load failure. ``engine``: as for ``build_app``."""
+    other load failure."""
     load_failures: list[BaseException] = []
 
     def on_load_failure(exc: BaseException) -> None:
         load_failures.append(exc)
         server.should_exit = True
 
-    app = build_app(config, on_load_failure, engine)
+    app = build_app(config, on_load_failure)
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_config=None, timeout_graceful_shutdown=RESPONSE_GRACE_S,
     ), app.state.server, config.shutdown_timeout)

@@ -164,8 +164,6 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._started = threading.Event()  # start(loop) was called: the thread may report its load and serve
-        self.built = threading.Event()  # set once the build has ended, either way (before start, with begin_loading)
         self.llm: LLM | None = None  # set once loaded; read-only for the event loop
         self.ready = threading.Event()  # set once the engine is built
         self._load_ended = threading.Event()  # set once loading succeeded or failed
@@ -177,31 +175,12 @@ class AsyncEngine:
         self._num_adding = 0  # event loop only: adds sent and not answered yet
         self._consecutive_step_failures = 0  # engine thread only
 
-    def attach(self, tracker: RequestMetricsTracker | None = None,
-               on_load_failure: Callable[[BaseException], None] | None = None,
-               on_loaded: Callable[[LLM], None] | None = None, max_queued_requests: int | None = None) -> None:
-        """Set the constructor's hooks on an engine made before its server (``begin_loading``); call it before
-        ``start``. The thread reads them only once ``start`` has been called."""
-        self._tracker, self._on_load_failure = tracker, on_load_failure
-        self._on_loaded, self._max_queued_requests = on_loaded, max_queued_requests
-
-    def begin_loading(self) -> None:
-        """Start the engine thread now, before there is an event loop: it builds the engine (model, KV pool,
-        kernels) while the caller goes on, e.g. importing the web stack (``tokenmill serve``: about 0.5 s of a
-        3.5 s cached start overlaps this way). It reports the result (``on_loaded`` / ``on_load_failure``,
-        ``/health``) and serves only after ``start(loop)``. No-op if the thread is already running."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
-                self._thread.start()
-
     # ---- event-loop side ------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the engine thread (or let the one ``begin_loading`` started go on); outputs are delivered on
-        ``loop``."""
+        """Start the engine thread; outputs are delivered on ``loop``."""
         self._loop = loop
-        self._started.set()
-        self.begin_loading()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         """Block until loading ends (either way); True if the engine is then healthy."""
@@ -299,17 +278,8 @@ class AsyncEngine:
 
     # ---- engine-thread side ----------------------------------------------------------------
     def _run(self) -> None:
-        built: LLM | BaseException
         try:
-            built = LLM.from_engine_args(self._engine_args)
-        except BaseException as exc:  # noqa: BLE001 - reported below, once start() has been called
-            built = exc
-        self.built.set()
-        self._started.wait()  # begin_loading: the loop and the hooks are set once start() has been called
-        try:
-            if isinstance(built, BaseException):
-                raise built
-            self.llm = built
+            self.llm = LLM.from_engine_args(self._engine_args)
             if self._on_loaded is not None:
                 self._on_loaded(self.llm)
         except BaseException as exc:  # noqa: BLE001 - reported through /health and on_load_failure

@@ -119,8 +119,7 @@ class ServerConfig:
 class ServerState:
     """The engine, the metrics and the served name, shared by all routes (``app.state.server``)."""
 
-    def __init__(self, config: ServerConfig, on_load_failure: Callable[[BaseException], None] | None = None,
-                 engine: AsyncEngine | None = None) -> None:
+    def __init__(self, config: ServerConfig, on_load_failure: Callable[[BaseException], None] | None = None) -> None:
         self.config = config
         self.model_name = config.served_model_name
         self.created = int(time.time())
@@ -132,10 +131,9 @@ class ServerState:
                                         base_model_name=self.model_name,
                                         tracer=RequestTracer(self.tracing, config.collect_detailed_traces)
                                         if self.tracing is not None else None)
-        # ``engine``: one already loading (``AsyncEngine.begin_loading``) for these engine_args
-        self.engine = engine if engine is not None else AsyncEngine(config.engine_args)
-        self.engine.attach(tracker, on_load_failure, on_loaded=lambda llm: self.adapters.register_static(llm.engine),
-                           max_queued_requests=config.request_limits.max_queued_requests)
+        self.engine = AsyncEngine(config.engine_args, tracker, on_load_failure,
+                                  on_loaded=lambda llm: self.adapters.register_static(llm.engine),
+                                  max_queued_requests=config.request_limits.max_queued_requests)
         self.rl = RLGate(self.engine, config.max_paused_requests)  # pause / sleep gate, weight version
         self.draining = False  # set on SIGTERM/SIGINT: new requests get 503, /ready answers 503
         self._token_strings: TokenStrings | None = None

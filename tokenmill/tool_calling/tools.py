@@ -9,7 +9,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-
 from tokenmill.sampling_params import StructuredOutputsParams
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
