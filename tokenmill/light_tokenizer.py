@@ -53,29 +53,38 @@ def light_tokenizer_fits(saved: Path) -> bool:
     """Whether the tokenizer saved in ``saved`` (a ``save_pretrained`` directory) can be a
     :class:`LightTokenizer`: a plain fast class, only known config fields, no cleanup of spaces, a string or
     no chat template. Never raises (an unreadable directory: False)."""
-    try:
-        fields = json.loads((saved / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if not isinstance(fields, dict) or fields.get("tokenizer_class") not in LIGHT_CLASSES:
-        return False
-    if not set(fields) <= _KNOWN_FIELDS or fields.get("clean_up_tokenization_spaces", False) is not False:
-        return False
-    if not all(fields.get(name) is None or isinstance(fields[name], str) for name in _SPECIAL):
-        return False
-    if fields.get("add_prefix_space") not in (None, False):  # a prefix space: transformers' tokenizer rebuilds
-        return False
-    return (saved / "tokenizer.json").is_file() and not isinstance(fields.get("chat_template"), (list, dict))
+    return _fitting_fields(saved) is not None
 
 
 def open_light_tokenizer(saved: Path) -> LightTokenizer | None:
     """``saved`` as a :class:`LightTokenizer`, or None where it must be transformers' (it does not
-    :func:`light_tokenizer_fits`).
+    :func:`light_tokenizer_fits`). tokenizer_config.json is read once.
 
     Raises:
         OSError, ValueError: the files cannot be read or parsed.
     """
-    return LightTokenizer(saved) if light_tokenizer_fits(saved) else None
+    fields = _fitting_fields(saved)
+    return None if fields is None else LightTokenizer(saved, fields)
+
+
+def _fitting_fields(saved: Path) -> dict | None:
+    """tokenizer_config.json's fields where ``saved`` fits a :class:`LightTokenizer` (light_tokenizer_fits), else
+    None."""
+    try:
+        fields = json.loads((saved / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(fields, dict) or fields.get("tokenizer_class") not in LIGHT_CLASSES:
+        return None
+    if not set(fields) <= _KNOWN_FIELDS or fields.get("clean_up_tokenization_spaces", False) is not False:
+        return None
+    if not all(fields.get(name) is None or isinstance(fields[name], str) for name in _SPECIAL):
+        return None
+    if fields.get("add_prefix_space") not in (None, False):  # a prefix space: transformers' tokenizer rebuilds
+        return None
+    if not (saved / "tokenizer.json").is_file() or isinstance(fields.get("chat_template"), (list, dict)):
+        return None
+    return fields
 
 
 class LightTokenizer:
@@ -84,6 +93,7 @@ class LightTokenizer:
     Args:
         saved: the directory ``save_pretrained`` wrote (tokenizer.json, tokenizer_config.json and, from
             transformers 5, chat_template.jinja).
+        fields: tokenizer_config.json's fields when the caller has read them already (default: read here).
 
     Raises:
         OSError, ValueError: the files cannot be read or parsed.
@@ -96,13 +106,14 @@ class LightTokenizer:
     padding_side = "right"
     truncation_side = "right"
 
-    def __init__(self, saved: Path | str) -> None:
+    def __init__(self, saved: Path | str, fields: dict | None = None) -> None:
         from tokenizers import Tokenizer
 
         saved = Path(saved)
         self._saved = saved
         self.name_or_path = str(saved)
-        fields = json.loads((saved / "tokenizer_config.json").read_text(encoding="utf-8"))
+        if fields is None:
+            fields = json.loads((saved / "tokenizer_config.json").read_text(encoding="utf-8"))
         self._fields = fields  # to rebuild transformers' tokenizer should the directory be gone by then (hf)
         self.backend_tokenizer = Tokenizer.from_file(str(saved / "tokenizer.json"))
         self._hf_class = fields.get("tokenizer_class", "TokenizersBackend")

@@ -120,6 +120,20 @@ AI void kt_pair_avx2(int fmt, const uint8_t* tb, int j, int lane, int kk, int iq
         *ub = _mm256_or_si256(*ub, _mm256_and_si256(kt_shift16(KT_LOAD(hp + 64), 4 - 2 * kk), m48));
     }
 }
+
+/* A row's 16-bit sums of one chunk pair (sa: chunk kk, sb: chunk 4 + kk; xa, xb: the broadcast activations). */
+AI void kt_pair_acc(__m256i ua, __m256i ub, __m256i qa, __m256i qb, __m256i xa, __m256i xb, int iq4_signed,
+                    __m256i* sa, __m256i* sb) {
+    *sa = KT_ADD16(*sa, KT_MADDUBS(ua, iq4_signed ? KT_SIGN(xa, qa) : xa));
+    *sb = KT_ADD16(*sb, KT_MADDUBS(ub, iq4_signed ? KT_SIGN(xb, qb) : xb));
+}
+
+/* A row's 16-bit sums into its 32-bit sums of each half of the group (s0, s1), then cleared. */
+AI void kt_pair_flush(__m256i ones, __m256i* s0, __m256i* s1, __m256i* sa, __m256i* sb) {
+    *s0 = KT_ADD32(*s0, KT_MADD(*sa, ones));
+    *s1 = KT_ADD32(*s1, KT_MADD(*sb, ones));
+    *sa = *sb = KT_ZERO();
+}
 #endif
 
 /* The lane scales (ds0, ds1: D times each row's scale of the group's halves) and mins (dm0, dm1) of group j; h
@@ -229,15 +243,10 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                     for (int h = 0; h < 2; h++) {
                         kt_vi ua, ub, qa = KT_ZERO(), qb = KT_ZERO();
                         kt_pair_avx2(fmt, tb, j, 32 * h, kk, iq4_signed, &ua, &ub, &qa, &qb);
-                        sa[h] = KT_ADD16(sa[h], KT_MADDUBS(ua, iq4_signed ? KT_SIGN(xa, qa) : xa));
-                        sb[h] = KT_ADD16(sb[h], KT_MADDUBS(ub, iq4_signed ? KT_SIGN(xb, qb) : xb));
+                        kt_pair_acc(ua, ub, qa, qb, xa, xb, iq4_signed, &sa[h], &sb[h]);
                     }
                     if ((kk + 1) % prun == 0)
-                        for (int h = 0; h < 2; h++) {
-                            s0[h] = KT_ADD32(s0[h], KT_MADD(sa[h], ones));
-                            s1[h] = KT_ADD32(s1[h], KT_MADD(sb[h], ones));
-                            sa[h] = sb[h] = KT_ZERO();
-                        }
+                        for (int h = 0; h < 2; h++) kt_pair_flush(ones, &s0[h], &s1[h], &sa[h], &sb[h]);
                 }
                 const kt_vf dx = KT_SETPS(a->d[idx]);
                 for (int h = 0; h < 2; h++) {
@@ -264,15 +273,10 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                         for (int r = 0; r < 2; r++) {
                             const int8_t* xq = a->q + (m0 + r) * a->K + g * QK;
                             const kt_vi xa = KT_SET32(load_i32(xq + 4 * kk)), xb = KT_SET32(load_i32(xq + 16 + 4 * kk));
-                            sa[r] = KT_ADD16(sa[r], KT_MADDUBS(ua, iq4_signed ? KT_SIGN(xa, qa) : xa));
-                            sb[r] = KT_ADD16(sb[r], KT_MADDUBS(ub, iq4_signed ? KT_SIGN(xb, qb) : xb));
+                            kt_pair_acc(ua, ub, qa, qb, xa, xb, iq4_signed, &sa[r], &sb[r]);
                         }
                         if ((kk + 1) % prun == 0)
-                            for (int r = 0; r < 2; r++) {
-                                s0[r] = KT_ADD32(s0[r], KT_MADD(sa[r], ones));
-                                s1[r] = KT_ADD32(s1[r], KT_MADD(sb[r], ones));
-                                sa[r] = sb[r] = KT_ZERO();
-                            }
+                            for (int r = 0; r < 2; r++) kt_pair_flush(ones, &s0[r], &s1[r], &sa[r], &sb[r]);
                     }
                     kt_vf ds0, ds1, dm0, dm1;
                     KT_GROUP_SCALES(fmt, tb, P, j, Dh[h], Mh[h], sc4, mn4, &ds0, &ds1, &dm0, &dm1);
