@@ -35,7 +35,7 @@ from tokenmill.quantization import GGUF_QUANT_TYPES, QuantizedTensor, qgemm
 from tokenmill.quantization.formats import TILE_ROWS, TILED_FORMATS
 
 QTYPES = sorted(GGUF_QUANT_TYPES)
-ROWS = (1, 2, 7, 33, 300)  # 2: the AVX2 Q8_0 path for 1-2 rows (tile_avx2_q8_rows) at 2
+ROWS = (1, 2, 5, 7, 11, 14, 33, 300)  # every remainder of the tiles' 4- and 8-row passes; 2: the AVX2 1-2 row paths
 N = 37  # output rows: off every tile of the kernels
 # in_features per format: 3 and 17 groups of 32, or 3 super blocks of 256 for the K-quants
 KS = {2: (96, 544), 3: (96, 544), 6: (96, 544), 7: (96, 544), 8: (96, 544), 20: (96, 544),
