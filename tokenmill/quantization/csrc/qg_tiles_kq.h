@@ -49,8 +49,16 @@
  */
 
 /* How far ahead of the group it reads a first pass over a tile prefetches, at every row count (as the
- * Q4_0/Q4_1/Q8_0 tiles do): 16384 x 2048 weights not in cache, one row, 2 threads of an AMX Xeon: Q4_K 18.8 -> 20.7 GB/s, Q6_K 18.3 -> 20.8 GB/s (768 bytes about the same, 1536 or 4+ groups slower). */
+ * Q4_0/Q4_1/Q8_0 tiles do), per path. 16384 x 2048 weights not in cache, one row, 2 threads:
+ * - AVX-512, an AMX Xeon: none -> 1 KB ahead, Q4_K 18.8 -> 20.7 GB/s, Q6_K 18.3 -> 20.8 GB/s (768 bytes about the
+ *   same, 1536 or 4+ groups slower);
+ * - AVX2, the Zen 1 EPYC (1 KB and 3 KB alternated 3 times): Q4_K 1.22-1.28 -> 1.11-1.14 ms, Q6_K 1.73-1.86 ->
+ *   1.66-1.75, Q5_0 1.56-1.59 -> 1.45-1.52, Q5_K 1.62-1.69 -> 1.55-1.64; 2 and 8 rows within 2%. */
+#if defined(QG_AVX512)
 #define KT_PF_BYTES 1024
+#else
+#define KT_PF_BYTES 3072
+#endif
 
 /* Activation rows per pass over a tile: 8 on every path. The AVX2 products spill some of the 8 rows' sums
  * beside the 8 code vectors, and still gain over 4 rows (the Q4_0/Q4_1/Q8_0 tiles' TILE_M there): each decoded
