@@ -128,17 +128,16 @@ AI void kt_pair_acc(__m256i ua, __m256i ub, __m256i qa, __m256i qb, __m256i xa, 
     *sb = KT_ADD16(*sb, KT_MADDUBS(ub, iq4_signed ? KT_SIGN(xb, qb) : xb));
 }
 
-/* A row's 16-bit sums into its 32-bit sums of each half of the group (s0, s1), then cleared. */
-AI void kt_pair_flush(__m256i ones, __m256i* s0, __m256i* s1, __m256i* sa, __m256i* sb) {
-    *s0 = KT_ADD32(*s0, KT_MADD(*sa, ones));
-    *s1 = KT_ADD32(*s1, KT_MADD(*sb, ones));
-    *sa = *sb = KT_ZERO();
-}
-
-/* The flush of a group whose 8 chunks share one scale and whose 16-bit sums of all 8 fit (run 8: Q4_K): sa + sb
- * widened once into s0 (the same integer as two flushes, one vpmaddwd fewer). */
-AI void kt_pair_flush_whole(__m256i ones, __m256i* s0, __m256i* sa, __m256i* sb) {
-    *s0 = KT_ADD32(*s0, KT_MADD(KT_ADD16(*sa, *sb), ones));
+/* A row's 16-bit sums into its 32-bit sums of each half of the group (s0, s1), then cleared. whole: the group's
+ * 8 chunks share one scale and their 16-bit sums all fit (run 8: Q4_K), so sa + sb widen once into s0 (the same
+ * integer, one vpmaddwd fewer). */
+AI void kt_pair_flush(__m256i ones, int whole, __m256i* s0, __m256i* s1, __m256i* sa, __m256i* sb) {
+    if (whole) {
+        *s0 = KT_ADD32(*s0, KT_MADD(KT_ADD16(*sa, *sb), ones));
+    } else {
+        *s0 = KT_ADD32(*s0, KT_MADD(*sa, ones));
+        *s1 = KT_ADD32(*s1, KT_MADD(*sb, ones));
+    }
     *sa = *sb = KT_ZERO();
 }
 #endif
@@ -252,10 +251,8 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                         kt_pair_avx2(fmt, tb, j, 32 * h, kk, iq4_signed, &ua, &ub, &qa, &qb);
                         kt_pair_acc(ua, ub, qa, qb, xa, xb, iq4_signed, &sa[h], &sb[h]);
                     }
-                    if (run == 8 && kk == 3)
-                        for (int h = 0; h < 2; h++) kt_pair_flush_whole(ones, &s0[h], &sa[h], &sb[h]);
-                    else if ((kk + 1) % prun == 0)
-                        for (int h = 0; h < 2; h++) kt_pair_flush(ones, &s0[h], &s1[h], &sa[h], &sb[h]);
+                    if ((kk + 1) % prun == 0)
+                        for (int h = 0; h < 2; h++) kt_pair_flush(ones, run == 8, &s0[h], &s1[h], &sa[h], &sb[h]);
                 }
                 const kt_vf dx = KT_SETPS(a->d[idx]);
                 for (int h = 0; h < 2; h++) {
@@ -284,10 +281,8 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                             const kt_vi xa = KT_SET32(load_i32(xq + 4 * kk)), xb = KT_SET32(load_i32(xq + 16 + 4 * kk));
                             kt_pair_acc(ua, ub, qa, qb, xa, xb, iq4_signed, &sa[r], &sb[r]);
                         }
-                        if (run == 8 && kk == 3)
-                            for (int r = 0; r < 2; r++) kt_pair_flush_whole(ones, &s0[r], &sa[r], &sb[r]);
-                        else if ((kk + 1) % prun == 0)
-                            for (int r = 0; r < 2; r++) kt_pair_flush(ones, &s0[r], &s1[r], &sa[r], &sb[r]);
+                        if ((kk + 1) % prun == 0)
+                            for (int r = 0; r < 2; r++) kt_pair_flush(ones, run == 8, &s0[r], &s1[r], &sa[r], &sb[r]);
                     }
                     kt_vf ds0, ds1, dm0, dm1;
                     KT_GROUP_SCALES(fmt, tb, P, j, Dh[h], Mh[h], sc4, mn4, &ds0, &ds1, &dm0, &dm1);
