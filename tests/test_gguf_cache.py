@@ -55,6 +55,52 @@ def test_weights_come_back_exactly_and_follow_the_file_version(cache_dir, tmp_pa
     assert len(calls) == 2
 
 
+def test_entries_of_files_gone_changed_or_unrecorded_are_pruned_when_a_new_entry_is_made(cache_dir, tmp_path):
+    """A file moved, replaced or reinstalled leaves its entry behind; the next new entry removes it. Entries of
+    files still there, unchanged, stay; so does a maker's fresh ``.new-*`` directory."""
+    def index_of(path):  # a real cache write: the tensor index
+        return gguf_cache.cached_tensor_index(path, lambda: [])
+
+    files = {name: tmp_path / f"{name}.gguf" for name in ("kept", "removed", "changed")}
+    for name, path in files.items():
+        path.write_bytes(name.encode())
+        index_of(path)
+    entries = {name: gguf_cache.entry_dir(path) for name, path in files.items()}
+    assert all(json.loads((e / "source.json").read_text())["path"] == str(files[n].resolve())
+               for n, e in entries.items())
+    legacy = gguf_cache.cache_root() / "old-0123456789abcdef"  # an older tokenmill's entry: no source.json
+    (legacy / "tokenizer").mkdir(parents=True)
+    maker = gguf_cache.cache_root() / ".new-abc"  # another process making an entry right now
+    maker.mkdir()
+    files["removed"].unlink()
+    os.utime(files["changed"], ns=(1, 1))
+
+    index_of(files["kept"])  # a cached load: makes nothing, removes nothing
+    assert entries["removed"].is_dir() and legacy.is_dir()
+    newer = tmp_path / "newer.gguf"
+    newer.write_bytes(b"newer")
+    index_of(newer)
+    left = {p.name for p in gguf_cache.cache_root().iterdir()}
+    assert left == {entries["kept"].name, gguf_cache.entry_dir(newer).name, maker.name}
+    index_of(files["changed"])  # the changed file's next load makes its new entry
+    assert gguf_cache.entry_dir(files["changed"]) != entries["changed"]
+    assert gguf_cache.entry_dir(files["changed"]).is_dir()
+    assert entries["kept"].is_dir() and maker.is_dir()
+
+
+def test_an_older_entry_still_in_use_gets_its_record_and_is_kept(cache_dir, tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"m")
+    gguf_cache.cached_tensor_index(gguf, lambda: [])
+    entry = gguf_cache.entry_dir(gguf)
+    (entry / "source.json").unlink()  # as an older tokenmill wrote it
+    assert gguf_cache.tile_directory(gguf) == entry  # the loader's cached load claims it
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"other")
+    gguf_cache.cached_tensor_index(other, lambda: [])
+    assert (entry / "source.json").is_file() and (entry / "tensors.json").is_file()
+
+
 def test_unwritable_cache_only_costs_the_speedup(tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -263,7 +309,7 @@ _NOT_COMPARED = {"_name_or_path", "transformers_version"}
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama_rope_llama3", "llama_rope_yarn",
                                   "llama_tied"])
-def test_a_plain_config_carries_what_its_transformers_class_does(arch, tmp_path):
+def test_a_plain_config_carries_what_its_transformers_class_does(arch, tmp_path, cache_dir):
     """A cached config of a plain type comes back without its transformers class (whose import costs seconds
     on a slow machine) with the same attributes, and the class still adds nothing the models would miss: no
     attribute aliases, no properties, no methods beyond construction and validation."""
@@ -284,16 +330,19 @@ def test_a_plain_config_carries_what_its_transformers_class_does(arch, tmp_path)
     strip = lambda c: {k: v for k, v in vars(c).items() if k not in _NOT_COMPARED}  # noqa: E731
     assert strip(plain) == strip(config)
     # and the transformers-free PlainConfig a cached start reads (config-attributes.json, saved at the first load)
-    gguf_cache._store_plain(tmp_path, config)
-    light = gguf_cache._read_plain(tmp_path)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"m")
+    gguf_cache._store_plain(gguf, config)
+    entry = gguf_cache.entry_dir(gguf)
+    light = gguf_cache._read_plain(entry)
     assert isinstance(light, gguf_cache.PlainConfig) and light.model_type == config.model_type
     assert vars(light) == vars(config) and light.to_dict() == config.to_dict()
     assert light.get_text_config() is light and strip(light.as_transformers()) == strip(config)
     # attributes another transformers version wrote are not trusted: the config goes through transformers again
-    record = json.loads((tmp_path / "config-attributes.json").read_text())
+    record = json.loads((entry / "config-attributes.json").read_text())
     record["transformers"] = "0.0.1"
-    (tmp_path / "config-attributes.json").write_text(json.dumps(record))
-    assert gguf_cache._read_plain(tmp_path) is None
+    (entry / "config-attributes.json").write_text(json.dumps(record))
+    assert gguf_cache._read_plain(entry) is None
     cls = type(config)
     assert not cls.attribute_map
     assert not [k for k, v in vars(cls).items() if isinstance(v, property)]

@@ -10,6 +10,11 @@ Keyed by the file's resolved path, size and modification time, under
 ``$TOKENMILL_CACHE_DIR/gguf`` (default ``~/.cache/tokenmill/gguf``). Entries are written to a
 temporary directory and renamed into place, so a reader never sees half an entry; a directory that
 cannot be written only costs the speed-up (logged once).
+
+Each entry records its file (``source.json``: resolved path, size, modification time). When a new entry is
+made, the entries whose file is gone or has changed since are removed, as are entries without the record
+(written by an older tokenmill): a file moved, replaced or reinstalled (a new virtual environment holding the
+embedded model) would otherwise leave a copy of its repacked tiles behind each time, without bound.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ _TENSORS = "tensors.json"
 _CONFIG = "config"
 _TOKENIZER = "tokenizer"
 _PLAIN_ATTRIBUTES = "config-attributes.json"  # a plain config's attributes (PlainConfig)
+_SOURCE = "source.json"  # the entry's file: resolved path, size, mtime (what the key hashes)
+_NEW_PREFIX = ".new-"  # an entry being made (cache_root/.new-*), renamed into place with its source.json
 
 
 def cache_root() -> Path:
@@ -48,11 +55,109 @@ def cache_root() -> Path:
     return envs.cache_dir() / "gguf"
 
 
-def entry_dir(path: Path) -> Path:
-    """The cache entry of one GGUF file version (path, size and mtime in the key)."""
+def _source_record(path: Path) -> dict:
     stat = path.stat()
-    key = f"{CACHE_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def entry_dir(path: Path) -> Path:
+    """The cache entry of one GGUF file version (path, size and mtime in the key). Only names it: see
+    ``claimed_entry`` for the directory a writer uses."""
+    record = _source_record(path)
+    key = f"{CACHE_VERSION}|{record['path']}|{record['size']}|{record['mtime_ns']}"
     return cache_root() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def claimed_entry(path: Path) -> Path:
+    """``entry_dir(path)``, made if absent: created whole with its ``source.json`` (a temporary directory renamed
+    into place, so no entry is ever seen without its record), then the stale entries pruned (``prune_stale``).
+    An entry of an older tokenmill that is still in use gets its record here.
+
+    Raises:
+        OSError: the cache directory cannot be written (callers log it and go on without the cache).
+    """
+    entry = entry_dir(path)
+    if (entry / _SOURCE).is_file():
+        return entry
+    text = json.dumps(_source_record(path))
+    if entry.is_dir():  # an older tokenmill's entry, still in use: record its file
+        tmp = Path(tempfile.mkdtemp(dir=entry, prefix=".tmp-"))
+        try:
+            (tmp / _SOURCE).write_text(text)
+            os.replace(tmp / _SOURCE, entry / _SOURCE)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return entry
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=_NEW_PREFIX))
+    try:
+        (tmp / _SOURCE).write_text(text)
+        try:
+            os.rename(tmp, entry)
+        except OSError:  # another process made it first
+            if not entry.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    prune_stale(keep=entry)
+    return entry
+
+
+def tile_directory(path: Path) -> Path:
+    """Where the tile cache of GGUF file ``path`` lives: its claimed entry (``entry_dir(path)`` when the cache
+    cannot be written; the tile cache then logs that and repacks in memory)."""
+    try:
+        return claimed_entry(path)
+    except OSError:
+        return entry_dir(path)
+
+
+def prune_stale(keep: Path | None = None) -> list[Path]:
+    """Remove the cache entries whose GGUF file is gone or has changed (size or modification time) since the entry
+    was made, entries without a ``source.json`` (an older tokenmill's), and ``.new-*`` directories of makers that
+    died over an hour ago. A process still serving from a removed entry keeps its mapped tiles (Linux frees them
+    at the last unmap). Returns the directories removed."""
+    import time
+
+    removed = []
+    try:
+        children = list(cache_root().iterdir())
+    except OSError:
+        return removed
+    for child in children:
+        if child == keep or not child.is_dir():
+            continue
+        try:
+            if child.name.startswith(_NEW_PREFIX):
+                stale = time.time() - child.stat().st_mtime > 3600
+            elif child.name.startswith("."):
+                continue
+            else:
+                stale = _stale(child)
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    if removed:
+        logger.info("GGUF cache: removed %d entr%s of files gone or changed: %s", len(removed),
+                    "y" if len(removed) == 1 else "ies", ", ".join(p.name for p in removed))
+    return removed
+
+
+def _stale(entry: Path) -> bool:
+    try:
+        record = json.loads((entry / _SOURCE).read_text())
+        source = Path(record["path"])
+    except FileNotFoundError:
+        return True  # an older tokenmill's entry
+    except (ValueError, KeyError, TypeError):
+        return True
+    try:
+        stat = source.stat()
+    except FileNotFoundError:
+        return True
+    return (stat.st_size, stat.st_mtime_ns) != (record.get("size"), record.get("mtime_ns"))
 
 
 def cached_weights(path: Path, produce: Callable[[], Iterator[tuple[str, torch.Tensor]]],
@@ -70,7 +175,7 @@ def cached_weights(path: Path, produce: Callable[[], Iterator[tuple[str, torch.T
     for name, tensor in produce():
         tensors[name] = tensor
         yield name, tensor
-    _store(entry, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / file)), file)
+    _store(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / file)), file)
 
 
 def cached_tensor_index(path: Path, produce: Callable[[], list]) -> list:
@@ -88,7 +193,7 @@ def cached_tensor_index(path: Path, produce: Callable[[], list]) -> list:
             _discard(saved, exc)
     index = produce()
     text = json.dumps([dataclasses.asdict(info) for info in index])
-    _store(entry_dir(path), lambda tmp: (tmp / _TENSORS).write_text(text), _TENSORS)
+    _store(path, lambda tmp: (tmp / _TENSORS).write_text(text), _TENSORS)
     return index
 
 
@@ -225,11 +330,12 @@ def _installed_transformers() -> str | None:
     return None
 
 
-def _store_plain(entry: Path, config) -> None:
-    """Save ``config`` (of a plain type) as ``config-attributes.json``, if its attributes survive JSON."""
+def _store_plain(path: Path, config) -> None:
+    """Save ``config`` (of a plain type) as ``config-attributes.json`` in GGUF file ``path``'s entry, if its
+    attributes survive JSON."""
     record = _plain_attributes(config)
     if record is not None:
-        _store(entry, lambda tmp: (tmp / _PLAIN_ATTRIBUTES).write_text(json.dumps(record)), _PLAIN_ATTRIBUTES)
+        _store(path, lambda tmp: (tmp / _PLAIN_ATTRIBUTES).write_text(json.dumps(record)), _PLAIN_ATTRIBUTES)
 
 
 @functools.cache
@@ -262,7 +368,7 @@ def cached_config(path: Path, produce: Callable[[], object]):
                 return plain
             if fields.get("model_type") in PLAIN_CONFIG_TYPES:
                 config = plain_config(fields)
-                _store_plain(entry, config)
+                _store_plain(path, config)
                 return config
             from transformers import AutoConfig
 
@@ -271,9 +377,9 @@ def cached_config(path: Path, produce: Callable[[], object]):
             _discard(entry / _PLAIN_ATTRIBUTES, exc)
             _discard(saved, exc)
     config = produce()
-    _store(entry, lambda tmp: config.save_pretrained(str(tmp / _CONFIG)), _CONFIG)
+    _store(path, lambda tmp: config.save_pretrained(str(tmp / _CONFIG)), _CONFIG)
     if getattr(config, "model_type", None) in PLAIN_CONFIG_TYPES:
-        _store_plain(entry, config)
+        _store_plain(path, config)
     return config
 
 
@@ -288,7 +394,7 @@ def cached_tokenizer(path: Path, produce: Callable[[], object]):
         except (ValueError, KeyError, TypeError, OSError) as exc:
             _discard(saved, exc)
     tokenizer = produce()
-    _store(entry_dir(path), lambda tmp: tokenizer.save_pretrained(str(tmp / _TOKENIZER)), _TOKENIZER)
+    _store(path, lambda tmp: tokenizer.save_pretrained(str(tmp / _TOKENIZER)), _TOKENIZER)
     try:  # the first load serves what every later one does
         light = open_light_tokenizer(saved)
     except (ValueError, OSError) as exc:
@@ -332,10 +438,12 @@ def _discard(saved: Path, exc: BaseException) -> None:
         saved.unlink(missing_ok=True)
 
 
-def _store(entry: Path, write: Callable[[Path], object], name: str) -> None:
-    """Write ``name`` into ``entry`` through a temporary directory and an atomic rename."""
+def _store(path: Path, write: Callable[[Path], object], name: str) -> None:
+    """Write ``name`` into the entry of GGUF file ``path`` (``claimed_entry``) through a temporary directory and an
+    atomic rename."""
+    entry = entry_dir(path)
     try:
-        entry.mkdir(parents=True, exist_ok=True)
+        entry = claimed_entry(path)
         tmp = Path(tempfile.mkdtemp(dir=entry, prefix=".tmp-"))
         try:
             write(tmp)

@@ -289,7 +289,7 @@ def _load_gguf(path: Path, dtype: str, device: torch.device, quantization: str |
             else:
                 weights = itertools.chain(blocks, dense())
             # the tiled layout of the blocks: repacked on the first load, then mapped from the cache entry
-            with tile_cache.active(gguf_cache.entry_dir(path), tiled_formats()):
+            with tile_cache.active(gguf_cache.tile_directory(path), tiled_formats()):
                 model.load_weights(weights)
         else:
             model.load_weights(gguf_cache.cached_weights(
