@@ -14,11 +14,13 @@ typedef struct {
     float* t;     /* [M, G]: dx * (sum of q over the group) */
     int32_t* i;   /* [M, G]: sum of q over the group (the tiled kernels' integer offset term) */
     int32_t* h;   /* [M, 2G]: sum of q per half group (the Q2_K/Q3_K/Q6_K tiles: a scale per half) */
+    uint8_t* xb;  /* [M, K / 4, 32] or NULL: each 4 codes of q repeated 8 times (32 bytes), so a tile product
+                     reads them ready to multiply a chunk's 8 rows (qg_tiles_kq.h: act_expand) */
     int64_t K, G;
 } act_q;
 
 static void act_free(act_q* a) {
-    free(a->q); free(a->d); free(a->s); free(a->t); free(a->i); free(a->h);
+    free(a->q); free(a->d); free(a->s); free(a->t); free(a->i); free(a->h); free(a->xb);
 }
 
 /* a's arrays for M rows of K weights (K a whole number of groups). Returns 0, or -1 (nothing left allocated)
@@ -32,6 +34,7 @@ static int act_alloc(act_q* a, int64_t M, int64_t K) {
     a->t = (float*)malloc(sizeof(float) * (size_t)(M * a->G));
     a->i = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * a->G));
     a->h = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * a->G * 2));
+    a->xb = NULL;
     if (!a->q || !a->d || !a->s || !a->t || !a->i || !a->h) {
         act_free(a);
         return -1;

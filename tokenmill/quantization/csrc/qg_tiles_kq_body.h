@@ -195,7 +195,8 @@ AI void KT_FINISH_FN(int fmt, const act_q* a, int64_t idx, kt_vi s0, kt_vi s1, k
     }
 }
 
-AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, int R, kt_vf* acc, int pf) {
+/* xb (a constant at each call): the activation codes come expanded (act_q.xb, AVX2 only), not broadcast. */
+AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, int R, kt_vf* acc, int pf, int xb) {
     const int gpb = kt_groups(fmt);
     const int64_t tbb = TP * qg_block_bytes(fmt), gb = tbb / gpb;
     const int h0 = hs == 2 ? 0 : hs, h1 = hs == 2 ? 1 : hs; /* the halves this call computes */
@@ -380,10 +381,12 @@ AI void KT_FN(int fmt, const uint8_t* tile, int hs, const act_q* a, int64_t m0, 
                     s0 = KT_ADD32(q0, q1);
                     s1 = KT_ADD32(t0, t1);
     #else
+                    /* the codes already repeated across a vector (act_expand), or broadcast here */
+                    const uint8_t* xbr = xb ? a->xb + ((m0 + r) * (a->K / 4) + g * 8) * 32 : NULL;
                     for (int k0 = 0; k0 < 8; k0 += run) {
                         kt_vi s16 = KT_ZERO();
                         for (int k = k0; k < k0 + run; k++) {
-                            kt_vi x = KT_SET32(load_i32(xq + 4 * k));
+                            kt_vi x = xb ? KT_LOAD(xbr + 32 * k) : KT_SET32(load_i32(xq + 4 * k));
                             if (iq4_signed) x = KT_SIGN(x, q[k]);
                             s16 = KT_ADD16(s16, KT_MADDUBS(u[k], x));
                         }

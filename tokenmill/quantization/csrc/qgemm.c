@@ -175,6 +175,7 @@ int qg_linear(int qtype, const uint8_t* w, int64_t N, int64_t K, const void* x, 
     if (act_alloc(&a, M, K)) return -1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && M * K >= 32768)
     for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, &a);
+    if (kbase && kt_expands(kbase, M, K)) act_expand(&a, M, num_threads); /* else (or failed) the tiles broadcast */
     const int fmt = base ? base : kbase ? kbase : qtype;
     const int64_t rb = row_bytes(fmt, K);
     void (*task)(const uint8_t*, int64_t, const act_q*, int64_t, int64_t, int64_t, void*, int, int64_t) =
