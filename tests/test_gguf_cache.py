@@ -59,7 +59,7 @@ def test_entries_of_files_gone_changed_or_unrecorded_are_pruned_when_a_new_entry
     """A file moved, replaced or reinstalled leaves its entry behind; the next new entry removes it. Entries of
     files still there, unchanged, stay; so does a maker's fresh ``.new-*`` directory."""
     def index_of(path):  # a real cache write: the tensor index
-        return gguf_cache.cached_tensor_index(path, lambda: [])
+        return gguf_cache.cached_tensor_index(path, list)
 
     files = {name: tmp_path / f"{name}.gguf" for name in ("kept", "removed", "changed")}
     for name, path in files.items():
@@ -91,13 +91,13 @@ def test_entries_of_files_gone_changed_or_unrecorded_are_pruned_when_a_new_entry
 def test_an_older_entry_still_in_use_gets_its_record_and_is_kept(cache_dir, tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"m")
-    gguf_cache.cached_tensor_index(gguf, lambda: [])
+    gguf_cache.cached_tensor_index(gguf, list)
     entry = gguf_cache.entry_dir(gguf)
     (entry / "source.json").unlink()  # as an older tokenmill wrote it
     assert gguf_cache.tile_directory(gguf) == entry  # the loader's cached load claims it
     other = tmp_path / "other.gguf"
     other.write_bytes(b"other")
-    gguf_cache.cached_tensor_index(other, lambda: [])
+    gguf_cache.cached_tensor_index(other, list)
     assert (entry / "source.json").is_file() and (entry / "tensors.json").is_file()
 
 

@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,12 +82,7 @@ def claimed_entry(path: Path) -> Path:
         return entry
     text = json.dumps(_source_record(path))
     if entry.is_dir():  # an older tokenmill's entry, still in use: record its file
-        tmp = Path(tempfile.mkdtemp(dir=entry, prefix=".tmp-"))
-        try:
-            (tmp / _SOURCE).write_text(text)
-            os.replace(tmp / _SOURCE, entry / _SOURCE)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        _write_into(entry, lambda tmp: (tmp / _SOURCE).write_text(text), _SOURCE)
         return entry
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=_NEW_PREFIX))
@@ -117,8 +113,6 @@ def prune_stale(keep: Path | None = None) -> list[Path]:
     was made, entries without a ``source.json`` (an older tokenmill's), and ``.new-*`` directories of makers that
     died over an hour ago. A process still serving from a removed entry keeps its mapped tiles (Linux frees them
     at the last unmap). Returns the directories removed."""
-    import time
-
     removed = []
     try:
         children = list(cache_root().iterdir())
@@ -149,9 +143,7 @@ def _stale(entry: Path) -> bool:
     try:
         record = json.loads((entry / _SOURCE).read_text())
         source = Path(record["path"])
-    except FileNotFoundError:
-        return True  # an older tokenmill's entry
-    except (ValueError, KeyError, TypeError):
+    except (FileNotFoundError, ValueError, KeyError, TypeError):  # no record (an older tokenmill's), or a damaged one
         return True
     try:
         stat = source.stat()
@@ -441,14 +433,22 @@ def _discard(saved: Path, exc: BaseException) -> None:
 def _store(path: Path, write: Callable[[Path], object], name: str) -> None:
     """Write ``name`` into the entry of GGUF file ``path`` (``claimed_entry``) through a temporary directory and an
     atomic rename."""
-    entry = entry_dir(path)
     try:
-        entry = claimed_entry(path)
-        tmp = Path(tempfile.mkdtemp(dir=entry, prefix=".tmp-"))
-        try:
-            write(tmp)
-            os.replace(tmp / name, entry / name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        _write_into(claimed_entry(path), write, name)
     except OSError as exc:
-        logger.warning("GGUF cache: could not write %s (%s); the next load parses the file again", entry / name, exc)
+        logger.warning("GGUF cache: could not write %s (%s); the next load parses the file again", name, exc)
+
+
+def _write_into(entry: Path, write: Callable[[Path], object], name: str) -> None:
+    """``write(tmp)`` makes ``tmp / name`` in a temporary directory inside ``entry``; it is then renamed to
+    ``entry / name`` (atomic: a reader sees the old item or the whole new one).
+
+    Raises:
+        OSError: the directory or the item cannot be written.
+    """
+    tmp = Path(tempfile.mkdtemp(dir=entry, prefix=".tmp-"))
+    try:
+        write(tmp)
+        os.replace(tmp / name, entry / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -68,9 +68,9 @@
 
 /* The AVX2 multi-row products of the formats below read each 4 activation codes already repeated across a
  * vector (act_q.xb) instead of broadcasting them per row, chunk and half: the broadcasts were a fifth of the
- * vector operations of an 8-row pass. 2048 x 2048 (and x 8192), one thread of the Zen 1 EPYC, G multiply-adds a
- * second, broadcast -> expanded: Q4_K 24.8 -> 27.3-27.9 at 8 and 32 rows (22.4-23.5 -> 25.3-26.6 at K 8192, 64
- * rows 23.6 -> 26.0-26.9), Q5_K 23.2 -> 24.7, Q3_K 20.8 -> 21.9, Q2_K 21.0 -> 22.5; Q6_K was 6% slower and Q5_0
+ * vector operations of an 8-row pass. N = 2048, one thread of the Zen 1 EPYC, G multiply-adds a second, broadcast
+ * -> expanded (benchmarks/RESULTS.md): Q4_K 24.7 -> 27.1-27.6 at 32 rows and K 2048, 24.0 -> 26.5-27.0 at 8 rows
+ * and K 8192; Q5_K 23.2 -> 24.3-24.7, Q2_K 20.8 -> 21.8-22.0, Q3_K 21.8 -> 21.5-22.6; Q6_K was 6% slower and Q5_0
  * 2% faster (both keep the broadcasts), one and two rows take other loops. The same codes, so the same bits.
  * From KT_XB_MIN_ROWS rows while the expanded codes (8 bytes per activation) stay within KT_XB_MAX_BYTES: a
  * tile re-reads them all. */
@@ -451,6 +451,7 @@ AI void kt_tile_rows(int fmt, const uint8_t* tile, const act_q* a, int64_t m0, i
         return;
     }
     for (int h = 0; h < 2; h++) {
+        /* kt_xb_format folds at compile time: only those formats get a second, expanded-codes copy */
         if (kt_xb_format(fmt) && a->xb) kt_tile_avx2(fmt, tile, h, a, m0, R, acc, pf && h == 0, 1);
         else kt_tile_avx2(fmt, tile, h, a, m0, R, acc, pf && h == 0, 0);
         for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, acc[r]);
