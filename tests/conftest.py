@@ -24,17 +24,42 @@ if "TOKENMILL_TEST_CONFIG_HOME" not in os.environ:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2():
+def hf_smollm2(tmp_path_factory):
     """transformers' float32 SmolLM2, read by transformers itself from the embedded GGUF (the reference
-    of the equality tests). Parsing the GGUF takes transformers 20-40 s, so it is done once per session;
-    tests must not modify it."""
+    of the equality tests); tests must not modify it. Parsing the GGUF takes transformers 15-40 s, so the first
+    pytest-xdist worker of a run to need it saves what it built (config and float32 weights, safetensors) in the
+    run's shared temporary directory and the other workers load that (about 2 s): the same bits."""
+    import fcntl
+
     import torch
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from tokenmill.models.default_model import default_model_path
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, shared by the workers of this run (each has pytest-N/popen-gwK/)
+    share = root / "hf_smollm2"
+    share.mkdir(exist_ok=True)
+    weights = share / "model.safetensors"
+    with open(share / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait while the first one parses the GGUF
+        if weights.exists():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(share)), dtype=torch.float32)
+            missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
+            assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+            model.tie_weights()
+            return model.eval()
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        state = model.state_dict()
+        tied = state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+        save_file({k: v.contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")},
+                  share / "model.tmp")
+        model.config.to_json_file(share / "config.json")
+        (share / "model.tmp").rename(weights)
+        return model
 
 
 def pytest_report_header(config) -> list[str]:
