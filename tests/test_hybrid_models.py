@@ -22,8 +22,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig
 
 from tests.scheduler_helpers import make_request, runner_output, step
+from tests.test_cpu_isa_paths import build_for_isa
 from tests.tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, smollm2_tokenizer
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, csrc_build
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.kv_cache_manager import KVCacheManager
 from tokenmill.kv_cache.state_slots import StateCheckpoints, StateSlotAllocator, state_pool_sizes
@@ -136,7 +137,12 @@ def test_chunked_delta_rule_equals_token_recurrence_float64(length, chunk_size, 
     torch.testing.assert_close(st[0], rs1, atol=1e-12, rtol=0)
 
 
-def test_invariant_kernel_is_the_recurrence_and_independent_of_batching_and_splits():
+@pytest.mark.parametrize("isa", csrc_build.ISAS)
+def test_invariant_kernel_is_the_recurrence_and_independent_of_batching_and_splits(isa, monkeypatch):
+    """On every ISA path this CPU runs: gated_delta.c has no intrinsics, so its paths are the compiler's own
+    vectorisation of the same code (the portable build is SSE2 on x86)."""
+    lib = build_for_isa(invariant_ops.library.load, isa)
+    monkeypatch.setattr(invariant_ops.library, "built", lambda: lib)  # the ops' calls take this build
     gen = torch.Generator().manual_seed(3)
     length, heads, dk, dv = 40, 4, 16, 8
     q = torch.nn.functional.normalize(torch.randn(2 * length, heads, dk, generator=gen), dim=-1)

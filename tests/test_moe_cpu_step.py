@@ -12,6 +12,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tests.gguf_quantizers import quantize
+from tests.test_cpu_isa_paths import build_for_isa
+from tokenmill import csrc_build
 from tokenmill.moe import cpu_experts
 from tokenmill.moe.experts import ExpertMLP, grouped_expert_step, reference_expert_step
 from tokenmill.quantization.formats import QuantizedTensor
@@ -77,6 +79,22 @@ def test_fused_step_gives_the_grouped_steps_bits(fmt, dtype, case):
         got = fused(x, weights, ids, expert_parallel=parallel)
         assert got is not None and got.dtype == dtype
         assert torch.equal(got, want), (fmt, case, parallel, (got.float() - want.float()).abs().max())
+
+
+@pytest.mark.parametrize("isa", csrc_build.ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_every_isa_build_of_the_fused_step_gives_the_grouped_steps_bits(isa, dtype, monkeypatch):
+    """moe_step.c has no intrinsics (the products and SiLU it calls carry the ISA path), but each path's build is
+    its own compilation: each one this CPU runs gives the grouped steps' bits."""
+    lib = build_for_isa(cpu_experts.library.load, isa)
+    monkeypatch.setattr(cpu_experts.library, "built", lambda: lib)  # FusedExperts.describe takes this build
+    for fmt in sorted(FORMATS):
+        experts = make_experts(FORMATS[fmt], dtype)
+        fused = cpu_experts.FusedExperts.describe(experts, dtype)
+        assert not isinstance(fused, str), fused
+        weights, ids = routing("random")
+        x = (torch.randn(ids.shape[0], HIDDEN, generator=torch.Generator().manual_seed(2)) * 0.5).to(dtype)
+        assert torch.equal(fused(x, weights, ids), grouped_expert_step(x, weights, ids, experts)), (isa, fmt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
