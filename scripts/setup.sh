@@ -22,4 +22,5 @@ fi
 # Bytecode for tokenmill's own modules (the editable install has none until an import writes it, and
 # PYTHONDONTWRITEBYTECODE=1 stops imports from writing it: then every process compiles ~240 modules again,
 # about 0.3 s of each start). Takes about 0.5 s the first time, then only changed files are compiled.
-.venv/bin/python -m compileall -q tokenmill >/dev/null
+.venv/bin/python -m compileall -q tokenmill >/dev/null \
+  || echo "note: could not write tokenmill's bytecode (a read-only checkout?); each start compiles it" >&2

@@ -94,7 +94,10 @@ def test_every_isa_build_of_the_fused_step_gives_the_grouped_steps_bits(isa, dty
         assert not isinstance(fused, str), fused
         weights, ids = routing("random")
         x = (torch.randn(ids.shape[0], HIDDEN, generator=torch.Generator().manual_seed(2)) * 0.5).to(dtype)
-        assert torch.equal(fused(x, weights, ids), grouped_expert_step(x, weights, ids, experts)), (isa, fmt)
+        want = grouped_expert_step(x, weights, ids, experts)
+        for parallel in (True, False):  # experts over threads, products over threads
+            got = fused(x, weights, ids, expert_parallel=parallel)
+            assert got is not None and torch.equal(got, want), (isa, fmt, parallel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
