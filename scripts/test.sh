@@ -4,8 +4,8 @@
 # detokenizer; no model weights; about 30 seconds.
 # With no args the suite runs as one pytest-xdist worker per core (at most 4), one test file per worker at
 # a time (--dist loadfile, so module fixtures such as servers start once), then SERIAL_TESTS alone: most
-# files leave a core idle (one-thread work, process start-up, HTTP waits), so this takes about 15 minutes
-# on a quiet 2-core machine (2026-12-07: 14.2 min, then 1.4 min for SERIAL_TESTS) instead of about 29.
+# files leave a core idle (one-thread work, process start-up, HTTP waits), so this takes about 15-20 minutes
+# on a quiet 2-core machine (2026-12-07: 14.2-19.5 min, then 1.3-1.7 min for SERIAL_TESTS) instead of about 29.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK_TESTS=(

@@ -38,10 +38,9 @@ def hf_smollm2(tmp_path_factory):
     from tokenmill.models.default_model import default_model_path
 
     path = default_model_path()
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # pytest-N/, shared by the workers of this run (each has pytest-N/popen-gwK/)
-    share = root / "hf_smollm2"
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: nobody to share it with
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    share = tmp_path_factory.getbasetemp().parent / "hf_smollm2"  # pytest-N/, beside each worker's popen-gwK/
     share.mkdir(exist_ok=True)
     weights = share / "model.safetensors"
     with open(share / "lock", "w") as lock:
@@ -53,8 +52,6 @@ def hf_smollm2(tmp_path_factory):
             model.tie_weights()
             return model.eval()
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-        if not os.environ.get("PYTEST_XDIST_WORKER"):
-            return model  # one process: nobody to share it with
         state = model.state_dict()
         tied = state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
         save_file({k: v.contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")},
